@@ -1,0 +1,286 @@
+"""Completion channels and completion queues; completions are polled into numpy arrays."""
+cimport cython
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
+from libc.errno cimport errno, EINTR
+from posix.unistd cimport usleep
+from pyrdma._verbs.libibverbs cimport *
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, monotonic_now
+from pyrdma._verbs.device cimport Context
+import numpy as np
+
+from pyrdma.errors import CompletionError, RDMATimeoutError, UsageError
+
+cdef extern from "<poll.h>" nogil:
+    cdef struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum: POLLIN
+
+WC_DTYPE = np.dtype([("wr_id", "<u8"), ("status", "<u4"), ("opcode", "<u4"), ("vendor_err", "<u4"),
+                     ("byte_len", "<u4"), ("imm_data", "<u4"), ("qp_num", "<u4"), ("src_qp", "<u4"),
+                     ("wc_flags", "<u4"), ("pkey_index", "<u2"), ("slid", "<u2"), ("sl", "u1"),
+                     ("dlid_path_bits", "u1")])
+assert WC_DTYPE.itemsize == sizeof(wc_record)
+
+
+# Completion statuses and opcodes, as in verbs.h
+WC_SUCCESS, WC_LOC_LEN_ERR, WC_LOC_QP_OP_ERR, WC_LOC_PROT_ERR = (IBV_WC_SUCCESS, IBV_WC_LOC_LEN_ERR,
+                                                                 IBV_WC_LOC_QP_OP_ERR, IBV_WC_LOC_PROT_ERR)
+WC_WR_FLUSH_ERR, WC_BAD_RESP_ERR, WC_LOC_ACCESS_ERR = IBV_WC_WR_FLUSH_ERR, IBV_WC_BAD_RESP_ERR, IBV_WC_LOC_ACCESS_ERR
+WC_REM_INV_REQ_ERR, WC_REM_ACCESS_ERR, WC_REM_OP_ERR = IBV_WC_REM_INV_REQ_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_REM_OP_ERR
+WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR, WC_GENERAL_ERR = IBV_WC_RETRY_EXC_ERR, IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_GENERAL_ERR
+WC_SEND, WC_RDMA_WRITE, WC_RDMA_READ, WC_COMP_SWAP, WC_FETCH_ADD = (IBV_WC_SEND, IBV_WC_RDMA_WRITE, IBV_WC_RDMA_READ,
+                                                                   IBV_WC_COMP_SWAP, IBV_WC_FETCH_ADD)
+WC_RECV, WC_RECV_RDMA_WITH_IMM = IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM
+WC_GRH, WC_WITH_IMM = IBV_WC_GRH, IBV_WC_WITH_IMM
+
+_OPCODE_NAMES = {IBV_WC_SEND: "SEND", IBV_WC_RDMA_WRITE: "RDMA_WRITE", IBV_WC_RDMA_READ: "RDMA_READ",
+                 IBV_WC_COMP_SWAP: "COMP_SWAP", IBV_WC_FETCH_ADD: "FETCH_ADD", IBV_WC_BIND_MW: "BIND_MW",
+                 IBV_WC_RECV: "RECV", IBV_WC_RECV_RDMA_WITH_IMM: "RECV_RDMA_WITH_IMM"}
+
+
+def wc_status_str(int status):
+    """Readable name of a completion status, e.g. 'remote access error'."""
+    return ibv_wc_status_str(status).decode()
+
+
+def wc_status_name(int status):
+    """Symbolic name of a completion status, e.g. 'REM_ACCESS_ERR'."""
+    for name, value in globals().items():
+        if name.startswith("WC_") and name.endswith(("_ERR", "SUCCESS")) and value == status:
+            return name[3:]
+    return f"STATUS_{status}"
+
+
+def wc_opcode_name(int opcode):
+    return _OPCODE_NAMES.get(opcode, f"OPCODE_{opcode}")
+
+
+def check_wcs(wcs):
+    """Raise CompletionError for the first completion in ``wcs`` whose status is not SUCCESS."""
+    bad = np.flatnonzero(wcs["status"] != IBV_WC_SUCCESS)
+    if bad.size:
+        wc = wcs[bad[0]]
+        status = int(wc["status"])
+        raise CompletionError(status, wc_status_name(status), wr_id=int(wc["wr_id"]),
+                              opcode=wc_opcode_name(int(wc["opcode"])), qp_num=int(wc["qp_num"]),
+                              message=(f"completion of wr_id={int(wc['wr_id'])} on QP {int(wc['qp_num'])} "
+                                       f"failed: {wc_status_name(status)} ({wc_status_str(status)})"))
+
+
+cdef class CompChannel(VerbsObject):
+    """A completion event channel; its fd works with select/poll/asyncio."""
+
+    def __init__(self, Context context not None):
+        context._check_open()
+        self.channel = ibv_create_comp_channel(context.ctx)
+        if self.channel == NULL:
+            raise_errno("ibv_create_comp_channel", errno, repr(context))
+        self.context = context
+        context._add_child(self)
+
+    def fileno(self):
+        self._check_open()
+        return self.channel.fd
+
+    def __dealloc__(self):
+        if self.channel != NULL:
+            ibv_destroy_comp_channel(self.channel)
+
+    cdef int _destroy(self) except -1:
+        cdef int rc
+        if self.channel != NULL:
+            rc = ibv_destroy_comp_channel(self.channel)
+            self.channel = NULL
+            if rc:
+                raise_errno("ibv_destroy_comp_channel", rc, repr(self))
+        return 0
+
+    def __repr__(self):
+        return f"<CompChannel on {self.context.name}{' closed' if self._closed else ''}>"
+
+
+cdef class CompletionQueue(VerbsObject):
+    """A completion queue. Completions are polled into WC_DTYPE numpy arrays, never one object each."""
+
+    def __init__(self, Context context not None, int cqe=256, CompChannel channel=None, int comp_vector=0):
+        context._check_open()
+        if cqe < 1:
+            raise UsageError(f"cqe must be >= 1, got {cqe}")
+        max_cqe = context.query_device().max_cqe
+        if cqe > max_cqe:
+            raise UsageError(f"cqe={cqe} exceeds the device limit max_cqe={max_cqe}", obj=repr(context))
+        if channel is not None:
+            channel._check_open()
+        self.cq = ibv_create_cq(context.ctx, cqe, NULL,
+                                channel.channel if channel is not None else NULL, comp_vector)
+        if self.cq == NULL:
+            raise_errno("ibv_create_cq", errno, repr(context))
+        self.context = context
+        self.channel = channel
+        self.cqe = self.cq.cqe
+        context._add_child(self)
+        if channel is not None:
+            channel._add_child(self)
+
+    def __dealloc__(self):
+        if self.cq != NULL:
+            ibv_destroy_cq(self.cq)
+
+    cdef int _destroy(self) except -1:
+        cdef int rc
+        if self.cq != NULL:
+            rc = ibv_destroy_cq(self.cq)
+            self.cq = NULL
+            if rc:
+                raise_errno("ibv_destroy_cq", rc, repr(self))
+        return 0
+
+    def __repr__(self):
+        return f"<CompletionQueue cqe={self.cqe}{' closed' if self._closed else ''}>"
+
+    def req_notify(self, bint solicited_only=False):
+        """Arm the CQ: the next (solicited) completion raises an event on the channel."""
+        self._check_open()
+        rc = ibv_req_notify_cq(self.cq, solicited_only)
+        if rc:
+            raise_errno("ibv_req_notify_cq", rc, repr(self))
+
+    def wait(self, timeout=None):
+        """Block (GIL released) until the channel delivers an event for this CQ; acks it.
+        Returns False when ``timeout`` seconds pass first. Call req_notify() before, and poll after."""
+        cdef pollfd pfd
+        cdef int rc, ms
+        cdef ibv_cq *ev_cq
+        cdef void *ev_ctx
+        cdef double deadline
+        self._check_open()
+        if self.channel is None:
+            raise UsageError("wait() needs a CQ created with a CompChannel", obj=repr(self))
+        deadline = -1.0 if timeout is None else monotonic_now() + timeout
+        pfd.fd = self.channel.channel.fd
+        pfd.events = POLLIN
+        while True:
+            if deadline < 0:
+                ms = -1
+            else:
+                ms = <int>max(0.0, (deadline - monotonic_now()) * 1000.0)
+            with nogil:
+                rc = poll(&pfd, 1, ms)
+            if rc < 0:
+                if errno == EINTR:
+                    continue
+                raise_errno("poll", errno, repr(self.channel))
+            if rc == 0:
+                return False
+            with nogil:
+                rc = ibv_get_cq_event(self.channel.channel, &ev_cq, &ev_ctx)
+            if rc:
+                raise_errno("ibv_get_cq_event", errno, repr(self.channel))
+            ibv_ack_cq_events(ev_cq, 1)
+            if ev_cq == self.cq:
+                return True
+
+    cdef int poll_c(self, wc_record *out, int n) noexcept nogil:
+        # Poll straight into the caller's records, in chunks through a stack array of ibv_wc.
+        cdef ibv_wc wc[32]
+        cdef int got, i, total = 0, want
+        while total < n:
+            want = n - total
+            if want > 32:
+                want = 32
+            got = ibv_poll_cq(self.cq, want, wc)
+            if got < 0:
+                return -1 if total == 0 else total
+            for i in range(got):
+                out[total + i].wr_id = wc[i].wr_id
+                out[total + i].status = wc[i].status
+                out[total + i].opcode = wc[i].opcode
+                out[total + i].vendor_err = wc[i].vendor_err
+                out[total + i].byte_len = wc[i].byte_len
+                out[total + i].imm_data = _ntohl(wc[i].imm_data)
+                out[total + i].qp_num = wc[i].qp_num
+                out[total + i].src_qp = wc[i].src_qp
+                out[total + i].wc_flags = wc[i].wc_flags
+                out[total + i].pkey_index = wc[i].pkey_index
+                out[total + i].slid = wc[i].slid
+                out[total + i].sl = wc[i].sl
+                out[total + i].dlid_path_bits = wc[i].dlid_path_bits
+            total += got
+            if got < want:
+                break
+        return total
+
+    def poll(self, int max_entries=16):
+        """Poll up to ``max_entries`` completions into a new WC_DTYPE array (length = number polled)."""
+        wcs = np.empty(max_entries, WC_DTYPE)
+        n = self.poll_into(wcs)
+        return wcs[:n]
+
+    def poll_into(self, wcs):
+        """Poll into the preallocated WC_DTYPE array ``wcs``; returns how many entries were filled."""
+        cdef Py_buffer view
+        cdef int n
+        if self.cq == NULL:
+            self._check_open()
+        _get_wc_buffer(wcs, &view)
+        try:
+            with nogil:
+                n = self.poll_c(<wc_record *>view.buf, <int>(view.len // sizeof(wc_record)))
+        finally:
+            PyBuffer_Release(&view)
+        if n < 0:
+            raise_errno("ibv_poll_cq", errno, repr(self))
+        return n
+
+    def poll_wait(self, wcs, int min_entries=1, timeout=None):
+        """Busy-poll (GIL released) until at least ``min_entries`` completions are in ``wcs``.
+
+        Returns the number filled. When ``timeout`` seconds pass first it returns what it has, or
+        raises RDMATimeoutError if that is nothing, so no polled completion is ever lost."""
+        cdef Py_buffer view
+        cdef int n = 0, got = 0, cap, spins = 0
+        cdef double deadline
+        if self.cq == NULL:
+            self._check_open()
+        _get_wc_buffer(wcs, &view)
+        cap = <int>(view.len // sizeof(wc_record))
+        if not 1 <= min_entries <= cap:
+            PyBuffer_Release(&view)
+            raise UsageError(f"min_entries={min_entries} must be within 1..len(wcs)={cap}")
+        deadline = -1.0 if timeout is None else monotonic_now() + timeout
+        with nogil:
+            while n < min_entries:
+                got = self.poll_c((<wc_record *>view.buf) + n, cap - n)
+                if got < 0:
+                    break
+                n += got
+                if got == 0:
+                    spins += 1
+                    if deadline >= 0 and spins % 256 == 0 and monotonic_now() > deadline:
+                        break
+        PyBuffer_Release(&view)
+        if got < 0:
+            raise_errno("ibv_poll_cq", errno, repr(self))
+        if n == 0:
+            raise RDMATimeoutError(f"no completion within {timeout} s", call="ibv_poll_cq", obj=repr(self))
+        return n
+
+
+cdef inline uint32_t _ntohl(uint32_t x) noexcept nogil:
+    return ((x & 0xff) << 24) | ((x & 0xff00) << 8) | ((x >> 8) & 0xff00) | (x >> 24)
+
+
+cdef int _get_wc_buffer(object wcs, Py_buffer *view) except -1:
+    # numpy's buffer format string for packed records varies with alignment, so check the dtype.
+    dtype = getattr(wcs, "dtype", None)
+    if dtype is not WC_DTYPE and dtype != WC_DTYPE:
+        raise UsageError("wcs must be a numpy array of dtype pyrdma.WC_DTYPE "
+                         "(e.g. numpy.empty(64, pyrdma.WC_DTYPE))")
+    try:
+        PyObject_GetBuffer(wcs, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+    except (BufferError, TypeError):
+        raise UsageError("wcs must be a writable, contiguous numpy array of dtype pyrdma.WC_DTYPE") from None
+    return 0

@@ -1,0 +1,11 @@
+from pyrdma._verbs.base cimport VerbsObject
+from pyrdma._verbs.libibverbs cimport ibv_context
+
+cdef class Context(VerbsObject):
+    cdef ibv_context *ctx
+    cdef readonly str name
+    cdef object _device_attr
+    cdef dict _port_attr
+    cdef dict _best_gid
+    cdef bint _has_active_port(self)
+    cdef int _check_port(self, int port) except -1

@@ -1,0 +1,253 @@
+"""Devices: list them, open a Context, query device, port and GID table."""
+from libc.stdint cimport uint8_t, uint64_t
+from libc.string cimport memset
+from libc.errno cimport errno, ENOSYS
+from pyrdma._verbs.libibverbs cimport *
+from pyrdma._verbs.base cimport VerbsObject, raise_errno
+import ipaddress
+
+from pyrdma._verbs.base import Attributes
+from pyrdma.errors import RDMAError, UsageError
+
+MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096 = (IBV_MTU_256, IBV_MTU_512, IBV_MTU_1024,
+                                                  IBV_MTU_2048, IBV_MTU_4096)
+PORT_DOWN, PORT_INIT, PORT_ARMED, PORT_ACTIVE = IBV_PORT_DOWN, IBV_PORT_INIT, IBV_PORT_ARMED, IBV_PORT_ACTIVE
+ATOMIC_NONE, ATOMIC_HCA, ATOMIC_GLOB = IBV_ATOMIC_NONE, IBV_ATOMIC_HCA, IBV_ATOMIC_GLOB
+
+_LINK_LAYERS = {IBV_LINK_LAYER_UNSPECIFIED: "InfiniBand",  # unspecified means IB in verbs
+                IBV_LINK_LAYER_INFINIBAND: "InfiniBand",
+                IBV_LINK_LAYER_ETHERNET: "Ethernet"}
+_GID_TYPES = {IBV_GID_TYPE_IB: "IB", IBV_GID_TYPE_ROCE_V1: "RoCEv1", IBV_GID_TYPE_ROCE_V2: "RoCEv2"}
+
+
+def mtu_to_bytes(int mtu):
+    """Path-MTU enum (MTU_256..MTU_4096) to bytes."""
+    if not IBV_MTU_256 <= mtu <= IBV_MTU_4096:
+        raise UsageError(f"invalid MTU enum {mtu}; expected 1..5 (MTU_256..MTU_4096)")
+    return 128 << mtu
+
+
+def bytes_to_mtu(int nbytes):
+    """Bytes (256..4096, a power of two) to the path-MTU enum."""
+    for enum in range(IBV_MTU_256, IBV_MTU_4096 + 1):
+        if 128 << enum == nbytes:
+            return enum
+    raise UsageError(f"invalid MTU {nbytes}; expected one of 256, 512, 1024, 2048, 4096")
+
+
+class DeviceInfo:
+    """One entry of the device list (no device opened)."""
+
+    def __init__(self, name, guid, node_type, transport_type):
+        self.name, self.guid, self.node_type, self.transport_type = name, guid, node_type, transport_type
+
+    def __repr__(self):
+        return f"DeviceInfo(name={self.name!r}, guid={self.guid!r})"
+
+
+class GIDEntry:
+    """One GID table entry, with its type and, for IPv4-mapped GIDs, the IPv4 address."""
+
+    def __init__(self, index, gid, gid_type):
+        self.index, self.gid, self.gid_type = index, bytes(gid), gid_type
+        addr = ipaddress.IPv6Address(self.gid)
+        self.gid_str = addr.exploded
+        self.ipv4 = str(addr.ipv4_mapped) if addr.ipv4_mapped is not None else None
+
+    def __repr__(self):
+        extra = f", ipv4={self.ipv4!r}" if self.ipv4 else ""
+        return f"GIDEntry(index={self.index}, gid={self.gid_str!r}, type={self.gid_type!r}{extra})"
+
+
+cdef str _guid_str(uint64_t be_guid):
+    # GUIDs come in network byte order; print them as ibv_devinfo does.
+    raw = be_guid.to_bytes(8, "little")
+    h = raw.hex()
+    return ":".join(h[i:i + 4] for i in range(0, 16, 4))
+
+
+def get_device_list():
+    """List the RDMA devices libibverbs sees (possibly empty)."""
+    cdef int n = 0
+    cdef ibv_device **devs = ibv_get_device_list(&n)
+    if devs == NULL:
+        if errno == ENOSYS:   # the kernel has no RDMA support at all: no devices
+            return []
+        raise_errno("ibv_get_device_list", errno)
+    try:
+        return [DeviceInfo(devs[i].name.decode(), _guid_str(ibv_get_device_guid(devs[i])),
+                           ibv_node_type_str(devs[i].node_type).decode(), devs[i].transport_type)
+                for i in range(n)]
+    finally:
+        ibv_free_device_list(devs)
+
+
+cdef class Context(VerbsObject):
+    """An opened RDMA device. ``Context()`` opens the first device with an ACTIVE port."""
+
+    def __init__(self, name=None):
+        cdef int n = 0, i
+        cdef ibv_device **devs = ibv_get_device_list(&n)
+        cdef ibv_context *ctx
+        self._port_attr = {}
+        self._best_gid = {}
+        if devs == NULL or n == 0:
+            if devs != NULL:
+                ibv_free_device_list(devs)
+            raise RDMAError("no RDMA devices found (no RDMA hardware or driver; for Soft-RoCE: "
+                            "`modprobe rdma_rxe && rdma link add rxe0 type rxe netdev eth0`)",
+                            call="ibv_get_device_list")
+        names = [devs[i].name.decode() for i in range(n)]
+        try:
+            if name is not None:
+                if name not in names:
+                    raise RDMAError(f"no RDMA device named {name!r}; available: {', '.join(names)}",
+                                    call="ibv_open_device")
+                candidates = [names.index(name)]
+            else:
+                candidates = list(range(n))
+            for i in candidates:
+                ctx = ibv_open_device(devs[i])
+                if ctx == NULL:
+                    if name is not None:
+                        raise_errno("ibv_open_device", _errno(), names[i])
+                    continue
+                self.ctx = ctx
+                self.name = names[i]
+                self._closed = False
+                if name is not None or self._has_active_port():
+                    return
+                ibv_close_device(ctx)
+                self.ctx = NULL
+                self._closed = True
+            raise RDMAError(f"no RDMA device with an ACTIVE port; devices: {', '.join(names)}",
+                            call="ibv_open_device")
+        finally:
+            ibv_free_device_list(devs)
+
+    cdef bint _has_active_port(self):
+        cdef ibv_device_attr attr
+        cdef ibv_port_attr pattr
+        cdef int p
+        if ibv_query_device(self.ctx, &attr):
+            return False
+        for p in range(1, attr.phys_port_cnt + 1):
+            if ibv_query_port(self.ctx, p, &pattr) == 0 and pattr.state == IBV_PORT_ACTIVE:
+                return True
+        return False
+
+    def __dealloc__(self):
+        if self.ctx != NULL:
+            ibv_close_device(self.ctx)
+            self.ctx = NULL
+
+    cdef int _destroy(self) except -1:
+        cdef int rc
+        if self.ctx != NULL:
+            rc = ibv_close_device(self.ctx)
+            self.ctx = NULL
+            if rc:
+                raise_errno("ibv_close_device", _errno(), repr(self))
+        return 0
+
+    def __repr__(self):
+        return f"<Context {self.name}{' closed' if self._closed else ''}>"
+
+    def query_device(self):
+        """Device capabilities (ibv_query_device), cached."""
+        cdef ibv_device_attr a
+        self._check_open()
+        if self._device_attr is None:
+            rc = ibv_query_device(self.ctx, &a)
+            if rc:
+                raise_errno("ibv_query_device", rc, repr(self))
+            self._device_attr = Attributes(
+                "DeviceAttr", fw_ver=a.fw_ver.decode(errors="replace"), node_guid=_guid_str(a.node_guid),
+                vendor_id=a.vendor_id, vendor_part_id=a.vendor_part_id, hw_ver=a.hw_ver,
+                max_mr_size=a.max_mr_size, page_size_cap=a.page_size_cap, max_qp=a.max_qp,
+                max_qp_wr=a.max_qp_wr, device_cap_flags=a.device_cap_flags, max_sge=a.max_sge,
+                max_sge_rd=a.max_sge_rd, max_cq=a.max_cq, max_cqe=a.max_cqe, max_mr=a.max_mr,
+                max_pd=a.max_pd, max_qp_rd_atom=a.max_qp_rd_atom, max_qp_init_rd_atom=a.max_qp_init_rd_atom,
+                max_res_rd_atom=a.max_res_rd_atom, atomic_cap=a.atomic_cap, max_mw=a.max_mw,
+                max_ah=a.max_ah, max_srq=a.max_srq, max_srq_wr=a.max_srq_wr, max_srq_sge=a.max_srq_sge,
+                max_pkeys=a.max_pkeys, local_ca_ack_delay=a.local_ca_ack_delay,
+                phys_port_cnt=a.phys_port_cnt)
+        return self._device_attr
+
+    def query_port(self, int port=1):
+        """Port attributes (ibv_query_port): state, MTUs, LID, link layer, GID table length."""
+        cdef ibv_port_attr a
+        self._check_open()
+        self._check_port(port)
+        memset(&a, 0, sizeof(a))
+        rc = ibv_query_port(self.ctx, port, &a)
+        if rc:
+            raise_errno("ibv_query_port", rc, f"{self!r} port {port}")
+        return Attributes(
+            "PortAttr", port=port, state=a.state, state_name=ibv_port_state_str(a.state).decode(),
+            max_mtu=a.max_mtu, active_mtu=a.active_mtu, active_mtu_bytes=128 << a.active_mtu,
+            gid_tbl_len=a.gid_tbl_len, port_cap_flags=a.port_cap_flags, max_msg_sz=a.max_msg_sz,
+            lid=a.lid, sm_lid=a.sm_lid, lmc=a.lmc, active_width=a.active_width,
+            active_speed=a.active_speed, phys_state=a.phys_state,
+            link_layer=_LINK_LAYERS.get(a.link_layer, str(a.link_layer)))
+
+    cdef int _check_port(self, int port) except -1:
+        nports = self.query_device().phys_port_cnt
+        if not 1 <= port <= nports:
+            raise UsageError(f"port {port} out of range; {self.name} has ports 1..{nports}", obj=repr(self))
+        return 0
+
+    def query_gid(self, int port, int index):
+        """The 16-byte GID at ``index`` of ``port``'s table."""
+        cdef ibv_gid gid
+        self._check_open()
+        self._check_port(port)
+        rc = ibv_query_gid(self.ctx, port, index, &gid)
+        if rc:
+            raise_errno("ibv_query_gid", _errno() or rc, f"{self!r} port {port} index {index}")
+        return bytes(gid.raw[:16])
+
+    def gid_table(self, int port=1):
+        """The populated GID entries of ``port`` with their types (IB, RoCEv1, RoCEv2)."""
+        cdef ibv_gid_entry e
+        cdef int i, rc
+        self._check_open()
+        length = self.query_port(port).gid_tbl_len
+        entries = []
+        for i in range(length):
+            rc = ibv_query_gid_ex(self.ctx, port, i, &e, 0)
+            if rc:
+                continue   # ENODATA: empty slot
+            raw = bytes(e.gid.raw[:16])
+            if raw != bytes(16):
+                entries.append(GIDEntry(i, raw, _GID_TYPES.get(e.gid_type, str(e.gid_type))))
+        return entries
+
+    def best_gid_index(self, int port=1):
+        """The GID index to use by default: 0 on InfiniBand; on RoCE prefer RoCEv2 with an
+        IPv4-mapped address (routable, what perftest users pass with -x), then any RoCEv2, then RoCEv1."""
+        if port in self._best_gid:
+            return self._best_gid[port]
+        if self.query_port(port).link_layer != "Ethernet":
+            best = 0
+        else:
+            entries = self.gid_table(port)
+            if not entries:
+                raise RDMAError(f"port {port} has an empty GID table (no IP address on its netdev?)",
+                                obj=repr(self))
+            def rank(e):
+                return (e.gid_type != "RoCEv2", e.ipv4 is None, e.gid_str.startswith("fe80"), e.index)
+            best = min(entries, key=rank).index
+        self._best_gid[port] = best
+        return best
+
+    def dmabuf_supported(self):
+        """Probe once, as NCCL does, whether ibv_reg_dmabuf_mr is implemented (needs a PD)."""
+        from pyrdma._verbs.pd import ProtectionDomain
+        from pyrdma._verbs.mr import probe_dmabuf
+        with ProtectionDomain(self) as pd:
+            return probe_dmabuf(pd)
+
+
+cdef int _errno() noexcept:
+    return errno

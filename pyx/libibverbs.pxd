@@ -1,0 +1,328 @@
+# C declarations of the parts of <infiniband/verbs.h> (rdma-core) that pyrdma wraps.
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int32_t
+
+cdef extern from "<infiniband/verbs.h>" nogil:
+    # Nested unions/structs of the C headers are declared under placeholder names: Cython
+    # only ever emits field accesses for them, never the type names.
+    cdef union ibv_gid:
+        uint8_t raw[16]
+
+    cdef struct ibv_device:
+        char *name
+        int node_type
+        int transport_type
+
+    cdef struct ibv_context:
+        ibv_device *device
+        int async_fd
+        int num_comp_vectors
+
+    cdef struct ibv_device_attr:
+        char fw_ver[64]
+        uint64_t node_guid
+        uint64_t sys_image_guid
+        uint64_t max_mr_size
+        uint64_t page_size_cap
+        uint32_t vendor_id
+        uint32_t vendor_part_id
+        uint32_t hw_ver
+        int max_qp
+        int max_qp_wr
+        unsigned int device_cap_flags
+        int max_sge
+        int max_sge_rd
+        int max_cq
+        int max_cqe
+        int max_mr
+        int max_pd
+        int max_qp_rd_atom
+        int max_ee_rd_atom
+        int max_res_rd_atom
+        int max_qp_init_rd_atom
+        int atomic_cap
+        int max_mw
+        int max_ah
+        int max_srq
+        int max_srq_wr
+        int max_srq_sge
+        uint16_t max_pkeys
+        uint8_t local_ca_ack_delay
+        uint8_t phys_port_cnt
+
+    cdef struct ibv_port_attr:
+        int state
+        int max_mtu
+        int active_mtu
+        int gid_tbl_len
+        uint32_t port_cap_flags
+        uint32_t max_msg_sz
+        uint32_t bad_pkey_cntr
+        uint32_t qkey_viol_cntr
+        uint16_t pkey_tbl_len
+        uint16_t lid
+        uint16_t sm_lid
+        uint8_t lmc
+        uint8_t max_vl_num
+        uint8_t sm_sl
+        uint8_t subnet_timeout
+        uint8_t init_type_reply
+        uint8_t active_width
+        uint8_t active_speed
+        uint8_t phys_state
+        uint8_t link_layer
+
+    cdef struct ibv_gid_entry:
+        ibv_gid gid
+        uint32_t gid_index
+        uint32_t port_num
+        uint32_t gid_type
+        uint32_t ndev_ifindex
+
+    cdef struct ibv_pd:
+        ibv_context *context
+        uint32_t handle
+
+    cdef struct ibv_mr:
+        ibv_context *context
+        ibv_pd *pd
+        void *addr
+        size_t length
+        uint32_t handle
+        uint32_t lkey
+        uint32_t rkey
+
+    cdef struct ibv_comp_channel:
+        ibv_context *context
+        int fd
+        int refcnt
+
+    cdef struct ibv_cq:
+        ibv_context *context
+        ibv_comp_channel *channel
+        void *cq_context
+        uint32_t handle
+        int cqe
+
+    cdef struct ibv_wc:
+        uint64_t wr_id
+        int status
+        int opcode
+        uint32_t vendor_err
+        uint32_t byte_len
+        uint32_t imm_data
+        uint32_t qp_num
+        uint32_t src_qp
+        unsigned int wc_flags
+        uint16_t pkey_index
+        uint16_t slid
+        uint8_t sl
+        uint8_t dlid_path_bits
+
+    cdef struct ibv_srq:
+        ibv_context *context
+        ibv_pd *pd
+        uint32_t handle
+
+    cdef struct ibv_srq_attr:
+        uint32_t max_wr
+        uint32_t max_sge
+        uint32_t srq_limit
+
+    cdef struct ibv_srq_init_attr:
+        void *srq_context
+        ibv_srq_attr attr
+
+    cdef struct ibv_global_route:
+        ibv_gid dgid
+        uint32_t flow_label
+        uint8_t sgid_index
+        uint8_t hop_limit
+        uint8_t traffic_class
+
+    cdef struct ibv_ah_attr:
+        ibv_global_route grh
+        uint16_t dlid
+        uint8_t sl
+        uint8_t src_path_bits
+        uint8_t static_rate
+        uint8_t is_global
+        uint8_t port_num
+
+    cdef struct ibv_ah:
+        ibv_context *context
+        ibv_pd *pd
+        uint32_t handle
+
+    cdef struct ibv_qp_cap:
+        uint32_t max_send_wr
+        uint32_t max_recv_wr
+        uint32_t max_send_sge
+        uint32_t max_recv_sge
+        uint32_t max_inline_data
+
+    cdef struct ibv_qp_init_attr:
+        void *qp_context
+        ibv_cq *send_cq
+        ibv_cq *recv_cq
+        ibv_srq *srq
+        ibv_qp_cap cap
+        int qp_type
+        int sq_sig_all
+
+    cdef struct ibv_qp:
+        ibv_context *context
+        void *qp_context
+        ibv_pd *pd
+        ibv_cq *send_cq
+        ibv_cq *recv_cq
+        ibv_srq *srq
+        uint32_t handle
+        uint32_t qp_num
+        int state
+        int qp_type
+
+    cdef struct ibv_qp_attr:
+        int qp_state
+        int cur_qp_state
+        int path_mtu
+        int path_mig_state
+        uint32_t qkey
+        uint32_t rq_psn
+        uint32_t sq_psn
+        uint32_t dest_qp_num
+        unsigned int qp_access_flags
+        ibv_qp_cap cap
+        ibv_ah_attr ah_attr
+        ibv_ah_attr alt_ah_attr
+        uint16_t pkey_index
+        uint16_t alt_pkey_index
+        uint8_t en_sqd_async_notify
+        uint8_t sq_draining
+        uint8_t max_rd_atomic
+        uint8_t max_dest_rd_atomic
+        uint8_t min_rnr_timer
+        uint8_t port_num
+        uint8_t timeout
+        uint8_t retry_cnt
+        uint8_t rnr_retry
+        uint8_t alt_port_num
+        uint8_t alt_timeout
+
+    cdef struct ibv_sge:
+        uint64_t addr
+        uint32_t length
+        uint32_t lkey
+
+    cdef struct _ibv_wr_rdma:
+        uint64_t remote_addr
+        uint32_t rkey
+
+    cdef struct _ibv_wr_atomic:
+        uint64_t remote_addr
+        uint64_t compare_add
+        uint64_t swap
+        uint32_t rkey
+
+    cdef struct _ibv_wr_ud:
+        ibv_ah *ah
+        uint32_t remote_qpn
+        uint32_t remote_qkey
+
+    cdef union _ibv_wr_union:
+        _ibv_wr_rdma rdma
+        _ibv_wr_atomic atomic
+        _ibv_wr_ud ud
+
+    cdef struct ibv_send_wr:
+        uint64_t wr_id
+        ibv_send_wr *next
+        ibv_sge *sg_list
+        int num_sge
+        int opcode
+        unsigned int send_flags
+        uint32_t imm_data          # network byte order (anonymous union in C)
+        _ibv_wr_union wr
+
+    cdef struct ibv_recv_wr:
+        uint64_t wr_id
+        ibv_recv_wr *next
+        ibv_sge *sg_list
+        int num_sge
+
+    # enums as plain ints
+    enum:
+        IBV_NODE_CA
+        IBV_TRANSPORT_IB
+        IBV_PORT_NOP, IBV_PORT_DOWN, IBV_PORT_INIT, IBV_PORT_ARMED, IBV_PORT_ACTIVE, IBV_PORT_ACTIVE_DEFER
+        IBV_MTU_256, IBV_MTU_512, IBV_MTU_1024, IBV_MTU_2048, IBV_MTU_4096
+        IBV_LINK_LAYER_UNSPECIFIED, IBV_LINK_LAYER_INFINIBAND, IBV_LINK_LAYER_ETHERNET
+        IBV_GID_TYPE_IB, IBV_GID_TYPE_ROCE_V1, IBV_GID_TYPE_ROCE_V2
+        IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_REMOTE_WRITE, IBV_ACCESS_REMOTE_READ, IBV_ACCESS_REMOTE_ATOMIC
+        IBV_WC_SUCCESS, IBV_WC_LOC_LEN_ERR, IBV_WC_LOC_QP_OP_ERR, IBV_WC_LOC_EEC_OP_ERR, IBV_WC_LOC_PROT_ERR
+        IBV_WC_WR_FLUSH_ERR, IBV_WC_MW_BIND_ERR, IBV_WC_BAD_RESP_ERR, IBV_WC_LOC_ACCESS_ERR
+        IBV_WC_REM_INV_REQ_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_REM_OP_ERR, IBV_WC_RETRY_EXC_ERR
+        IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_LOC_RDD_VIOL_ERR, IBV_WC_REM_INV_RD_REQ_ERR, IBV_WC_REM_ABORT_ERR
+        IBV_WC_INV_EECN_ERR, IBV_WC_INV_EEC_STATE_ERR, IBV_WC_FATAL_ERR, IBV_WC_RESP_TIMEOUT_ERR
+        IBV_WC_GENERAL_ERR
+        IBV_WC_SEND, IBV_WC_RDMA_WRITE, IBV_WC_RDMA_READ, IBV_WC_COMP_SWAP, IBV_WC_FETCH_ADD
+        IBV_WC_BIND_MW, IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM
+        IBV_WC_GRH, IBV_WC_WITH_IMM
+        IBV_QPT_RC, IBV_QPT_UC, IBV_QPT_UD
+        IBV_QPS_RESET, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS, IBV_QPS_SQD, IBV_QPS_SQE, IBV_QPS_ERR
+        IBV_QP_STATE, IBV_QP_CUR_STATE, IBV_QP_EN_SQD_ASYNC_NOTIFY, IBV_QP_ACCESS_FLAGS, IBV_QP_PKEY_INDEX
+        IBV_QP_PORT, IBV_QP_QKEY, IBV_QP_AV, IBV_QP_PATH_MTU, IBV_QP_TIMEOUT, IBV_QP_RETRY_CNT
+        IBV_QP_RNR_RETRY, IBV_QP_RQ_PSN, IBV_QP_MAX_QP_RD_ATOMIC, IBV_QP_ALT_PATH, IBV_QP_MIN_RNR_TIMER
+        IBV_QP_SQ_PSN, IBV_QP_MAX_DEST_RD_ATOMIC, IBV_QP_PATH_MIG_STATE, IBV_QP_CAP, IBV_QP_DEST_QPN
+        IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_SEND, IBV_WR_SEND_WITH_IMM, IBV_WR_RDMA_READ
+        IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD
+        IBV_SEND_FENCE, IBV_SEND_SIGNALED, IBV_SEND_SOLICITED, IBV_SEND_INLINE
+        IBV_SRQ_MAX_WR, IBV_SRQ_LIMIT
+        IBV_ATOMIC_NONE, IBV_ATOMIC_HCA, IBV_ATOMIC_GLOB
+
+    ibv_device **ibv_get_device_list(int *num_devices)
+    void ibv_free_device_list(ibv_device **list)
+    const char *ibv_get_device_name(ibv_device *device)
+    uint64_t ibv_get_device_guid(ibv_device *device)
+    ibv_context *ibv_open_device(ibv_device *device)
+    int ibv_close_device(ibv_context *context)
+    int ibv_query_device(ibv_context *context, ibv_device_attr *device_attr)
+    int ibv_query_port(ibv_context *context, uint8_t port_num, ibv_port_attr *port_attr)
+    int ibv_query_gid(ibv_context *context, uint8_t port_num, int index, ibv_gid *gid)
+    int ibv_query_gid_ex(ibv_context *context, uint32_t port_num, uint32_t gid_index,
+                         ibv_gid_entry *entry, uint32_t flags)
+    const char *ibv_wc_status_str(int status)
+    const char *ibv_port_state_str(int port_state)
+    const char *ibv_node_type_str(int node_type)
+
+    ibv_pd *ibv_alloc_pd(ibv_context *context)
+    int ibv_dealloc_pd(ibv_pd *pd)
+
+    ibv_mr *ibv_reg_mr(ibv_pd *pd, void *addr, size_t length, int access)
+    ibv_mr *ibv_reg_dmabuf_mr(ibv_pd *pd, uint64_t offset, size_t length, uint64_t iova, int fd, int access)
+    int ibv_dereg_mr(ibv_mr *mr)
+
+    ibv_comp_channel *ibv_create_comp_channel(ibv_context *context)
+    int ibv_destroy_comp_channel(ibv_comp_channel *channel)
+    ibv_cq *ibv_create_cq(ibv_context *context, int cqe, void *cq_context,
+                          ibv_comp_channel *channel, int comp_vector)
+    int ibv_destroy_cq(ibv_cq *cq)
+    int ibv_poll_cq(ibv_cq *cq, int num_entries, ibv_wc *wc)
+    int ibv_req_notify_cq(ibv_cq *cq, int solicited_only)
+    int ibv_get_cq_event(ibv_comp_channel *channel, ibv_cq **cq, void **cq_context)
+    void ibv_ack_cq_events(ibv_cq *cq, unsigned int nevents)
+
+    ibv_srq *ibv_create_srq(ibv_pd *pd, ibv_srq_init_attr *srq_init_attr)
+    int ibv_destroy_srq(ibv_srq *srq)
+    int ibv_post_srq_recv(ibv_srq *srq, ibv_recv_wr *recv_wr, ibv_recv_wr **bad_recv_wr)
+
+    ibv_ah *ibv_create_ah(ibv_pd *pd, ibv_ah_attr *attr)
+    int ibv_destroy_ah(ibv_ah *ah)
+
+    ibv_qp *ibv_create_qp(ibv_pd *pd, ibv_qp_init_attr *qp_init_attr)
+    int ibv_destroy_qp(ibv_qp *qp)
+    int ibv_modify_qp(ibv_qp *qp, ibv_qp_attr *attr, int attr_mask)
+    int ibv_query_qp(ibv_qp *qp, ibv_qp_attr *attr, int attr_mask, ibv_qp_init_attr *init_attr)
+    int ibv_post_send(ibv_qp *qp, ibv_send_wr *wr, ibv_send_wr **bad_wr)
+    int ibv_post_recv(ibv_qp *qp, ibv_recv_wr *wr, ibv_recv_wr **bad_wr)
+
+    int ibv_fork_init()

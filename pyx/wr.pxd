@@ -1,0 +1,36 @@
+from pyrdma._verbs.libibverbs cimport ibv_send_wr, ibv_recv_wr, ibv_sge
+from pyrdma._verbs.mr cimport MemoryRegion
+
+cdef class SGE:
+    cdef ibv_sge sge
+    cdef readonly object mr     # keeps the registered memory alive while the SGE exists
+
+cdef class SendWR:
+    cdef ibv_send_wr wr
+    cdef ibv_sge *sges
+    cdef list keepalive
+
+cdef class RecvWR:
+    cdef ibv_recv_wr wr
+    cdef ibv_sge *sges
+    cdef list keepalive
+
+cdef class SendWRList:
+    cdef ibv_send_wr *wrs
+    cdef ibv_sge *sges
+    cdef readonly int capacity
+    cdef readonly int max_sge
+    cdef readonly int count
+    cdef list keepalive
+    cdef int _link(self, int count) except -1
+
+cdef class RecvWRList:
+    cdef ibv_recv_wr *wrs
+    cdef ibv_sge *sges
+    cdef readonly int capacity
+    cdef readonly int max_sge
+    cdef readonly int count
+    cdef list keepalive
+    cdef int _link(self, int count) except -1
+
+cdef int fill_sge(ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset, Py_ssize_t length) except -1
