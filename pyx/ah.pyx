@@ -1,4 +1,5 @@
 """Address handles: where a UD send goes."""
+cimport cython
 from libc.errno cimport errno
 from libc.string cimport memset
 from pyrdma._verbs.libibverbs cimport *
@@ -8,6 +9,7 @@ from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma.errors import UsageError
 
 
+@cython.no_gc_clear
 cdef class AddressHandle(VerbsObject):
     """``AddressHandle(pd, remote_endpoint, port=1, sgid_index=None)`` for UD sends to that peer."""
 

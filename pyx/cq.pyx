@@ -70,6 +70,7 @@ def check_wcs(wcs):
                                        f"failed: {wc_status_name(status)} ({wc_status_str(status)})"))
 
 
+@cython.no_gc_clear
 cdef class CompChannel(VerbsObject):
     """A completion event channel; its fd works with select/poll/asyncio."""
 
@@ -102,6 +103,7 @@ cdef class CompChannel(VerbsObject):
         return f"<CompChannel on {self.context.name}{' closed' if self._closed else ''}>"
 
 
+@cython.no_gc_clear
 cdef class CompletionQueue(VerbsObject):
     """A completion queue. Completions are polled into WC_DTYPE numpy arrays, never one object each."""
 

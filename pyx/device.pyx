@@ -1,4 +1,5 @@
 """Devices: list them, open a Context, query device, port and GID table."""
+cimport cython
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memset
 from libc.errno cimport errno, ENOSYS
@@ -82,6 +83,7 @@ def get_device_list():
         ibv_free_device_list(devs)
 
 
+@cython.no_gc_clear
 cdef class Context(VerbsObject):
     """An opened RDMA device. ``Context()`` opens the first device with an ACTIVE port."""
 

@@ -1,4 +1,5 @@
 """Memory regions: zero-copy registration of buffer-protocol objects and of device memory."""
+cimport cython
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS,
                              PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ANY_CONTIGUOUS)
 from libc.errno cimport errno, EBADF
@@ -39,6 +40,7 @@ cdef int _check_access(int access) except -1:
     return 0
 
 
+@cython.no_gc_clear
 cdef class MemoryRegion(VerbsObject):
     """A registered memory region.
 
@@ -56,7 +58,7 @@ cdef class MemoryRegion(VerbsObject):
         flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if access & _WRITE_BITS else 0)
         try:
             PyObject_GetBuffer(buf, &self.view, flags)
-        except BufferError as exc:
+        except (BufferError, ValueError) as exc:   # numpy raises ValueError for non-contiguous
             _explain_buffer_error(buf, access, exc)
         except TypeError:
             raise UsageError(f"{type(buf).__name__} does not support the buffer protocol; "
@@ -168,9 +170,8 @@ cdef _explain_buffer_error(buf, int access, exc):
     try:
         PyObject_GetBuffer(buf, &view, PyBUF_SIMPLE)
         PyBuffer_Release(&view)
-        simple_ok = True
-    except BufferError:
-        simple_ok = False
+    except (BufferError, ValueError):
+        pass
     ro = False
     try:
         ro = memoryview(buf).readonly

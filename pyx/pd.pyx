@@ -1,10 +1,12 @@
 """Protection domain: the scope of MRs, QPs, SRQs and AHs."""
+cimport cython
 from libc.errno cimport errno
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno
 from pyrdma._verbs.device cimport Context
 
 
+@cython.no_gc_clear
 cdef class ProtectionDomain(VerbsObject):
     def __init__(self, Context context not None):
         context._check_open()

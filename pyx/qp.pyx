@@ -1,4 +1,5 @@
 """Queue pairs (RC, UC, UD): creation, the RESET->INIT->RTR->RTS state machine, and posting."""
+cimport cython
 from libc.errno cimport errno
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
@@ -37,6 +38,7 @@ def qp_state_name(int state):
     return _STATE_NAMES.get(state, f"STATE_{state}")
 
 
+@cython.no_gc_clear
 cdef class QueuePair(VerbsObject):
     """A queue pair. ``connect(remote)`` takes it from RESET to RTS; the post_* methods post work."""
 

@@ -1,4 +1,5 @@
 """Shared receive queues: one pool of receive buffers for many QPs."""
+cimport cython
 from libc.errno cimport errno
 from libc.string cimport memset
 from libc.stdint cimport uint64_t
@@ -11,6 +12,7 @@ from pyrdma._verbs.wr cimport RecvWR, RecvWRList, fill_sge
 from pyrdma.errors import UsageError
 
 
+@cython.no_gc_clear
 cdef class SharedReceiveQueue(VerbsObject):
     def __init__(self, ProtectionDomain pd not None, int max_wr=256, int max_sge=1, int srq_limit=0):
         cdef ibv_srq_init_attr attr
