@@ -75,9 +75,17 @@ cdef class SGE:
         s.sge.addr, s.sge.length, s.sge.lkey = addr, length, lkey
         return s
 
-    addr = property(lambda self: self.sge.addr)
-    length = property(lambda self: self.sge.length)
-    lkey = property(lambda self: self.sge.lkey)
+    @property
+    def addr(self):
+        return self.sge.addr
+
+    @property
+    def length(self):
+        return self.sge.length
+
+    @property
+    def lkey(self):
+        return self.sge.lkey
 
     def __repr__(self):
         return f"SGE(addr=0x{self.sge.addr:x}, length={self.sge.length}, lkey=0x{self.sge.lkey:x})"
@@ -144,10 +152,23 @@ cdef class SendWR:
     def __dealloc__(self):
         free(self.sges)
 
-    wr_id = property(lambda self: self.wr.wr_id)
-    opcode = property(lambda self: self.wr.opcode)
-    flags = property(lambda self: self.wr.send_flags)
-    num_sge = property(lambda self: self.wr.num_sge)
+    @property
+
+    def wr_id(self):
+
+        return self.wr.wr_id
+
+    @property
+    def opcode(self):
+        return self.wr.opcode
+
+    @property
+    def flags(self):
+        return self.wr.send_flags
+
+    @property
+    def num_sge(self):
+        return self.wr.num_sge
 
     def __repr__(self):
         return (f"SendWR({_OPCODES.get(self.wr.opcode)}, wr_id={self.wr.wr_id}, num_sge={self.wr.num_sge}, "
@@ -169,8 +190,15 @@ cdef class RecvWR:
     def __dealloc__(self):
         free(self.sges)
 
-    wr_id = property(lambda self: self.wr.wr_id)
-    num_sge = property(lambda self: self.wr.num_sge)
+    @property
+
+    def wr_id(self):
+
+        return self.wr.wr_id
+
+    @property
+    def num_sge(self):
+        return self.wr.num_sge
 
     def __repr__(self):
         return f"RecvWR(wr_id={self.wr.wr_id}, num_sge={self.wr.num_sge})"
