@@ -355,3 +355,30 @@ def test_srq_shared_by_two_qps(ctx):
         assert sorted(w[6] for w in recvs) == sorted(s.qp_num for s in servers)
         got = {w[6]: buf.array()[1024 + 256 * (w[0] - 10)] for w in recvs}
         assert got == {servers[0].qp_num: 1, servers[1].qp_num: 2}
+
+
+def test_completion_channel_with_asyncio(ctx):
+    import asyncio
+
+    with rd.ProtectionDomain(ctx) as pd:
+        ch = rd.CompChannel(ctx)
+        cq = rd.CompletionQueue(ctx, 16, channel=ch)
+        qp = rd.QueuePair(pd, rd.QPT_RC, cq)
+        qp.connect(qp.endpoint())
+        mr = rd.MemoryRegion.allocate(pd, 64, rd.ACCESS_ALL)
+
+        async def write_and_await():
+            loop = asyncio.get_running_loop()
+            ready = asyncio.Event()
+            loop.add_reader(ch.fileno(), ready.set)
+            try:
+                cq.req_notify()
+                qp.post_write(mr, 0, 8, mr.addr + 8, mr.rkey, wr_id=77)
+                await asyncio.wait_for(ready.wait(), TIMEOUT)
+                assert cq.wait(timeout=0) is True   # consume and ack the event
+                return cq.poll(4)
+            finally:
+                loop.remove_reader(ch.fileno())
+
+        wcs = asyncio.run(write_and_await())
+        assert list(wcs["wr_id"]) == [77]
