@@ -1,0 +1,263 @@
+"""Host staging for collectives on GPU arrays when GPUDirect RDMA is not available.
+
+``HostStagingPipeline.run(array, host_op)`` cuts the GPU array into chunks and pipelines, per chunk,
+
+    device -> pinned host copy (copy stream A)  ->  host_op(chunk) on the CPU  ->  host -> device copy (stream B)
+
+with ``depth`` pinned slots in flight, so the copy of chunk i+1 in and of chunk i-1 out overlap the
+host-side collective on chunk i. ``host_op`` takes the chunk as a numpy array (a view of a pinned
+slot) and either changes it in place (returns None or the same array) or returns an array of the same
+shape whose values are copied back. Every rank must use the same chunk size, so that the host
+collectives of all ranks see the same chunks in the same order.
+
+Ordering against the caller's stream: the first copy waits for work already enqueued on ``stream``
+(the producer of the data) and ``stream`` waits for the last copy back, so the result is
+stream-ordered like a CUDA library call; the host thread itself returns once the last host_op ran.
+"""
+import threading
+
+import numpy as np
+
+from pyrdma.errors import UsageError
+from pyrdma.cuda._driver import import_cupy
+from pyrdma.cuda.buffers import device_buffer
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_DEPTH = 3
+
+
+def chunk_spans(nbytes, chunk_bytes, itemsize=1):
+    """[(offset, length)] cutting ``nbytes`` into chunks of at most ``chunk_bytes`` whole items."""
+    if itemsize <= 0:
+        raise UsageError(f"itemsize must be positive, got {itemsize}")
+    if nbytes % itemsize:
+        raise UsageError(f"{nbytes} bytes is not a whole number of {itemsize}-byte items")
+    chunk = chunk_bytes - chunk_bytes % itemsize
+    if chunk <= 0:
+        raise UsageError(f"chunk_bytes {chunk_bytes} is smaller than one {itemsize}-byte item")
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+
+class CupyStagingBackend:
+    """The CUDA side of the pipeline, through CuPy: streams, events, async copies, pinned memory.
+
+    Host slots are numpy views of pinned (cudaHostAlloc) memory: stable addresses a host collective
+    can register for RDMA once.
+    """
+
+    def __init__(self, cp=None):
+        self.cp = cp or import_cupy("pyrdma.cuda.HostStagingPipeline")
+        self.rt = self.cp.cuda.runtime
+
+    def device_of(self, ptr):
+        return int(self.rt.pointerGetAttributes(ptr).device)
+
+    def device(self, device_id):
+        return self.cp.cuda.Device(device_id)
+
+    def user_stream(self, stream):
+        from pyrdma.cuda.reduce import as_stream
+        return as_stream(self.cp, stream)
+
+    def new_stream(self):
+        return self.cp.cuda.Stream(non_blocking=True)
+
+    def new_event(self):
+        return self.cp.cuda.Event(block=False, disable_timing=True)
+
+    def alloc_host(self, nbytes):
+        # cudaHostAlloc'd (page-aligned) through CuPy's pinned pool; the array keeps the memory alive
+        # and gives it back to the pool when it goes, so nothing leaks if close() is never called
+        mem = self.cp.cuda.alloc_pinned_memory(nbytes)
+        return np.ndarray((nbytes,), np.uint8, buffer=mem)
+
+    def free_host(self, host):
+        pass
+
+    def copy_d2h(self, host, dev_ptr, nbytes, stream):
+        self.rt.memcpyAsync(host.ctypes.data, dev_ptr, nbytes, self.rt.memcpyDeviceToHost, stream.ptr)
+
+    def copy_h2d(self, dev_ptr, host, nbytes, stream):
+        self.rt.memcpyAsync(dev_ptr, host.ctypes.data, nbytes, self.rt.memcpyHostToDevice, stream.ptr)
+
+    def record(self, event, stream):
+        event.record(stream)
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def synchronize(self, event):
+        event.synchronize()
+
+    def synchronize_stream(self, stream):
+        stream.synchronize()
+
+
+class _DeviceResources:
+    """Per-GPU streams, events and pinned slots (streams and events belong to one device)."""
+
+    def __init__(self, backend, depth, slot_bytes):
+        self.d2h = backend.new_stream()
+        self.h2d = backend.new_stream()
+        self.start = backend.new_event()
+        self.done = backend.new_event()
+        self.filled = [backend.new_event() for _ in range(depth)]    # D2H into slot k finished
+        self.drained = [backend.new_event() for _ in range(depth)]   # H2D out of slot k finished
+        self.slots = []
+        try:
+            for _ in range(depth):
+                self.slots.append(backend.alloc_host(slot_bytes))
+        except BaseException:
+            self.free(backend)
+            raise
+
+    def free(self, backend):
+        for slot in self.slots:
+            backend.free_host(slot)
+        self.slots = []
+
+
+class HostStagingPipeline:
+    """Chunked, overlapped GPU <-> pinned-host staging around a host-side operation.
+
+    ``chunk_bytes`` per chunk (rounded down to whole items), ``depth`` pinned slots in flight
+    (``depth`` x ``chunk_bytes`` of pinned memory per GPU, allocated on first use and reused).
+    ``backend`` defaults to CuPy. One run at a time per pipeline (a lock serialises callers).
+    """
+
+    def __init__(self, chunk_bytes=DEFAULT_CHUNK_BYTES, depth=DEFAULT_DEPTH, backend=None):
+        if chunk_bytes <= 0:
+            raise UsageError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if depth < 1:
+            raise UsageError(f"depth must be at least 1, got {depth}")
+        self.chunk_bytes = int(chunk_bytes)
+        self.depth = int(depth)
+        self._backend = backend
+        self._resources = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def backend(self):
+        if self._backend is None:
+            self._backend = CupyStagingBackend()
+        return self._backend
+
+    def host_slots(self, device_id=None):
+        """The pinned slots used for GPU ``device_id`` (stable across runs; empty before the first run)."""
+        res = self._resources.get(device_id)
+        return list(res.slots) if res else []
+
+    def run(self, array, host_op, stream=None):
+        """Stage ``array`` (a contiguous CUDA array) through the host chunk by chunk, applying host_op.
+
+        The array is updated in place with what host_op leaves in (or returns for) each chunk.
+        Returns ``array``. If host_op raises, the copies in flight are drained first and the array is
+        left partly updated.
+        """
+        if self._closed:
+            raise UsageError("HostStagingPipeline is closed")
+        buf = device_buffer(array)
+        if buf.readonly:
+            raise UsageError("the GPU array is read-only; host staging writes the result back into it")
+        if buf.dtype is None:
+            raise UsageError(f"host staging needs a dtype numpy knows; {buf.dtype_name} is not one")
+        spans = chunk_spans(buf.nbytes, self.chunk_bytes, buf.itemsize)
+        backend = self.backend
+        device_id = buf.device_id if buf.device_id is not None else backend.device_of(buf.ptr)
+        with self._lock, backend.device(device_id):
+            res = self._resources.get(device_id)
+            if res is None:
+                res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
+            self._run(backend, res, buf, spans, host_op, backend.user_stream(stream))
+        return array
+
+    def _run(self, backend, res, buf, spans, host_op, user):
+        depth = len(res.slots)
+        ptr, dtype = buf.ptr, buf.dtype
+
+        def issue_d2h(i):
+            slot = i % depth
+            off, length = spans[i]
+            # the slot's previous chunk must have been copied back to the GPU before it is overwritten
+            backend.wait(res.d2h, res.drained[slot])
+            backend.copy_d2h(res.slots[slot][:length], ptr + off, length, res.d2h)
+            backend.record(res.filled[slot], res.d2h)
+
+        # the data may still be being produced on the caller's stream
+        backend.record(res.start, user)
+        backend.wait(res.d2h, res.start)
+        try:
+            for i in range(min(depth, len(spans))):
+                issue_d2h(i)
+            for i, (off, length) in enumerate(spans):
+                slot = i % depth
+                backend.synchronize(res.filled[slot])
+                chunk = res.slots[slot][:length].view(dtype)
+                result = host_op(chunk)
+                if result is not None and result is not chunk:
+                    result = np.asarray(result)
+                    if result.shape != chunk.shape:
+                        raise UsageError(f"host_op returned shape {result.shape} for a chunk of shape "
+                                         f"{chunk.shape}")
+                    np.copyto(chunk, result, casting="same_kind")
+                backend.copy_h2d(ptr + off, res.slots[slot][:length], length, res.h2d)
+                backend.record(res.drained[slot], res.h2d)
+                if i + depth < len(spans):
+                    issue_d2h(i + depth)
+        except BaseException:
+            # nothing may still be copying into or out of the pinned slots when we give up
+            backend.synchronize_stream(res.d2h)
+            backend.synchronize_stream(res.h2d)
+            raise
+        backend.record(res.done, res.h2d)
+        backend.wait(user, res.done)
+
+    def close(self):
+        """Wait for copies in flight and release the pinned slots. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            for device_id, res in self._resources.items():
+                with self.backend.device(device_id):
+                    self.backend.synchronize_stream(res.d2h)
+                    self.backend.synchronize_stream(res.h2d)
+                    res.free(self.backend)
+            self._resources.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+_default_lock = threading.Lock()
+_default_pipeline = None
+
+
+def default_pipeline():
+    """The process-wide pipeline staged_allreduce uses when none is given."""
+    global _default_pipeline
+    with _default_lock:
+        if _default_pipeline is None or _default_pipeline._closed:
+            _default_pipeline = HostStagingPipeline()
+        return _default_pipeline
+
+
+def staged_allreduce(comm, array, op="sum", stream=None, pipeline=None):
+    """Allreduce a CUDA array in place through host staging: ``comm.allreduce(chunk, op=op)`` per chunk.
+
+    ``comm`` is anything with an in-place host ``allreduce(ndarray, op=...)`` (the Communicator of
+    pyrdma.collectives). All ranks must call it with arrays of the same size and the same pipeline
+    chunk size. Returns ``array``.
+
+    The hook for a host Communicator, so that ``comm.allreduce(cupy_array)`` stages (is_cuda_array
+    imports no CuPy; the chunks it hands back are numpy arrays, so there is no recursion)::
+
+        if pyrdma.cuda.is_cuda_array(buf):
+            return pyrdma.cuda.staged_allreduce(self, buf, op)
+    """
+    pipeline = pipeline or default_pipeline()
+    return pipeline.run(array, lambda chunk: comm.allreduce(chunk, op=op), stream)
