@@ -1,0 +1,5 @@
+import sys
+
+from pyrdma.testing.vm import main
+
+sys.exit(main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install what pyrdma needs on Debian (apt + pip) and build the extension in place.
+# Sourced by scripts/test.sh and scripts/bench.sh; safe to run again (skips what is present).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+APT_PACKAGES=(rdma-core ibverbs-providers ibverbs-utils libibverbs-dev perftest qemu-system-x86
+              linux-image-amd64 python3-pyverbs iproute2 kmod openmpi-bin python3-mpi4py gcc)
+PIP_PACKAGES=(virtme-ng cython numpy pytest matplotlib)
+PYTHON=${PYTHON:-python3}
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: apt-get install ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+pip_missing=()
+for p in "${PIP_PACKAGES[@]}"; do
+  mod=$p; [ "$p" = virtme-ng ] && mod=virtme_ng; [ "$p" = cython ] && mod=Cython
+  "$PYTHON" -c "import $mod" 2>/dev/null || pip_missing+=("$p")
+done
+command -v vng >/dev/null || pip_missing+=(virtme-ng)
+if [ ${#pip_missing[@]} -gt 0 ]; then
+  echo "setup: pip install ${pip_missing[*]}"
+  "$PYTHON" -m pip install -q "${pip_missing[@]}"
+fi
+
+echo "setup: building the extension"
+"$PYTHON" setup.py -q build_ext --inplace -j 2 > build-ext.log 2>&1 || { cat build-ext.log; exit 1; }
+rm -f build-ext.log
