@@ -8,6 +8,9 @@ import pytest
 import pyrdma as rd
 from pyrdma.endpoint import Endpoint, WIRE_SIZE
 
+# A spawned child imports numpy and pyrdma first: slow under software emulation.
+STARTUP_TIMEOUT = 180
+
 
 def _free_port():
     with socket.socket() as s:
@@ -48,7 +51,7 @@ def _server(port, q):
             cq = rd.CompletionQueue(ctx, 64)
             buf = np.zeros(1 << 20, np.uint8)
             mr = rd.MemoryRegion(pd, buf, rd.ACCESS_ALL)
-            conn = rd.accept(pd, cq, port=port, mr=mr, timeout=30)
+            conn = rd.accept(pd, cq, port=port, mr=mr, timeout=STARTUP_TIMEOUT)
             conn.qp.post_recv_buf(mr, 0, 16, wr_id=1)
             wcs = np.empty(4, rd.WC_DTYPE)
             n = cq.poll_wait(wcs, 1, timeout=30)   # the client's "done" SEND
@@ -73,7 +76,7 @@ def test_rc_between_two_processes():
             cq = rd.CompletionQueue(ctx, 64)
             src = (np.arange(1 << 20) * 7 % 256).astype(np.uint8)
             mr = rd.MemoryRegion(pd, src, rd.ACCESS_ALL)
-            conn = rd.connect(pd, cq, "127.0.0.1", port=port, mr=mr, timeout=30)
+            conn = rd.connect(pd, cq, "127.0.0.1", port=port, mr=mr, timeout=STARTUP_TIMEOUT)
             assert conn.remote.length == 1 << 20 and conn.remote.rkey
             half = 1 << 19
             conn.qp.post_write(mr, half, half, conn.remote.addr + half, conn.remote.rkey, wr_id=1)
@@ -84,7 +87,7 @@ def test_rc_between_two_processes():
                 n = cq.poll_wait(wcs, 1, timeout=30)
                 rd.check_wcs(wcs[:n])
                 got += n
-            status, same, head = q.get(timeout=60)
+            status, same, head = q.get(timeout=STARTUP_TIMEOUT)
             assert status == "ok", same
             assert same and head == src[:16].tobytes()
             conn.close()
