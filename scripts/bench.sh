@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The main job: perftest and pyrdma side by side on one RDMA device (the host's, or rxe0 in the
+# Soft-RoCE VM when the host has none), in one boot. Table on stdout; JSON and PNG in build/bench/.
+# Extra arguments go to bench/side_by_side.py (e.g. --quick).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+bash scripts/setup.sh || { echo "bench.sh: setup failed"; exit 1; }
+PYTHON=$("$PYTHON" -c 'import sys; print(sys.executable)')
+OUT=build/bench
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MPLBACKEND=Agg
+exec "$PYTHON" -m pyrdma.testing.vm --rwdir "$OUT" --timeout 3300 -- \
+  "$PYTHON" bench/side_by_side.py --out "$OUT" "$@"
