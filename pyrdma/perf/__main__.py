@@ -1,0 +1,5 @@
+import sys
+
+from pyrdma.perf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""bench/side_by_side.py analysis on the host: ratios, targets, table and plots from known rows."""
+import importlib.util
+import os
+import socket
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def sbs():
+    spec = importlib.util.spec_from_file_location("side_by_side", os.path.join(ROOT, "bench", "side_by_side.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bench(sbs, tmp_path):
+    args = sbs.main.__globals__["argparse"].Namespace(
+        out=str(tmp_path), tests=["write_bw", "write_lat"], bw_sizes=[64, 65536], lat_sizes=[2], port_base=1,
+        iters_bw=10, iters_lat=10, timeout=1, dev="rxe0", gid=1, host="127.0.0.1", post_list=32)
+    b = sbs.Bench(args)
+    bw = lambda size, avg, rate: dict(size=size, iters=10, bw_peak=avg, bw_avg=avg, msg_rate=rate, gbits=False)
+    lat = lambda typ, p99: dict(size=2, iters=10, t_min=1, t_max=9, t_typical=typ, t_avg=typ, t_stdev=0,
+                                p99=p99, p999=p99)
+    rows = [("write_bw", 64, "perftest", "-", bw(64, 10.0, 0.16)), ("write_bw", 64, "pyrdma", "loop", bw(64, 5.0, 0.08)),
+            ("write_bw", 64, "pyrdma", "batched", bw(64, 8.0, 0.128)),
+            ("write_bw", 65536, "perftest", "-", bw(65536, 100.0, 0.0016)),
+            ("write_bw", 65536, "pyrdma", "loop", bw(65536, 90.0, 0.00144)),
+            ("write_bw", 65536, "pyrdma", "batched", bw(65536, 98.0, 0.001568)),
+            ("write_lat", 2, "perftest", "-", lat(10.0, 20.0)), ("write_lat", 2, "pyrdma", "loop", lat(12.0, 30.0)),
+            ("write_lat", 2, "pyrdma", "batched", lat(11.0, 25.0))]
+    for test, size, tool, mode, rep in rows:
+        b.rows.append(dict(test=test, size=size, tool=tool, mode=mode, report=rep))
+    return b
+
+
+def test_ratios_and_targets(sbs, tmp_path):
+    b = _bench(sbs, tmp_path)
+    comps = b.comparisons()
+    get = {(c["test"], c["size"], c["mode"], c["metric"]): c["ratio"] for c in comps}
+    assert get[("write_bw", 65536, "batched", "bw_avg")] == pytest.approx(0.98)
+    assert get[("write_bw", 64, "loop", "msg_rate")] == pytest.approx(0.5)
+    assert get[("write_lat", 2, "loop", "t_typical")] == pytest.approx(1.2)
+    targets = {t["name"]: t for t in b.targets(comps)}
+    assert [t["status"] for t in targets.values()] == ["MET", "MET", "MET"]
+    b.rows[5]["report"]["bw_avg"] = 90.0
+    assert b.targets(b.comparisons())[0]["status"] == "MISSED"
+
+
+def test_table_and_plots(sbs, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    b = _bench(sbs, tmp_path)
+    comps = b.comparisons()
+    sbs.print_table(comps, b.targets(comps))
+    out = capsys.readouterr().out
+    assert "write_bw" in out and "ours/pt" in out and "[MET]" in out
+    files = sbs.plot(b, str(tmp_path))
+    assert {os.path.basename(f) for f in files} == {"bw_vs_size.png", "latency.png"}
+    assert all(os.path.getsize(f) > 1000 for f in files)
+
+
+def test_listening_reads_proc(sbs):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert not sbs._listening(port)
+        s.listen(1)
+        assert sbs._listening(port)
