@@ -1,36 +1,97 @@
-"""Shared test setup. Device tests (marker ``device``) need a real RDMA device; when the
-environment says one is required (PYRDMA_REQUIRE_DEVICE=1, set by scripts/test.sh inside the VM),
-a missing device fails those tests instead of skipping them."""
+"""Shared test setup.
+
+Markers: ``device`` (needs a real RDMA device; scripts/test.sh runs these inside the Soft-RoCE VM) and
+``gpu`` (needs CUDA and CuPy). A device test skips when no RDMA device has an ACTIVE port, except when
+the environment says one is required (PYRDMA_REQUIRE_DEVICE=1, as scripts/test.sh sets for the VM
+run): then it fails, so a broken test bed can never pass as a row of skips.
+
+Fixtures: ``rdma_device_name`` (first device with an ACTIVE port, from sysfs, so it works before the
+binding is built) and ``gid_index`` (the GID index to use on its port 1).
+"""
+import glob
 import os
 
 import pytest
 
 REQUIRE_DEVICE = os.environ.get("PYRDMA_REQUIRE_DEVICE") == "1"
+SYSFS_INFINIBAND = "/sys/class/infiniband"
 
 
-def _device_available():
+def pytest_configure(config):
+    # Also in pyproject.toml; repeated here so the markers exist whatever config file pytest picks.
+    config.addinivalue_line("markers", "device: needs a real RDMA device (runs inside the Soft-RoCE VM in CI)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy")
+
+
+def active_rdma_devices(sysfs=SYSFS_INFINIBAND):
+    """Devices with an ACTIVE port, from sysfs. (pyrdma.testing.vm has the same; importing it would
+    import pyrdma and so need the built extension, which these fixtures must not.)"""
+    names = []
+    for state in sorted(glob.glob(os.path.join(sysfs, "*", "ports", "*", "state"))):
+        try:
+            with open(state) as f:
+                active = "ACTIVE" in f.read()
+        except OSError:
+            continue
+        name = state.split(os.sep)[-4]
+        if active and name not in names:
+            names.append(name)
+    return names
+
+
+def require_device():
+    """The first device with an ACTIVE port; else fail (PYRDMA_REQUIRE_DEVICE=1) or skip, saying why."""
+    names = active_rdma_devices(SYSFS_INFINIBAND)
+    if names:
+        return names[0]
+    why = f"no RDMA device with an ACTIVE port in {SYSFS_INFINIBAND}"
+    if REQUIRE_DEVICE:
+        pytest.fail(f"PYRDMA_REQUIRE_DEVICE=1 but {why}", pytrace=False)
+    pytest.skip(f"{why} (run device tests with: python3 -m pyrdma.testing.vm -- python3 -m pytest -m device)")
+
+
+def pytest_runtest_setup(item):
+    # Every device test, whether or not it asks for a fixture, needs the device.
+    if item.get_closest_marker("device") is not None:
+        require_device()
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def sysfs_best_gid_index(device, port=1, sysfs=SYSFS_INFINIBAND):
+    """Like Context.best_gid_index, from sysfs: InfiniBand -> 0; RoCE -> RoCEv2 IPv4-mapped, RoCEv2, any."""
+    base = os.path.join(sysfs, device, "ports", str(port))
+    if _read(os.path.join(base, "link_layer")) == "InfiniBand":
+        return 0
+    ranked = []
+    for path in glob.glob(os.path.join(base, "gids", "*")):
+        index = int(os.path.basename(path))
+        gid = _read(path)
+        if not gid or set(gid) <= {"0", ":"}:
+            continue
+        v2 = _read(os.path.join(base, "gid_attrs", "types", str(index))) == "RoCE v2"
+        ipv4 = gid.startswith("0000:0000:0000:0000:0000:ffff:")
+        ranked.append((not (v2 and ipv4), not v2, index))
+    return min(ranked)[2] if ranked else 0
+
+
+@pytest.fixture(scope="session")
+def rdma_device_name():
+    return require_device()
+
+
+@pytest.fixture(scope="session")
+def gid_index(rdma_device_name):
+    """The GID index to use on port 1 (rxe0 on lo: 1, the RoCEv2 IPv4-mapped 127.0.0.1)."""
     try:
         import pyrdma
-        with pyrdma.Context():
-            return True, ""
-    except Exception as exc:   # no device, no driver, no build: say why
-        return False, f"no usable RDMA device: {exc}"
-
-
-def pytest_collection_modifyitems(config, items):
-    device_items = [item for item in items if item.get_closest_marker("device")]
-    if not device_items:
-        return
-    ok, why = _device_available()
-    if ok:
-        return
-    for item in device_items:
-        if REQUIRE_DEVICE:
-            item.fixturenames.append("_require_device_failure")
-        else:
-            item.add_marker(pytest.mark.skip(reason=why))
-
-
-@pytest.fixture
-def _require_device_failure():
-    pytest.fail(f"PYRDMA_REQUIRE_DEVICE=1 but {_device_available()[1]}")
+    except ImportError:   # the binding is not built: sysfs tells the same story
+        return sysfs_best_gid_index(rdma_device_name)
+    with pyrdma.Context(rdma_device_name) as ctx:
+        return ctx.best_gid_index(1)

@@ -1,6 +1,18 @@
-"""Collectives over RDMA: pipelined ring and tree allreduce, reduce, broadcast, allgather,
-reduce_scatter and barrier on numpy (and CuPy) buffers. See Communicator."""
-from pyrdma.collectives.algorithms import CostModel
-from pyrdma.collectives.communicator import ALGORITHMS, OPS, Communicator, Handle, init_from_env
+"""Collectives over RDMA (or TCP): allreduce (ring, halving-doubling, recursive doubling), reduce,
+broadcast, allgather, reduce_scatter and barrier on numpy and buffer-protocol arrays, blocking and
+non-blocking. Start with ``Communicator`` or ``init_from_env()``.
 
-__all__ = ["Communicator", "Handle", "CostModel", "init_from_env", "OPS", "ALGORITHMS"]
+Layers, gloo-style: ``communicator`` (the API) runs algorithms (``ring``, ``tree``, picked by
+``costmodel``) that talk only to a transport (``transport``: RdmaTransport, TcpTransport);
+``bootstrap`` does the rendezvous; ``pyrdma._reduce`` holds the C reduction kernels.
+"""
+from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, env_config
+from pyrdma.collectives.communicator import (ALGORITHMS, OPS, TRANSPORTS, Communicator, Handle, init_from_env,
+                                             init_from_mpi, rdma_available)
+from pyrdma.collectives.costmodel import CostModel
+from pyrdma.collectives.pieces import segment_bounds
+from pyrdma.collectives.transport import RdmaTransport, TcpTransport
+
+__all__ = ["Communicator", "Handle", "init_from_env", "init_from_mpi", "rdma_available", "CostModel",
+           "TCPStore", "MPIExchange", "env_config", "RdmaTransport", "TcpTransport", "segment_bounds",
+           "OPS", "ALGORITHMS", "TRANSPORTS"]

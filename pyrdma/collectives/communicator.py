@@ -1,29 +1,57 @@
-"""Communicator: the public face of the collectives (allreduce, reduce, broadcast, allgather,
-reduce_scatter, barrier), each also non-blocking (``i*`` returning a Handle).
+"""Communicator: the public face of the collectives.
 
-Buffers: numpy arrays, anything with the buffer protocol, DLPack CPU tensors (torch) and CuPy
-arrays (through pyrdma.cuda's host-staging pipeline). Operations copy the input into the
-transport's registered work buffer (registered once, reused across calls), run the algorithm
-there, and copy the result out.
+    comm = Communicator(rank, size, "host:port")          # or Communicator.from_env() / .from_mpi()
+    comm.allreduce(x)                                      # in place, op="sum"
+    y = comm.allreduce(x, out=np.empty_like(x), op="max")  # out of place
+    h = comm.iallreduce(x); ...; h.wait(timeout=5)         # non-blocking
+
+Collectives: allreduce, reduce (to root), broadcast (from root), allgather, reduce_scatter,
+barrier, each with a non-blocking ``i*`` form returning a Handle. Ops: sum, prod, min, max, avg
+(avg = sum, then divided by the rank count; integers truncate toward zero, as NCCL). Dtypes:
+int8, uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arrays, or
+``dtype="bfloat16"`` with uint16 arrays holding the bits). Buffers: numpy arrays, anything with
+the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
+than ranks). CUDA arrays: allreduce goes through pyrdma.cuda's host-staging pipeline; the other
+collectives raise UsageError (GPU support for them is a separate piece of work).
+
+How it runs: the input is copied into the transport's registered work buffer (registered once,
+reused; grown when needed), the algorithm runs there, the result is copied out. One collective
+runs at a time per communicator, in the order they were called (all ranks must call the same
+collectives in the same order, as with MPI and NCCL). Non-blocking collectives run on one
+background thread per communicator; the C reductions and the RDMA completion polling release the
+GIL. Every wait has a timeout (``timeout``, seconds): a rank that died or stalls raises PeerError
+naming it instead of hanging, and the other ranks are told (an abort message) so that they fail
+fast too. Arguments that differ across ranks (sizes, dtypes, ops, roots, algorithms) are detected
+by a tag every message carries, and raise UsageError. After any such failure the communicator is
+unusable: close it and build a new one.
 """
-import os
+import functools
 import threading
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from pyrdma import _reduce
-from pyrdma.collectives import algorithms
+from pyrdma.collectives import ring, tree
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
-from pyrdma.errors import RDMATimeoutError, UsageError
+from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, CostModel
+from pyrdma.collectives.pieces import segment_bounds
+from pyrdma.collectives.transport import MISMATCH, NO_CULPRIT, PEER_FAILED
+from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
 
 OPS = ("sum", "prod", "min", "max", "avg")
-ALGORITHMS = ("auto", "ring", "tree")
+ALGORITHMS = ("auto",) + ALLREDUCE_ALGORITHMS + tuple(ALIASES)
+TRANSPORTS = ("auto", "rdma", "tcp")
+DEFAULT_MAX_WORK_BYTES = 64 << 20
+_SETUP_MAGIC = b"PYRDMA-COLL/1 "
+_KINDS = {"allreduce": 1, "reduce": 2, "broadcast": 3, "allgather": 4, "reduce_scatter": 5, "barrier": 6}
 
 
 class Handle:
-    """A collective in flight: ``wait(timeout)`` returns its result (or raises its error), ``test()``
-    says whether it has finished."""
+    """A collective in flight. ``wait(timeout=None)`` returns its result (or raises its error);
+    ``test()`` says whether it has finished. A wait that times out raises RDMATimeoutError and leaves
+    the collective running (every collective ends by itself: its own waits have timeouts)."""
 
     def __init__(self, future):
         self._future = future
@@ -31,102 +59,213 @@ class Handle:
     def test(self):
         return self._future.done()
 
+    done = property(test)
+
     def wait(self, timeout=None):
         try:
             return self._future.result(timeout)
         except TimeoutError:
-            raise RDMATimeoutError(f"collective still running after {timeout} s") from None
+            if self._future.done():
+                raise
+            raise RDMATimeoutError(f"the collective is still running after {timeout} s", call="Handle.wait") from None
+
+
+class _Done:
+    """A Handle-like result of a collective that ran inline."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def test(self):
+        return True
+
+    done = property(test)
+
+    def wait(self, timeout=None):
+        return self._result
 
 
 class _Operand:
-    """A user buffer as a flat C-contiguous numpy view, plus its reduction dtype code."""
+    """A user buffer as a flat C-contiguous numpy view (never a copy), with its reduction dtype."""
 
-    def __init__(self, obj, writable, name="buffer"):
+    def __init__(self, obj, name, writable, dtype=None):
         arr = _as_numpy(obj, name)
         if not arr.flags.c_contiguous:
             raise UsageError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
         if writable and not arr.flags.writeable:
-            raise UsageError(f"{name} is read-only; pass out= or a writable buffer")
-        self.array = arr.reshape(-1)
-        self.code = _reduce.dtype_code("bfloat16" if arr.dtype.name == "bfloat16" else arr.dtype)
-        self.itemsize = arr.dtype.itemsize
-        self.bytes = self.array.view(np.uint8)
+            raise UsageError(f"{name} is read-only; pass a writable buffer (or out=)")
+        self.obj = obj
+        self.code = _reduce.dtype_code(arr.dtype if dtype is None else dtype)
+        self.itemsize = _reduce.ITEMSIZE[self.code]
+        if arr.dtype.itemsize != self.itemsize:
+            raise UsageError(f"{name} has {arr.dtype.itemsize}-byte elements ({arr.dtype}); dtype={dtype!r} "
+                             f"needs {self.itemsize}-byte ones")
+        self.array = arr
+        flat = arr.reshape(-1)
+        if flat.dtype.name == "bfloat16":     # ml_dtypes arrays export no buffer: use their bits
+            flat = flat.view(np.uint16)
+        self.bytes = flat.view(np.uint8)
+        self.nbytes = self.bytes.nbytes
+        self.count = self.nbytes // self.itemsize
+        self.dtype_name = _reduce.DTYPE_NAMES[self.code]
+
+    def same_type(self, other, name):
+        if other.code != self.code or other.array.dtype != self.array.dtype:
+            raise UsageError(f"{name} has dtype {other.array.dtype}, the input has {self.array.dtype}")
 
 
 def _as_numpy(obj, name):
     if isinstance(obj, np.ndarray):
         return obj
-    if hasattr(obj, "__dlpack_device__"):
+    if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
         device_type = obj.__dlpack_device__()[0]
         if device_type != 1:   # kDLCPU
-            raise UsageError(f"{name} lives on DLPack device type {device_type}; only CPU tensors "
-                             f"(and CuPy arrays) are supported")
+            raise UsageError(f"{name} lives on DLPack device type {device_type}; only CPU memory "
+                             f"(and CUDA arrays for allreduce) is supported")
         return np.from_dlpack(obj)
     try:
-        return np.frombuffer(memoryview(obj), dtype=np.uint8) if not hasattr(obj, "dtype") else np.asarray(obj)
-    except TypeError:
+        return np.asarray(memoryview(obj))
+    except (TypeError, ValueError):
         raise UsageError(f"{name} ({type(obj).__name__}) is not an array, a buffer or a DLPack tensor") from None
 
 
 def _is_cuda(obj):
+    if isinstance(obj, np.ndarray):
+        return False
     if hasattr(obj, "__cuda_array_interface__"):
         return True
     dev = getattr(obj, "__dlpack_device__", None)
-    return dev is not None and dev()[0] in (2, 3, 13)   # CUDA, CUDA host, CUDA managed
+    if dev is None:
+        return False
+    try:
+        return dev()[0] in (2, 3, 13)   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+    except Exception:
+        return False
+
+
+def _check_op(op):
+    if op not in OPS:
+        raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
+
+
+def rdma_available(device=None):
+    """Whether an RDMA device with an ACTIVE port can be opened here."""
+    try:
+        import pyrdma
+        with pyrdma.Context(device):
+            return True
+    except Exception:
+        return False
 
 
 class Communicator:
     """A group of ``size`` processes that run collectives together.
 
-    Ways in: ``Communicator.from_env()`` (torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
-    ``Communicator.from_mpi(mpi4py_comm)``, or ``Communicator(rank, size, "host:port")``.
-    ``transport`` is "rdma" (one RC QP per peer; default) or "tcp" (sockets, for machines without
-    RDMA). Every wait gives up after ``timeout`` seconds with a PeerError naming the silent rank.
+    Ways in: ``Communicator(rank, size, "host:port")`` (rank 0 serves the rendezvous on that
+    port), ``Communicator.from_env()`` (torchrun: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
+    ``Communicator.from_mpi(mpi4py_comm)``, or ``Communicator(exchange=...)`` with any object that
+    has ``rank``, ``size`` and ``allgather(bytes) -> list[bytes]``.
+
+    ``transport``: "rdma" (one RC QP per peer), "tcp" (sockets), or "auto" (rdma when every rank
+    has an RDMA device, else tcp). ``timeout``: seconds any wait may take before the peer is
+    declared dead. ``max_message``: bytes per message (the pipelining chunk; RDMA slot size);
+    ``slots``: receive slots per peer (RDMA). ``cost_model``: a CostModel choosing algorithms for
+    ``algorithm="auto"``. ``max_work_bytes``: allreduce, reduce and broadcast of larger buffers run
+    in pieces of this size, bounding the registered work buffer.
     """
 
-    def __init__(self, rank, size, master=None, transport="rdma", timeout=60.0, device=None,
-                 exchange=None, cost_model=None, slot_bytes=None):
+    def __init__(self, rank=None, size=None, master=None, *, transport="auto", timeout=60.0, exchange=None,
+                 device=None, max_message=None, slots=None, cost_model=None, tcp_host=None,
+                 max_work_bytes=DEFAULT_MAX_WORK_BYTES, spin=None, slot_bytes=None):
+        if transport not in TRANSPORTS:
+            raise UsageError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+        if timeout is None or timeout <= 0:
+            raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if exchange is not None:
+            rank = exchange.rank if rank is None else rank
+            size = exchange.size if size is None else size
+            if (rank, size) != (exchange.rank, exchange.size):
+                raise UsageError(f"rank/size {rank}/{size} differ from the exchange's {exchange.rank}/{exchange.size}")
         check_rank(rank, size)
-        self.rank, self.size, self.timeout = rank, size, timeout
+        if slot_bytes is not None:       # the older name of max_message
+            max_message = slot_bytes if max_message is None else max_message
+        self.rank, self.size, self.timeout = rank, size, float(timeout)
+        self.max_work_bytes = int(max_work_bytes)
+        self._closed = False
+        self._broken = None
+        self._seq = 0
         own_exchange = exchange is None
         if exchange is None:
             if master is None:
-                raise UsageError("give master='host:port' of rank 0, or use from_env() / from_mpi()")
+                raise UsageError("give master='host:port' of rank 0, or use Communicator.from_env() / from_mpi()")
             host, port = parse_address(master)
             exchange = TCPStore(host, port, rank, size, timeout)
-        kwargs = {} if slot_bytes is None else {"slot_bytes": slot_bytes}
         try:
-            if transport == "rdma":
+            chosen = self._agree_on_transport(exchange, transport, device)
+            kwargs = {}
+            if max_message is not None:
+                kwargs["max_message"] = max_message
+            if chosen == "rdma":
                 from pyrdma.collectives.transport import RdmaTransport
-                self.transport = RdmaTransport(rank, size, exchange, timeout, device, **kwargs)
-            elif transport == "tcp":
-                from pyrdma.collectives.transport import TcpTransport
-                self.transport = TcpTransport(rank, size, exchange, timeout, **kwargs)
+                if slots is not None:
+                    kwargs["slots"] = slots
+                if spin is not None:
+                    kwargs["spin"] = spin
+                self.transport = RdmaTransport(rank, size, exchange, self.timeout, device, **kwargs)
             else:
-                raise UsageError(f"unknown transport {transport!r}; use 'rdma' or 'tcp'")
+                from pyrdma.collectives.transport import TcpTransport
+                self.transport = TcpTransport(rank, size, exchange, self.timeout, host=tcp_host, **kwargs)
         finally:
             if own_exchange:
                 exchange.close()
-        self.transport_name = transport
-        self.cost_model = cost_model or algorithms.CostModel()
-        self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-rank{rank}")
-        self._closed = False
+        self.transport_name = chosen
+        self.cost_model = cost_model or CostModel(transport=chosen)
+        self._exec_lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self._pending = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
+
+    def _agree_on_transport(self, exchange, transport, device):
+        """Every rank says what it wants (and, for auto, whether it can do RDMA); all must agree."""
+        mine = transport
+        if transport == "auto":
+            mine = "auto-rdma" if rdma_available(device) else "auto-tcp"
+        records = exchange.allgather(_SETUP_MAGIC + mine.encode())
+        wants = []
+        for r, rec in enumerate(records):
+            if not rec.startswith(_SETUP_MAGIC):
+                raise WireFormatError(f"rank {r} sent a foreign setup record {rec[:32]!r}")
+            wants.append(rec[len(_SETUP_MAGIC):].decode(errors="replace"))
+        explicit = {w for w in wants if not w.startswith("auto-")}
+        if len(explicit) > 1:
+            raise UsageError("the ranks asked for different transports: " +
+                             ", ".join(f"rank {r}: {w}" for r, w in enumerate(wants)))
+        if explicit:
+            chosen = explicit.pop()
+            if chosen == "rdma":
+                lacking = [r for r, w in enumerate(wants) if w == "auto-tcp"]
+                if lacking:
+                    raise UsageError(f"transport 'rdma' was asked for, but ranks {lacking} have no RDMA device")
+            return chosen
+        return "rdma" if all(w == "auto-rdma" for w in wants) else "tcp"
 
     @classmethod
     def from_env(cls, environ=None, **kwargs):
+        """From torchrun-style MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE."""
         host, port, rank, size = env_config(environ)
         return cls(rank, size, f"{host}:{port}", **kwargs)
 
     @classmethod
     def from_mpi(cls, mpi_comm=None, **kwargs):
+        """From an mpi4py communicator (default MPI.COMM_WORLD): rendezvous by MPI allgather."""
         if mpi_comm is None:
             from mpi4py import MPI
             mpi_comm = MPI.COMM_WORLD
-        exchange = MPIExchange(mpi_comm)
-        return cls(exchange.rank, exchange.size, exchange=exchange, **kwargs)
+        exchange = MPIExchange(mpi_comm, kwargs.get("timeout", 60.0))
+        return cls(exchange=exchange, **kwargs)
 
     def close(self):
+        """Finish queued collectives, then release the transport. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -140,184 +279,371 @@ class Communicator:
         self.close()
 
     def __repr__(self):
-        return f"<Communicator rank {self.rank} of {self.size} over {self.transport_name}>"
-
-    # ---- plumbing -----------------------------------------------------------------------------
-
-    def _submit(self, fn, *args):
-        # One worker thread runs every collective, blocking or not, in the order they were called.
-        if self._closed:
-            raise UsageError("the communicator is closed")
-        return Handle(self._executor.submit(self._locked, fn, *args))
-
-    def _locked(self, fn, *args):
-        with self._lock:
-            return fn(*args)
-
-    def _reducer(self, code, op):
-        opc = _reduce.op_code(op)   # validates op
-        dtype_arg = "bfloat16" if code == 7 else None
-
-        def reduce(dst, src):
-            if dtype_arg is None:
-                _reduce.reduce_into(dst.view(_CODE_DTYPES[code]), src.view(_CODE_DTYPES[code]), op)
-            else:
-                _reduce.reduce_into(dst.view(np.uint16), src.view(np.uint16), op, dtype="bfloat16")
-        return reduce
-
-    def _prepare(self, buf, out, name_out="out", out_nbytes=None):
-        src = _Operand(buf, writable=out is None)
-        dst = src if out is None else _Operand(out, writable=True, name=name_out)
-        if out is not None and dst.array.dtype != src.array.dtype:
-            raise UsageError(f"{name_out} has dtype {dst.array.dtype}, input has {src.array.dtype}")
-        expected = src.bytes.nbytes if out_nbytes is None else out_nbytes
-        if dst.bytes.nbytes != expected:
-            raise UsageError(f"{name_out} has {dst.bytes.nbytes} bytes, expected {expected}")
-        return src, dst
-
-    def _finish_avg(self, view, code, op):
-        if op == "avg":
-            _reduce.divide(view.view(_CODE_DTYPES[code]) if code != 7 else view.view(np.uint16), self.size,
-                           dtype="bfloat16" if code == 7 else None)
-
-    # ---- collectives --------------------------------------------------------------------------
-
-    def allreduce(self, buf, out=None, op="sum", algorithm="auto"):
-        """Element-wise reduction of ``buf`` over all ranks, into ``out`` (default: in place)."""
-        if _is_cuda(buf):
-            from pyrdma.cuda import staged_allreduce
-            return staged_allreduce(self, buf, op)
-        return self.iallreduce(buf, out, op, algorithm).wait()
-
-    def iallreduce(self, buf, out=None, op="sum", algorithm="auto"):
-        if op not in OPS:
-            raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
-        if algorithm not in ALGORITHMS:
-            raise UsageError(f"unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
-        src, dst = self._prepare(buf, out)
-        return self._submit(self._allreduce, src, dst, op, algorithm)
-
-    def _allreduce(self, src, dst, op, algorithm):
-        t = self.transport
-        nbytes = src.bytes.nbytes
-        count = nbytes // src.itemsize
-        work = t.work(nbytes)
-        work[:] = src.bytes
-        if algorithm == "auto":
-            algorithm = self.cost_model.choose(nbytes, self.size, t.max_message)
-        run = algorithms.ring_allreduce if algorithm == "ring" else algorithms.tree_allreduce
-        run(t, work, count, src.itemsize, self._reducer(src.code, op))
-        self._finish_avg(work, src.code, op)
-        dst.bytes[:] = work
-        return dst.array
-
-    def reduce(self, buf, out=None, op="sum", root=0):
-        """Reduction of ``buf`` over all ranks, delivered on ``root`` only (into out, default in place)."""
-        return self.ireduce(buf, out, op, root).wait()
-
-    def ireduce(self, buf, out=None, op="sum", root=0):
-        self._check_root(root)
-        if op not in OPS:
-            raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
-        src, dst = self._prepare(buf, out)
-        return self._submit(self._reduce_to_root, src, dst, op, root)
-
-    def _reduce_to_root(self, src, dst, op, root):
-        work = self.transport.work(src.bytes.nbytes)
-        work[:] = src.bytes
-        algorithms.chain_reduce(self.transport, work, src.itemsize, self._reducer(src.code, op), root)
-        if self.rank == root:
-            self._finish_avg(work, src.code, op)
-            dst.bytes[:] = work
-        return dst.array
-
-    def broadcast(self, buf, root=0):
-        """Copy ``buf`` of ``root`` into ``buf`` of every rank."""
-        return self.ibroadcast(buf, root).wait()
-
-    def ibroadcast(self, buf, root=0):
-        self._check_root(root)
-        src = _Operand(buf, writable=True)
-        return self._submit(self._broadcast, src, root)
-
-    def _broadcast(self, src, root):
-        work = self.transport.work(src.bytes.nbytes)
-        if self.rank == root:
-            work[:] = src.bytes
-        algorithms.chain_broadcast(self.transport, work, src.itemsize, root)
-        if self.rank != root:
-            src.bytes[:] = work
-        return src.array
-
-    def allgather(self, buf, out=None):
-        """Concatenate every rank's ``buf`` (equal sizes) in rank order into ``out`` (size * len(buf))."""
-        return self.iallgather(buf, out).wait()
-
-    def iallgather(self, buf, out=None):
-        src = _Operand(buf, writable=False)
-        if out is None:
-            out = np.empty(src.array.size * self.size, src.array.dtype)
-        dst = _Operand(out, writable=True, name="out")
-        if dst.array.dtype != src.array.dtype or dst.bytes.nbytes != src.bytes.nbytes * self.size:
-            raise UsageError(f"out must hold {self.size} x {src.array.size} {src.array.dtype} elements")
-        return self._submit(self._allgather, src, dst)
-
-    def _allgather(self, src, dst):
-        block = src.bytes.nbytes
-        work = self.transport.work(block * self.size)
-        work[self.rank * block:(self.rank + 1) * block] = src.bytes
-        algorithms.ring_allgather(self.transport, work, src.array.size * self.size, src.itemsize)
-        dst.bytes[:] = work
-        return dst.array
-
-    def reduce_scatter(self, buf, out=None, op="sum"):
-        """Reduce ``buf`` over all ranks; rank i receives the i-th of ``size`` near-equal segments
-        (the first ``len(buf) % size`` ... see ``segment_bounds``)."""
-        return self.ireduce_scatter(buf, out, op).wait()
+        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        return f"<Communicator rank {self.rank} of {self.size} over {self.transport_name} ({state})>"
 
     def segment_bounds(self, count):
-        """Element range [start, stop) of each rank's segment of a ``count``-element reduce_scatter."""
-        b = algorithms._bounds(count, self.size)
+        """[(start, stop)] element range of each rank's part of a ``count``-element reduce_scatter:
+        near-equal, the first ``count % size`` ranks get one element more."""
+        b = segment_bounds(count, self.size)
         return [(b[i], b[i + 1]) for i in range(self.size)]
 
-    def ireduce_scatter(self, buf, out=None, op="sum"):
-        if op not in OPS:
-            raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
-        src = _Operand(buf, writable=False)
-        start, stop = self.segment_bounds(src.array.size)[self.rank]
-        if out is None:
-            out = np.empty(stop - start, src.array.dtype)
-        dst = _Operand(out, writable=True, name="out")
-        if dst.array.dtype != src.array.dtype or dst.array.size != stop - start:
-            raise UsageError(f"out must hold {stop - start} {src.array.dtype} elements (this rank's segment)")
-        return self._submit(self._reduce_scatter, src, dst, op, start, stop)
+    # ---- running collectives ------------------------------------------------------------------
 
-    def _reduce_scatter(self, src, dst, op, start, stop):
-        work = self.transport.work(src.bytes.nbytes)
-        work[:] = src.bytes
-        algorithms.ring_reduce_scatter(self.transport, work, src.array.size, src.itemsize,
-                                       self._reducer(src.code, op))
-        mine = work[start * src.itemsize:stop * src.itemsize]
-        self._finish_avg(mine, src.code, op)
-        dst.bytes[:] = mine
-        return dst.array
+    def _tag(self, kind, *fields):
+        """The tag of a collective about to be submitted: every rank computes the same one for the
+        same call (the sequence number advances in _submit, once the call was accepted)."""
+        text = "|".join(str(f) for f in (self._seq, _KINDS[kind]) + fields).encode()
+        return zlib.crc32(text)
 
-    def barrier(self):
-        """Return only when every rank has entered the barrier."""
-        self.ibarrier().wait()
+    def _submit(self, blocking, fn, *args):
+        if self._closed:
+            raise UsageError("the communicator is closed")
+        self._raise_if_broken()
+        self._seq += 1
+        with self._count_lock:
+            inline = blocking and self._pending == 0
+            if not inline:
+                self._pending += 1
+        if inline:
+            with self._exec_lock:
+                return _Done(self._guarded(fn, *args))
+        future = self._executor.submit(self._run_queued, fn, *args)
+        return Handle(future)
 
-    def ibarrier(self):
-        token = _Operand(np.zeros(1, np.uint8), writable=True)
-        return self._submit(self._allreduce, token, token, "max", "tree")
+    def _run_queued(self, fn, *args):
+        try:
+            with self._exec_lock:
+                self._raise_if_broken()
+                return self._guarded(fn, *args)
+        finally:
+            with self._count_lock:
+                self._pending -= 1
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _fail(self, exc):
+        """A collective failed halfway: the message streams are out of step for good. Tell the
+        peers (so they fail now rather than at their timeout) and refuse further collectives."""
+        if self._broken is not None:
+            return
+        self._broken = exc
+        culprit = getattr(exc, "peer", None)
+        if not isinstance(culprit, int) or not 0 <= culprit < self.size:
+            culprit = self.rank if not isinstance(exc, RDMAError) else NO_CULPRIT
+        reason = MISMATCH if isinstance(exc, UsageError) else PEER_FAILED
+        try:
+            self.transport.abort(culprit, reason)
+        except Exception:
+            pass
+
+    def _raise_if_broken(self):
+        exc = self._broken
+        if exc is None:
+            return
+        cls = UsageError if isinstance(exc, UsageError) else PeerError
+        err = cls(f"the communicator is unusable after an earlier failure: {exc}")
+        err.peer = getattr(exc, "peer", None)
+        raise err
+
+    def _reducer(self, code, op):
+        return functools.partial(_reduce.reduce_bytes, dtype=code, op=_reduce.op_code("sum" if op == "avg" else op))
+
+    def _pieces(self, count, itemsize, factor=1):
+        """Element ranges of at most max_work_bytes / factor bytes each (at least one range)."""
+        per = max(1, self.max_work_bytes // (itemsize * factor))
+        if count <= per:
+            return [(0, count)]
+        return [(s, min(count, s + per)) for s in range(0, count, per)]
+
+    # ---- allreduce ----------------------------------------------------------------------------
+
+    def allreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
+        """Element-wise ``op`` of ``buf`` over all ranks, into ``out`` (default: ``buf``, in place).
+        Returns the result buffer."""
+        if _is_cuda(buf) or (out is not None and _is_cuda(out)):
+            return self._cuda_allreduce(buf, out, op, algorithm, dtype)
+        return self._iallreduce(buf, out, op, algorithm, dtype, blocking=True).wait()
+
+    def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
+        """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done."""
+        if _is_cuda(buf) or (out is not None and _is_cuda(out)):
+            raise UsageError("non-blocking collectives on CUDA arrays are not supported; use allreduce()")
+        return self._iallreduce(buf, out, op, algorithm, dtype, blocking=False)
+
+    def _iallreduce(self, buf, out, op, algorithm, dtype, blocking):
+        _check_op(op)
+        algorithm = self._check_algorithm(algorithm)
+        src = _Operand(buf, "buf", writable=out is None, dtype=dtype)
+        dst = src
+        if out is not None:
+            dst = _Operand(out, "out", writable=True, dtype=dtype)
+            src.same_type(dst, "out")
+            if dst.count != src.count:
+                raise UsageError(f"out has {dst.count} elements ({dst.nbytes} bytes, expected {src.nbytes}): "
+                                 f"it must match buf")
+        plan = []
+        for lo, hi in self._pieces(src.count, src.itemsize):
+            nbytes = (hi - lo) * src.itemsize
+            algo = algorithm
+            if algo == "auto":
+                algo = self.cost_model.choose_allreduce(nbytes, self.size, self.transport.max_message)
+                algo = ALIASES.get(algo, algo)
+                if algo not in ALLREDUCE_ALGORITHMS:
+                    raise UsageError(f"the cost model chose an unknown algorithm {algo!r}")
+            plan.append((lo, hi, algo, self._tag("allreduce", op, src.code, src.count, lo, hi, algo)))
+        return self._submit(blocking, self._allreduce, src, dst, op, plan)
+
+    def _check_algorithm(self, algorithm):
+        if algorithm not in ALGORITHMS:
+            raise UsageError(f"unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+        return ALIASES.get(algorithm, algorithm)
+
+    def _allreduce(self, src, dst, op, plan):
+        t = self.transport
+        reduce = self._reducer(src.code, op)
+        itemsize = src.itemsize
+        for lo, hi, algo, tag in plan:
+            a, b = lo * itemsize, hi * itemsize
+            nbytes = b - a
+            work = t.buffer(2 * nbytes if algo == "recursive_doubling" else nbytes)
+            work[:nbytes] = src.bytes[a:b]
+            t.set_tag(tag)
+            if algo == "ring":
+                ring.ring_allreduce(t, hi - lo, itemsize, reduce)
+            elif algo == "halving_doubling":
+                tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
+            else:
+                tree.recursive_doubling_allreduce(t, hi - lo, itemsize, reduce)
+            if op == "avg":
+                _reduce.divide_bytes(work[:nbytes], src.code, self.size)
+            dst.bytes[a:b] = work[:nbytes]
+        return dst.obj
+
+    def _cuda_allreduce(self, buf, out, op, algorithm, dtype):
+        # The hook for GPU buffers: host staging through pyrdma.cuda (chunks come back as numpy
+        # arrays and run through this Communicator's host allreduce).
+        if out is not None or algorithm != "auto" or dtype is not None:
+            raise UsageError("allreduce of a CUDA array supports only in-place operation with "
+                             "algorithm='auto' and the array's own dtype")
+        _check_op(op)
+        from pyrdma.cuda import staged_allreduce
+        return staged_allreduce(self, buf, op)
+
+    # ---- reduce, broadcast ----------------------------------------------------------------------
+
+    def _rooted_algorithm(self, algorithm, nbytes):
+        if algorithm == "auto":
+            return self.cost_model.choose_rooted(nbytes, self.size, self.transport.max_message)
+        if algorithm not in ROOTED_ALGORITHMS:
+            raise UsageError(f"unknown algorithm {algorithm!r} for reduce/broadcast; use auto, "
+                             f"{', '.join(ROOTED_ALGORITHMS)}")
+        return algorithm
 
     def _check_root(self, root):
-        if not 0 <= root < self.size:
-            raise UsageError(f"root {root} outside 0..{self.size - 1}")
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise UsageError(f"root {root!r} is not a rank of this communicator (0..{self.size - 1})")
+        return int(root)
+
+    def _no_cuda(self, what, *objs):
+        if any(o is not None and _is_cuda(o) for o in objs):
+            raise UsageError(f"{what} of CUDA arrays is not supported yet (only allreduce stages through "
+                             f"the host); copy to host memory first")
+
+    def reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
+        """Element-wise ``op`` over all ranks, delivered to ``root`` only (into ``out``, default in
+        place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
+        return self._ireduce(buf, out, op, root, algorithm, dtype, True).wait()
+
+    def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
+        return self._ireduce(buf, out, op, root, algorithm, dtype, False)
+
+    def _ireduce(self, buf, out, op, root, algorithm, dtype, blocking):
+        self._no_cuda("reduce", buf, out)
+        _check_op(op)
+        root = self._check_root(root)
+        is_root = self.rank == root
+        src = _Operand(buf, "buf", writable=is_root and out is None, dtype=dtype)
+        dst = src
+        if out is not None:
+            dst = _Operand(out, "out", writable=is_root, dtype=dtype)
+            src.same_type(dst, "out")
+            if dst.count != src.count:
+                raise UsageError(f"out has {dst.count} elements ({dst.nbytes} bytes, expected {src.nbytes}): "
+                                 f"it must match buf")
+        plan = []
+        for lo, hi in self._pieces(src.count, src.itemsize):
+            algo = self._rooted_algorithm(algorithm, (hi - lo) * src.itemsize)
+            plan.append((lo, hi, algo, self._tag("reduce", op, src.code, src.count, root, lo, hi, algo)))
+        return self._submit(blocking, self._reduce_to_root, src, dst, op, root, plan)
+
+    def _reduce_to_root(self, src, dst, op, root, plan):
+        t = self.transport
+        reduce = self._reducer(src.code, op)
+        itemsize = src.itemsize
+        for lo, hi, algo, tag in plan:
+            a, b = lo * itemsize, hi * itemsize
+            work = t.buffer(b - a)
+            work[:b - a] = src.bytes[a:b]
+            t.set_tag(tag)
+            if algo == "chain":
+                ring.chain_reduce(t, hi - lo, itemsize, reduce, root)
+            else:
+                tree.binomial_reduce(t, hi - lo, itemsize, reduce, root)
+            if self.rank == root:
+                if op == "avg":
+                    _reduce.divide_bytes(work[:b - a], src.code, self.size)
+                dst.bytes[a:b] = work[:b - a]
+        return dst.obj if self.rank == root else None
+
+    def broadcast(self, buf, root=0, algorithm="auto"):
+        """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
+        return self._ibroadcast(buf, root, algorithm, True).wait()
+
+    def ibroadcast(self, buf, root=0, algorithm="auto"):
+        return self._ibroadcast(buf, root, algorithm, False)
+
+    def _ibroadcast(self, buf, root, algorithm, blocking):
+        self._no_cuda("broadcast", buf)
+        root = self._check_root(root)
+        arr = _as_numpy(buf, "buf")       # any dtype: broadcast copies bytes
+        if not arr.flags.c_contiguous:
+            raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
+        if self.rank != root and not arr.flags.writeable:
+            raise UsageError("buf is read-only; on a rank other than root it receives the data")
+        data = _raw_bytes(arr)
+        plan = []
+        for lo, hi in self._pieces(data.nbytes, 1):
+            algo = self._rooted_algorithm(algorithm, hi - lo)
+            plan.append((lo, hi, algo, self._tag("broadcast", str(arr.dtype), data.nbytes, root, lo, hi, algo)))
+        return self._submit(blocking, self._broadcast, data, buf, root, plan)
+
+    def _broadcast(self, data, obj, root, plan):
+        t = self.transport
+        for lo, hi, algo, tag in plan:
+            work = t.buffer(hi - lo)
+            if self.rank == root:
+                work[:hi - lo] = data[lo:hi]
+            t.set_tag(tag)
+            if algo == "chain":
+                ring.chain_broadcast(t, hi - lo, 1, root)
+            else:
+                tree.binomial_broadcast(t, hi - lo, 1, root)
+            if self.rank != root:
+                data[lo:hi] = work[:hi - lo]
+        return obj
+
+    # ---- allgather, reduce_scatter, barrier -----------------------------------------------------
+
+    def allgather(self, buf, out=None):
+        """Every rank's ``buf`` (the same size on all ranks), concatenated in rank order into ``out``
+        (size * buf.size elements; default a new array concatenated along the first axis, shape
+        (size * len(buf),) + buf.shape[1:], as torch's all_gather_into_tensor)."""
+        return self._iallgather(buf, out, True).wait()
+
+    def iallgather(self, buf, out=None):
+        return self._iallgather(buf, out, False)
+
+    def _iallgather(self, buf, out, blocking):
+        self._no_cuda("allgather", buf, out)
+        arr = _as_numpy(buf, "buf")
+        if not arr.flags.c_contiguous:
+            raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
+        if out is None:
+            shape = (self.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (self.size,)
+            out = np.empty(shape, arr.dtype)
+        dst_arr = _as_numpy(out, "out")
+        if not dst_arr.flags.c_contiguous or not dst_arr.flags.writeable:
+            raise UsageError("out must be a writable C-contiguous buffer")
+        if dst_arr.dtype != arr.dtype or dst_arr.size != arr.size * self.size:
+            raise UsageError(f"out must hold {self.size} x {arr.size} elements of {arr.dtype}; "
+                             f"it has {dst_arr.size} of {dst_arr.dtype}")
+        src_bytes = _raw_bytes(arr)
+        tag = self._tag("allgather", str(arr.dtype), arr.size)
+        return self._submit(blocking, self._allgather, src_bytes, _raw_bytes(dst_arr), out, tag)
+
+    def _allgather(self, src_bytes, dst_bytes, out, tag):
+        t = self.transport
+        block = src_bytes.nbytes
+        work = t.buffer(block * self.size)
+        work[self.rank * block:(self.rank + 1) * block] = src_bytes
+        t.set_tag(tag)
+        # blocks as "elements" of one byte: boundaries at multiples of the block size
+        ring.ring_allgather(t, block * self.size, 1, bounds=[i * block for i in range(self.size + 1)])
+        dst_bytes[:] = work[:block * self.size]
+        return out
+
+    def reduce_scatter(self, buf, out=None, op="sum", dtype=None):
+        """Element-wise ``op`` of ``buf`` over all ranks; rank i receives segment i of
+        ``segment_bounds(len(buf))`` into ``out`` (default a new 1-D array). Returns ``out``."""
+        return self._ireduce_scatter(buf, out, op, dtype, True).wait()
+
+    def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
+        return self._ireduce_scatter(buf, out, op, dtype, False)
+
+    def _ireduce_scatter(self, buf, out, op, dtype, blocking):
+        self._no_cuda("reduce_scatter", buf, out)
+        _check_op(op)
+        src = _Operand(buf, "buf", writable=False, dtype=dtype)
+        bounds = segment_bounds(src.count, self.size)
+        start, stop = bounds[self.rank], bounds[self.rank + 1]
+        if out is None:
+            out = np.empty(stop - start, src.array.dtype)
+        dst = _Operand(out, "out", writable=True, dtype=dtype)
+        src.same_type(dst, "out")
+        if dst.count != stop - start:
+            raise UsageError(f"out must hold this rank's {stop - start} elements (segment_bounds), it has {dst.count}")
+        tag = self._tag("reduce_scatter", op, src.code, src.count)
+        return self._submit(blocking, self._reduce_scatter, src, dst, op, bounds, tag)
+
+    def _reduce_scatter(self, src, dst, op, bounds, tag):
+        t = self.transport
+        work = t.buffer(src.nbytes)
+        work[:src.nbytes] = src.bytes
+        t.set_tag(tag)
+        ring.ring_reduce_scatter(t, src.count, src.itemsize, self._reducer(src.code, op), bounds)
+        mine = work[bounds[self.rank] * src.itemsize:bounds[self.rank + 1] * src.itemsize]
+        if op == "avg":
+            _reduce.divide_bytes(mine, src.code, self.size)
+        dst.bytes[:] = mine
+        return dst.obj
+
+    def barrier(self):
+        """Return once every rank has entered the barrier."""
+        self._ibarrier(True).wait()
+
+    def ibarrier(self):
+        return self._ibarrier(False)
+
+    def _ibarrier(self, blocking):
+        tag = self._tag("barrier")
+        return self._submit(blocking, self._barrier, tag)
+
+    def _barrier(self, tag):
+        self.transport.set_tag(tag)
+        tree.dissemination_barrier(self.transport)
 
 
-_CODE_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.int64, 4: np.float16, 5: np.float32, 6: np.float64}
+def _raw_bytes(arr):
+    """A flat uint8 view of a C-contiguous array of any dtype (bfloat16 and structured included)."""
+    flat = arr.reshape(-1)
+    try:
+        return flat.view(np.uint8)
+    except ValueError:
+        return flat.view(f"V{arr.dtype.itemsize}").view(np.uint8)
 
 
 def init_from_env(**kwargs):
-    """A Communicator from torchrun-style environment variables."""
+    """A Communicator from torchrun-style environment variables (MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE); keyword arguments as for Communicator."""
     return Communicator.from_env(**kwargs)
+
+
+def init_from_mpi(mpi_comm=None, **kwargs):
+    """A Communicator whose rendezvous runs over an mpi4py communicator."""
+    return Communicator.from_mpi(mpi_comm, **kwargs)

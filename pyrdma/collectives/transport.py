@@ -1,20 +1,38 @@
-"""Point-to-point channels the collective algorithms are written against (gloo's "pair").
+"""Point-to-point channels the collective algorithms are written against (gloo's "pair"/"buffer").
 
-The interface, per peer rank: ``send(peer, chunk)`` posts a chunk of the work buffer (at most
-``max_message`` bytes); ``recv(peer, nbytes)`` waits for the next chunk from that peer (in order)
-and returns a read-only view of it; ``release(peer)`` says that view was consumed; ``flush()``
-waits until every posted send has left local memory. ``work(nbytes)`` hands out the reusable
-buffer the chunks must live in.
+The algorithms see only this interface; a transport never knows the algorithm.
 
-RdmaTransport: one RC QP per peer. A chunk is an RDMA WRITE_WITH_IMM into one of the peer's
-registered receive slots; the immediate carries slot and length. The receiver returns a credit
-(a zero-byte WRITE_WITH_IMM) when it has consumed a slot, so a sender never overwrites a slot
-that was not consumed. Everything is registered once: the slots at start-up, the work buffer when
-it grows (the registration cache).
+    t.rank, t.size, t.max_message        who we are; the largest message in bytes
+    t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
+    t.set_tag(tag)                       stamp of the collective now running (checked on receive)
+    t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
+    t.recv(peer, nbytes) -> uint8 view   wait for the next message from peer (messages arrive in
+                                         the order they were sent); valid until release(peer)
+    t.release(peer)                      that view has been consumed (its slot may be reused)
+    t.wait_sends(peer=None)              every posted send has left local memory (work may change)
+    t.abort(culprit, reason)             best effort: tell every peer this group is failing
+    t.close()
 
-TcpTransport: the same contract over sockets, for machines without RDMA and for host tests.
+RdmaTransport: one RC QP per peer. Each rank registers, once, ``slots`` receive slots of
+``max_message`` bytes per peer. A message is one RDMA WRITE_WITH_IMM from the sender's registered
+work buffer straight into the receiver's next slot (slot = message number mod slots: RC delivers in
+order, so the slot index need not travel); the 32-bit immediate carries the kind, the collective's
+tag and the length. Flow control is by credits: a sender starts with ``slots`` credits, spends one
+per message and waits when it has none; the receiver returns consumed slots as credits (a zero-byte
+WRITE_WITH_IMM, batched by half the slots), so a slot is never overwritten before it was consumed.
+
+TcpTransport: the same contract over one TCP connection per pair of ranks, for machines without
+RDMA and for host tests; a reader thread per peer drains its socket so senders never block on a
+peer that is itself busy sending.
+
+Failures. Every wait gives up after ``timeout`` seconds with a PeerError. A peer that disconnects,
+fails a work completion or reports an abort raises PeerError at once. Whom to blame on a timeout
+is found out, not guessed: shortly before the deadline the waiting rank asks the peer it waits for
+what *it* is waiting for (a QUERY, answered from that peer's own wait loop with a REPORT), and
+follows the chain; the rank at its end, one that does not answer, is the one that stalled or
+died. So in a ring where rank 2 hangs, ranks 3 and 0 both name rank 2, not their neighbour.
 """
-import queue
+import collections
 import socket
 import struct
 import threading
@@ -22,232 +40,619 @@ import time
 
 import numpy as np
 
-from pyrdma.errors import CompletionError, PeerError, RDMATimeoutError, UsageError
+from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
-DEFAULT_SLOT_BYTES = 256 * 1024
+DEFAULT_RDMA_MESSAGE = 256 * 1024
+DEFAULT_TCP_MESSAGE = 1024 * 1024
 DEFAULT_SLOTS = 8
-_CREDIT = 1 << 31
+MAX_RDMA_MESSAGE = 4 * 1024 * 1024   # the immediate carries a 23-bit length
+MAX_RANKS = 0xFFFE                   # a REPORT carries a 16-bit rank
+
+# Abort reasons (carried by ABORT messages)
+PEER_FAILED, MISMATCH, LEFT = 0, 1, 2
+_REASONS = {PEER_FAILED: "failed", MISMATCH: "called a collective that does not match", LEFT: "left"}
+NO_CULPRIT = 0xFFFFFF
 
 
-def _mismatch(peer, got, expected):
-    return UsageError(f"rank {peer} sent a {got}-byte chunk where {expected} bytes were expected: "
-                      f"the ranks disagree on the buffer size, dtype or operation")
+def abort_error(reporter, culprit, reason):
+    """The exception a rank raises when ``reporter`` says the group failed because of ``culprit``."""
+    who = "an unknown rank" if culprit == NO_CULPRIT else f"rank {culprit}"
+    if reason == MISMATCH:
+        err = UsageError(f"rank {reporter} found that {who} called a different collective (size, dtype, op, "
+                         f"root or algorithm differ across ranks); the communicator is unusable now")
+        err.peer = culprit if culprit != NO_CULPRIT else reporter
+        return err
+    return PeerError(f"rank {reporter} reports that {who} {_REASONS.get(reason, 'failed')}; "
+                     f"the communicator is unusable now", peer=reporter if culprit == NO_CULPRIT else culprit)
 
 
-class RdmaTransport:
-    """RC QPs to every peer, connected through ``exchange`` (an object with ``allgather(bytes)``)."""
+def mismatch_error(peer, what):
+    err = UsageError(f"rank {peer} sent {what}: the ranks disagree on the collective (buffer size, "
+                     f"dtype, op, root or algorithm differ across ranks)")
+    err.peer = peer
+    return err
 
-    def __init__(self, rank, size, exchange, timeout=60.0, device=None, slot_bytes=DEFAULT_SLOT_BYTES,
-                 slots=DEFAULT_SLOTS):
+
+def _grow(nbytes, minimum=64 * 1024):
+    return max(minimum, 1 << max(0, int(nbytes) - 1).bit_length())
+
+
+class _Waits:
+    """Timeouts and the wait-for diagnosis shared by both transports.
+
+    Subclasses provide ``_step(seconds)`` (make progress or sleep at most that long),
+    ``_send_query(peer, epoch)`` and keep ``self.reports`` ({peer: rank it waits for}, for the
+    current epoch) up to date from incoming REPORTs."""
+
+    def _init_waits(self, timeout):
+        if self.size > MAX_RANKS:
+            raise UsageError(f"at most {MAX_RANKS} ranks are supported, got {self.size}")
+        self.timeout = float(timeout)
+        self.probe_lead = min(1.0, self.timeout / 4)   # ask around this long before the deadline
+        self.failure = None
+        self.waiting_on = None
+        self.epoch = 0
+        self.reports = {}
+
+    def _wait(self, ready, peer, what):
+        """Make progress until ``ready()``; on timeout raise PeerError naming the rank to blame."""
+        if ready():
+            return
+        self.epoch = (self.epoch + 1) & 0xFFF
+        self.reports = {}
+        self.waiting_on = peer
+        queried = set()
+        start = time.monotonic()
+        deadline = start + self.timeout
+        probe_at = deadline - self.probe_lead
+        try:
+            while True:
+                if self.failure is not None:
+                    raise self.failure
+                self._check_peer(peer)
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._stall_error(peer, what)
+                if now >= probe_at:
+                    suspect = self._chain_end(peer)[0]
+                    if suspect not in queried and suspect != self.rank:
+                        queried.add(suspect)
+                        self._send_query(suspect, self.epoch)
+                    self._step(min(deadline - now, 0.05))
+                else:
+                    self._step(min(probe_at, deadline) - now)
+                if ready():
+                    return
+        finally:
+            self.waiting_on = None
+
+    def _check_peer(self, peer):
+        pass
+
+    def _chain_end(self, peer):
+        """Follow "X waits for Y" reports from ``peer``: (last rank, the chain)."""
+        chain = [peer]
+        while chain[-1] in self.reports:
+            nxt = self.reports[chain[-1]]
+            if nxt in chain or nxt == self.rank or not 0 <= nxt < self.size:
+                break
+            chain.append(nxt)
+        return chain[-1], chain
+
+    def _stall_error(self, peer, what):
+        suspect, chain = self._chain_end(peer)
+        t = f"{self.timeout:g} s"
+        if self.reports.get(suspect) == self.rank:
+            return PeerError(f"rank {self.rank} and rank {suspect} wait for each other (for {what}) since {t}: "
+                             f"the ranks called different collectives?", peer=suspect)
+        if suspect == peer:
+            return PeerError(f"rank {peer} did not answer within {t} while rank {self.rank} waited for {what} "
+                             f"(dead or stalled?)", peer=peer)
+        path = " -> ".join(f"rank {r}" for r in chain)
+        return PeerError(f"rank {suspect} is dead or stalled: rank {self.rank} waited {t} for {what} from rank "
+                         f"{peer}, and the wait-for chain {path} ends at rank {suspect}, which does not answer",
+                         peer=suspect)
+
+
+# ------------------------------------------------------------------------------------------------
+# RDMA
+
+_KIND_DATA, _KIND_CREDIT, _KIND_ABORT, _KIND_CONTROL = 0, 1, 2, 3
+_CTRL_QUERY, _CTRL_REPORT = 0, 1
+_TAG_BITS = 7
+_LEN_MASK = (1 << 23) - 1
+
+
+def _imm_data(tag, nbytes):
+    return (_KIND_DATA << 30) | ((tag & ((1 << _TAG_BITS) - 1)) << 23) | nbytes
+
+
+def _imm_credit(count):
+    return (_KIND_CREDIT << 30) | count
+
+
+def _imm_abort(culprit, reason):
+    return (_KIND_ABORT << 30) | ((reason & 0x3F) << 24) | (culprit & 0xFFFFFF)
+
+
+def _imm_control(sub, epoch, value=0):
+    return (_KIND_CONTROL << 30) | (sub << 28) | ((epoch & 0xFFF) << 16) | (value & 0xFFFF)
+
+
+class RdmaTransport(_Waits):
+    """RC QPs to every peer, connected through ``exchange`` (anything with ``allgather(bytes)``).
+
+    ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
+    busy polling precede sleeping on the completion channel (cheap on an idle core, polite on a
+    busy one)."""
+
+    name = "rdma"
+
+    def __init__(self, rank, size, exchange, timeout=60.0, device=None, max_message=DEFAULT_RDMA_MESSAGE,
+                 slots=DEFAULT_SLOTS, spin=50e-6, port=1, gid_index=None):
         import pyrdma as rd
         from pyrdma.endpoint import Endpoint, WIRE_SIZE
 
+        if not 0 < max_message <= MAX_RDMA_MESSAGE:
+            raise UsageError(f"max_message must be within 1..{MAX_RDMA_MESSAGE}, got {max_message}")
+        if slots < 1 or slots > 0xFFFF:
+            raise UsageError(f"slots must be within 1..65535, got {slots}")
         self.rd = rd
-        self.rank, self.size, self.timeout = rank, size, timeout
-        self.max_message = slot_bytes
-        self.slots = slots
-        peers = [p for p in range(size) if p != rank]
+        self.rank, self.size = rank, size
+        self._init_waits(timeout)
+        self.max_message, self.slots, self.spin = int(max_message), int(slots), spin
+        self.slot_stride = (self.max_message + 63) & ~63
+        self.peers = [p for p in range(size) if p != rank]
+        self._closed = False
+        self.tag = 0
         self.ctx = rd.Context(device)
+        try:
+            self._setup(rd, Endpoint, WIRE_SIZE, exchange, port, gid_index)
+        except BaseException:
+            self.ctx.close()
+            raise
+
+    def _setup(self, rd, Endpoint, WIRE_SIZE, exchange, port, gid_index):
+        npeers = len(self.peers)
         self.pd = rd.ProtectionDomain(self.ctx)
-        depth = 2 * slots + 8
-        self.cq = rd.CompletionQueue(self.ctx, max(64, min(4 * depth * max(1, len(peers)),
-                                                           self.ctx.query_device().max_cqe)))
-        self.sq_depth = depth
-        self.qp, self.region, self.remote = {}, {}, {}
-        self.credits = {p: slots for p in peers}
-        self.send_seq = {p: 0 for p in peers}
-        self.outstanding = {p: 0 for p in peers}
-        self.arrivals = {p: [] for p in peers}
+        self.channel = rd.CompChannel(self.ctx)
+        # data <= slots in flight, credits <= slots / batch, plus control and abort messages
+        self.sq_depth = 2 * self.slots + 8
+        self.rq_depth = 2 * self.slots + 8
+        max_cqe = self.ctx.query_device().max_cqe
+        cqe = max(16, min(max_cqe, npeers * (self.sq_depth + self.rq_depth) + 16))
+        self.cq = rd.CompletionQueue(self.ctx, cqe, channel=self.channel)
+        self.credit_batch = max(1, self.slots // 2)
+        # Receive slots of every peer in one registration; peer p owns [slot_base[p], + per_peer).
+        per_peer = self.slots * self.slot_stride
+        self.slot_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * per_peer,
+                                                rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
+        self.slot_array = self.slot_mr.array()
+        self.slot_base = {p: i * per_peer for i, p in enumerate(self.peers)}
+        self.qp, self.remote = {}, {}
         self.peer_of_qpn = {}
-        self._recv_wr = {}
-        remote_access = rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE
-        for p in peers:
-            qp = rd.QueuePair(self.pd, rd.QPT_RC, self.cq, max_send_wr=depth, max_recv_wr=depth)
-            qp.to_init()
-            self._recv_wr[p] = rd.RecvWR([], wr_id=p)
-            for _ in range(depth):
-                qp.post_recv(self._recv_wr[p])
+        self.credits = {p: self.slots for p in self.peers}
+        self.unreturned = {p: 0 for p in self.peers}
+        self.send_seq = {p: 0 for p in self.peers}
+        self.recv_seq = {p: 0 for p in self.peers}
+        self.outstanding = {p: 0 for p in self.peers}     # posted WRs not completed yet
+        self.data_outstanding = {p: 0 for p in self.peers}
+        self.arrivals = {p: collections.deque() for p in self.peers}
+        self._recv_wr = rd.RecvWR([], wr_id=0)   # WRITE_WITH_IMM consumes a receive but no buffer
+        for p in self.peers:
+            qp = rd.QueuePair(self.pd, rd.QPT_RC, self.cq, max_send_wr=self.sq_depth, max_recv_wr=self.rq_depth,
+                              port=port, gid_index=gid_index)
+            qp.to_init(port=port)
+            for _ in range(self.rq_depth):
+                qp.post_recv(self._recv_wr)
             self.qp[p] = qp
-            self.region[p] = rd.MemoryRegion.allocate(self.pd, slot_bytes * slots, remote_access)
             self.peer_of_qpn[qp.qp_num] = p
+        self._work_mr = None
+        self._work = None
+        self.buffer(0)
         placeholder = Endpoint(qpn=0, psn=0)
-        record = b"".join((self.qp[p].endpoint(mr=self.region[p]) if p != rank else placeholder).to_bytes()
-                          for p in range(size))
+        record = b"".join((placeholder if p == self.rank else self.qp[p].endpoint(mr=self.slot_mr)).to_bytes()
+                          for p in range(self.size))
         records = exchange.allgather(record)
-        for p in peers:
-            ep = Endpoint.from_bytes(records[p][rank * WIRE_SIZE:(rank + 1) * WIRE_SIZE])
+        for p in self.peers:
+            rec = records[p]
+            if len(rec) != self.size * WIRE_SIZE:
+                raise WireFormatError(f"rank {p} sent a {len(rec)}-byte connection record, expected "
+                                      f"{self.size * WIRE_SIZE} (different world size or pyrdma version?)")
+            ep = Endpoint.from_bytes(rec[self.rank * WIRE_SIZE:(self.rank + 1) * WIRE_SIZE])
             self.qp[p].to_rtr(ep)
             self.qp[p].to_rts()
-            self.remote[p] = ep
-        exchange.allgather(b"connected")   # nobody writes before every QP is ready to receive
-        self._work = None
-        self._work_mr = None
+            # our slots in the peer's region: it orders its peers by rank, skipping itself
+            their_index = self.rank if self.rank < p else self.rank - 1
+            self.remote[p] = (ep.addr + their_index * self.slots * self.slot_stride, ep.rkey)
+        exchange.allgather(b"rdma-connected")   # nobody writes before every QP is ready to receive
         self._wcs = np.empty(64, rd.WC_DTYPE)
 
-    def work(self, nbytes):
+    # ---- the interface ------------------------------------------------------------------------
+
+    def buffer(self, nbytes):
         if self._work is None or self._work.nbytes < nbytes:
             if self._work_mr is not None:
+                self.wait_sends()
                 self._work_mr.close()
-            size = max(4096, 1 << max(0, int(nbytes) - 1).bit_length())
-            self._work_mr = self.rd.MemoryRegion.allocate(self.pd, size, self.rd.ACCESS_LOCAL_WRITE)
+            self._work_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
             self._work = self._work_mr.array()
-        return self._work[:nbytes]
+        return self._work
 
-    def _progress(self, deadline, waiting_for):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise PeerError(f"rank {waiting_for} did not answer within {self.timeout} s "
-                            f"(dead or stalled?)", peer=waiting_for)
-        try:
-            n = self.cq.poll_wait(self._wcs, 1, timeout=min(remaining, 1.0))
-        except RDMATimeoutError:
-            return
-        for wr_id, status, opcode, imm, qpn in zip(self._wcs["wr_id"][:n].tolist(), self._wcs["status"][:n].tolist(),
-                                                   self._wcs["opcode"][:n].tolist(),
-                                                   self._wcs["imm_data"][:n].tolist(),
-                                                   self._wcs["qp_num"][:n].tolist()):
-            peer = self.peer_of_qpn.get(qpn, wr_id)
-            if status != self.rd.WC_SUCCESS:
-                raise PeerError(f"link to rank {peer} failed: {self.rd.wc_status_name(status)} "
-                                f"({self.rd.wc_status_str(status)}); the peer died or left", peer=peer)
-            if opcode == self.rd.WC_RECV_RDMA_WITH_IMM:
-                self.qp[peer].post_recv(self._recv_wr[peer])
-                if imm & _CREDIT:
-                    self.credits[peer] += imm & 0xFFFF
-                else:
-                    self.arrivals[peer].append((imm >> 24, imm & 0xFFFFFF))
-            else:
-                self.outstanding[peer] -= 1
+    def set_tag(self, tag):
+        self.tag = tag & ((1 << _TAG_BITS) - 1)
 
-    def send(self, peer, chunk):
-        nbytes = chunk.nbytes
+    def send(self, peer, offset, nbytes):
         if nbytes > self.max_message:
-            raise UsageError(f"chunk of {nbytes} bytes exceeds the {self.max_message}-byte slots")
-        deadline = time.monotonic() + self.timeout
-        while self.credits[peer] == 0 or self.outstanding[peer] >= self.sq_depth:
-            self._progress(deadline, peer)
+            raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
+        if self.credits[peer] == 0 or self.outstanding[peer] >= self.sq_depth:
+            self._wait(lambda: self.credits[peer] > 0 and self.outstanding[peer] < self.sq_depth, peer,
+                       "a free receive slot (a credit)")
+        addr, rkey = self.remote[peer]
         slot = self.send_seq[peer] % self.slots
-        offset = chunk.ctypes.data - self._work.ctypes.data if nbytes else 0
-        remote = self.remote[peer]
-        self.qp[peer].post_write(self._work_mr, offset, nbytes, remote.addr + slot * self.max_message,
-                                 remote.rkey, wr_id=peer, imm=(slot << 24) | nbytes)
+        self._post(peer, offset, nbytes, addr + slot * self.slot_stride, rkey, _imm_data(self.tag, nbytes), data=True)
         self.credits[peer] -= 1
         self.send_seq[peer] += 1
-        self.outstanding[peer] += 1
 
     def recv(self, peer, nbytes):
-        deadline = time.monotonic() + self.timeout
-        while not self.arrivals[peer]:
-            self._progress(deadline, peer)
-        slot, got = self.arrivals[peer].pop(0)
+        arrivals = self.arrivals[peer]
+        if not arrivals:
+            self._wait(lambda: len(arrivals) > 0, peer, f"a {nbytes}-byte message")
+        tag, got = arrivals.popleft()
+        if tag != self.tag:
+            raise mismatch_error(peer, "a message of a different collective")
         if got != nbytes:
-            raise _mismatch(peer, got, nbytes)
-        start = slot * self.max_message
-        return self.region[peer].array()[start:start + got]
+            raise mismatch_error(peer, f"a {got}-byte message where rank {self.rank} expected {nbytes} bytes")
+        start = self.slot_base[peer] + (self.recv_seq[peer] % self.slots) * self.slot_stride
+        self.recv_seq[peer] += 1
+        return self.slot_array[start:start + nbytes]
 
     def release(self, peer):
-        deadline = time.monotonic() + self.timeout
-        while self.outstanding[peer] >= self.sq_depth:
-            self._progress(deadline, peer)
-        remote = self.remote[peer]
-        self.qp[peer].post_write(self._work_mr, 0, 0, remote.addr, remote.rkey, wr_id=peer, imm=_CREDIT | 1)
-        self.outstanding[peer] += 1
+        self.unreturned[peer] += 1
+        if self.unreturned[peer] >= self.credit_batch:
+            if self.outstanding[peer] >= self.sq_depth:
+                self._wait(lambda: self.outstanding[peer] < self.sq_depth, peer, "send queue space")
+            addr, rkey = self.remote[peer]
+            self._post(peer, 0, 0, addr, rkey, _imm_credit(self.unreturned[peer]), data=False)
+            self.unreturned[peer] = 0
 
-    def flush(self):
-        deadline = time.monotonic() + self.timeout
-        for peer, count in self.outstanding.items():
-            while self.outstanding[peer] > 0:
-                self._progress(deadline, peer)
+    def wait_sends(self, peer=None):
+        for p in (self.peers if peer is None else (peer,)):
+            if self.data_outstanding[p]:
+                self._wait(lambda: self.data_outstanding[p] == 0, p, "the completion of its sends")
+
+    def abort(self, culprit, reason):
+        """Tell every peer (best effort, no waiting) that this group failed because of ``culprit``."""
+        if self._closed:
+            return
+        for p in self.peers:
+            if p == culprit and reason == PEER_FAILED:
+                continue
+            self._post_control(p, _imm_abort(culprit, reason))
 
     def close(self):
-        self.ctx.close()
+        if self._closed:
+            return
+        self._closed = True
+        self.ctx.close()   # closes QPs, MRs, CQ, channel and PD, children first
 
+    # ---- internals ----------------------------------------------------------------------------
 
-class TcpTransport:
-    """The same contract over one TCP connection per pair; a reader thread per peer drains it."""
+    def _post(self, peer, offset, nbytes, remote_addr, rkey, imm, data):
+        self.qp[peer].post_write(self._work_mr, offset, nbytes, remote_addr, rkey,
+                                 wr_id=(peer << 1) | int(data), imm=imm)
+        self.outstanding[peer] += 1
+        if data:
+            self.data_outstanding[peer] += 1
 
-    def __init__(self, rank, size, exchange, timeout=60.0, host="127.0.0.1", slot_bytes=DEFAULT_SLOT_BYTES):
-        self.rank, self.size, self.timeout = rank, size, timeout
-        self.max_message = slot_bytes
-        self.inbox = {p: queue.Queue() for p in range(size) if p != rank}
-        self.socks = {}
-        listener = socket.create_server((host, 0))
-        listener.settimeout(timeout)
-        addresses = exchange.allgather(f"{host}:{listener.getsockname()[1]}".encode())
+    def _post_control(self, peer, imm):
+        """A zero-byte message outside flow control; dropped when the send queue is full."""
+        if self.outstanding[peer] >= self.sq_depth:
+            return
+        addr, rkey = self.remote[peer]
         try:
-            for p in range(rank):   # connect to lower ranks, accept from higher ones
-                h, port = addresses[p].decode().rsplit(":", 1)
-                s = socket.create_connection((h, int(port)), timeout=timeout)
-                s.sendall(struct.pack("!i", rank))
-                self.socks[p] = s
-            for _ in range(rank + 1, size):
-                s, _ = listener.accept()
-                s.settimeout(timeout)
-                (p,) = struct.unpack("!i", self._read(s, 4))
-                self.socks[p] = s
+            self._post(peer, 0, 0, addr, rkey, imm, data=False)
+        except RDMAError:
+            pass
+
+    def _send_query(self, peer, epoch):
+        self._post_control(peer, _imm_control(_CTRL_QUERY, epoch))
+
+    def _step(self, seconds):
+        """Handle the completions there are; if none, wait up to ``seconds`` for one (spin first,
+        then sleep on the completion channel)."""
+        cq = self.cq
+        n = cq.poll_into(self._wcs)
+        if n == 0 and seconds > 0:
+            try:
+                n = cq.poll_wait(self._wcs, 1, timeout=min(self.spin, seconds))
+            except self.rd.RDMATimeoutError:
+                n = 0
+            if n == 0 and seconds > self.spin:
+                cq.req_notify()
+                n = cq.poll_into(self._wcs)   # one that came before the arming
+                if n == 0:
+                    cq.wait(timeout=min(seconds, 1.0))
+                    n = cq.poll_into(self._wcs)
+        if n:
+            self._handle(n)
+
+    def _handle(self, n):
+        wcs = self._wcs[:n]
+        rd = self.rd
+        for wr_id, status, opcode, imm, qpn in zip(wcs["wr_id"].tolist(), wcs["status"].tolist(),
+                                                   wcs["opcode"].tolist(), wcs["imm_data"].tolist(),
+                                                   wcs["qp_num"].tolist()):
+            peer = self.peer_of_qpn.get(qpn, wr_id >> 1)
+            if status != rd.WC_SUCCESS:
+                if self.failure is None:
+                    self.failure = PeerError(
+                        f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(status)} "
+                        f"({rd.wc_status_str(status)}); rank {peer} died or left", peer=peer)
+                continue
+            if opcode == rd.WC_RECV_RDMA_WITH_IMM:
+                self.qp[peer].post_recv(self._recv_wr)
+                kind = imm >> 30
+                if kind == _KIND_DATA:
+                    self.arrivals[peer].append(((imm >> 23) & ((1 << _TAG_BITS) - 1), imm & _LEN_MASK))
+                elif kind == _KIND_CREDIT:
+                    self.credits[peer] += imm & 0xFFFF
+                elif kind == _KIND_ABORT:
+                    if self.failure is None:
+                        self.failure = abort_error(peer, imm & 0xFFFFFF, (imm >> 24) & 0x3F)
+                else:
+                    sub, epoch, value = (imm >> 28) & 3, (imm >> 16) & 0xFFF, imm & 0xFFFF
+                    if sub == _CTRL_QUERY and self.waiting_on is not None:
+                        self._post_control(peer, _imm_control(_CTRL_REPORT, epoch, self.waiting_on))
+                    elif sub == _CTRL_REPORT and epoch == self.epoch:
+                        self.reports[peer] = value
+            else:
+                self.outstanding[peer] -= 1
+                if wr_id & 1:
+                    self.data_outstanding[peer] -= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# TCP
+
+_HELLO = struct.Struct("!8sBxxxii")          # magic, version, rank, world size
+_HELLO_MAGIC = b"PYRDMATC"
+_HELLO_VERSION = 1
+_FRAME = struct.Struct("!BxxxIQ")             # kind, tag (abort: reason; control: epoch), length or value
+_TCP_QUERY, _TCP_REPORT = 3, 4
+
+
+class TcpTransport(_Waits):
+    """The same contract over one TCP connection per pair of ranks.
+
+    ``host``: the address this rank listens on and advertises (default: the address it used to
+    reach the rendezvous, from ``exchange.advertise_host``, else 127.0.0.1). Only the thread that
+    runs the collective writes to the sockets; reader threads only read."""
+
+    name = "tcp"
+
+    def __init__(self, rank, size, exchange, timeout=60.0, host=None, max_message=DEFAULT_TCP_MESSAGE):
+        self.rank, self.size = rank, size
+        self._init_waits(timeout)
+        self.max_message = int(max_message)
+        if self.max_message < 1:
+            raise UsageError(f"max_message must be >= 1, got {max_message}")
+        self.peers = [p for p in range(size) if p != rank]
+        self.tag = 0
+        self._closed = False
+        self._cond = threading.Condition()
+        self.inbox = {p: collections.deque() for p in self.peers}
+        self.gone = {}                       # peer -> why its connection ended
+        self.queries = {}                    # peer -> epoch of its unanswered QUERY
+        self.socks = {}
+        self._work = None
+        host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
+        listener = socket.create_server(("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, 0))
+        try:
+            listener.settimeout(self.timeout)
+            addresses = exchange.allgather(f"{host}:{listener.getsockname()[1]}".encode())
+            self._connect_all(listener, addresses)
+        except BaseException:
+            for s in self.socks.values():
+                s.close()
+            raise
         finally:
             listener.close()
         self._readers = []
         for p, s in self.socks.items():
-            s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=self._reader, args=(p, s), daemon=True)
+            s.settimeout(self.timeout)
+            t = threading.Thread(target=self._reader, args=(p, s), daemon=True, name=f"pyrdma-tcp-{rank}<-{p}")
             t.start()
             self._readers.append(t)
-        self._work = None
 
-    @staticmethod
-    def _read(sock, n):
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed")
-            buf += chunk
-        return bytes(buf)
+    def _connect_all(self, listener, addresses):
+        end = time.monotonic() + self.timeout
+        hello = _HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, self.rank, self.size)
+        for p in range(self.rank):   # connect to lower ranks, accept from higher ones
+            host, _, port = addresses[p].decode().rpartition(":")
+            try:
+                s = socket.create_connection((host, int(port)), timeout=max(0.1, end - time.monotonic()))
+            except OSError as exc:
+                raise PeerError(f"rank {self.rank} cannot connect to rank {p} at {host}:{port}: {exc}",
+                                peer=p) from None
+            s.sendall(hello)
+            self.socks[p] = s
+        while len(self.socks) < self.size - 1:
+            listener.settimeout(max(0.01, end - time.monotonic()))
+            try:
+                s, addr = listener.accept()
+            except socket.timeout:
+                missing = [p for p in range(self.rank + 1, self.size) if p not in self.socks]
+                raise PeerError(f"ranks {missing} did not connect to rank {self.rank} within {self.timeout:g} s",
+                                peer=missing[0]) from None
+            s.settimeout(max(0.01, end - time.monotonic()))
+            try:
+                magic, version, p, size = _HELLO.unpack(_recv_exact(s, _HELLO.size))
+            except (OSError, EOFError):
+                s.close()
+                continue
+            if magic != _HELLO_MAGIC or version != _HELLO_VERSION or size != self.size \
+                    or not self.rank < p < self.size or p in self.socks:
+                s.close()
+                raise WireFormatError(f"rank {self.rank}: unexpected connection from {addr[0]}:{addr[1]} "
+                                      f"(magic {magic!r}, version {version}, rank {p}, size {size})")
+            self.socks[p] = s
 
-    def _reader(self, peer, sock):
-        try:
-            while True:
-                (n,) = struct.unpack("!Q", self._read(sock, 8))
-                self.inbox[peer].put(self._read(sock, n))
-        except (OSError, ConnectionError):
-            self.inbox[peer].put(None)   # the peer is gone
+    # ---- the interface ------------------------------------------------------------------------
 
-    def work(self, nbytes):
+    def buffer(self, nbytes):
         if self._work is None or self._work.nbytes < nbytes:
-            self._work = np.empty(max(4096, 1 << max(0, int(nbytes) - 1).bit_length()), np.uint8)
-        return self._work[:nbytes]
+            self._work = np.empty(_grow(nbytes), np.uint8)
+        return self._work
 
-    def send(self, peer, chunk):
-        try:
-            self.socks[peer].sendall(struct.pack("!Q", chunk.nbytes) + chunk.tobytes())
-        except OSError as exc:
-            raise PeerError(f"sending to rank {peer} failed: {exc}; the peer died or left", peer=peer) from None
+    def set_tag(self, tag):
+        self.tag = tag & 0xFFFFFFFF
+
+    def send(self, peer, offset, nbytes):
+        if nbytes > self.max_message:
+            raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
+        if self.failure is not None:
+            raise self.failure
+        header = _FRAME.pack(_KIND_DATA, self.tag, nbytes)
+        if nbytes <= 65536:
+            self._send_bytes(peer, header + self._work[offset:offset + nbytes].tobytes())
+        else:
+            self._send_bytes(peer, header)
+            self._send_bytes(peer, memoryview(self._work)[offset:offset + nbytes])
 
     def recv(self, peer, nbytes):
-        try:
-            data = self.inbox[peer].get(timeout=self.timeout)
-        except queue.Empty:
-            raise PeerError(f"rank {peer} did not answer within {self.timeout} s (dead or stalled?)",
-                            peer=peer) from None
-        if data is None:
-            self.inbox[peer].put(None)
-            raise PeerError(f"rank {peer} closed its connection (died or left)", peer=peer)
+        inbox = self.inbox[peer]
+        if not inbox:
+            self._wait(lambda: len(inbox) > 0, peer, f"a {nbytes}-byte message")
+        with self._cond:
+            tag, data = inbox.popleft()
+        if tag != self.tag:
+            raise mismatch_error(peer, "a message of a different collective")
         if len(data) != nbytes:
-            raise _mismatch(peer, len(data), nbytes)
+            raise mismatch_error(peer, f"a {len(data)}-byte message where rank {self.rank} expected {nbytes} bytes")
         return np.frombuffer(data, np.uint8)
 
     def release(self, peer):
         pass
 
-    def flush(self):
-        pass
+    def wait_sends(self, peer=None):
+        pass   # sendall() returned: the kernel has the bytes
 
-    def close(self):
-        for s in self.socks.values():
+    def abort(self, culprit, reason):
+        frame = _FRAME.pack(_KIND_ABORT, reason, culprit)
+        for p, s in self.socks.items():
+            if p in self.gone or (p == culprit and reason == PEER_FAILED):
+                continue
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                s.settimeout(1.0)
+                s.sendall(frame)
             except OSError:
                 pass
+
+    def close(self):
+        """Graceful: stop sending, let each peer's reader see our end, wait briefly for theirs."""
+        if self._closed:
+            return
+        self._closed = True
+        for s in self.socks.values():
+            try:
+                s.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        end = time.monotonic() + min(self.timeout, 2.0)
+        for t in self._readers:
+            t.join(max(0.0, end - time.monotonic()))
+        for s in self.socks.values():
             s.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _send_bytes(self, peer, data):
+        sock = self.socks[peer]
+        try:
+            sock.sendall(data)
+        except socket.timeout:
+            raise PeerError(f"rank {peer} took no data from rank {self.rank} for {self.timeout:g} s "
+                            f"(dead or stalled?)", peer=peer) from None
+        except OSError as exc:
+            raise PeerError(f"rank {peer} is gone: sending to it failed ({exc})", peer=peer) from None
+
+    def _check_peer(self, peer):
+        if peer in self.gone and not self.inbox[peer]:
+            raise PeerError(f"rank {peer} is gone: {self.gone[peer]} (it died, or closed its communicator)",
+                            peer=peer)
+
+    def _send_query(self, peer, epoch):
+        try:
+            self._send_bytes(peer, _FRAME.pack(_TCP_QUERY, epoch, 0))
+        except PeerError:
+            pass
+
+    def _step(self, seconds):
+        with self._cond:
+            if not self.queries and self.failure is None:
+                self._cond.wait(max(0.0, seconds))
+            queries, self.queries = self.queries, {}
+        for p, epoch in queries.items():   # answer "what are you waiting for?" from the wait loop
+            if self.waiting_on is not None:
+                try:
+                    self._send_bytes(p, _FRAME.pack(_TCP_REPORT, epoch, self.waiting_on))
+                except PeerError:
+                    pass
+
+    def _reader(self, peer, sock):
+        why = "the connection closed"
+        try:
+            while True:
+                try:
+                    header = _recv_exact(sock, _FRAME.size, idle_ok=True)
+                except EOFError:
+                    break
+                kind, tag, length = _FRAME.unpack(header)
+                if kind == _KIND_DATA:
+                    data = _recv_exact(sock, length) if length else b""
+                    with self._cond:
+                        self.inbox[peer].append((tag, data))
+                        self._cond.notify_all()
+                elif kind == _KIND_ABORT:
+                    with self._cond:
+                        if self.failure is None:
+                            self.failure = abort_error(peer, length, tag)
+                        self._cond.notify_all()
+                elif kind == _TCP_QUERY:
+                    with self._cond:
+                        self.queries[peer] = tag
+                        self._cond.notify_all()
+                elif kind == _TCP_REPORT:
+                    with self._cond:
+                        if tag == self.epoch:
+                            self.reports[peer] = length
+                        self._cond.notify_all()
+                else:
+                    why = f"it sent an unknown frame kind {kind}"
+                    break
+        except (OSError, EOFError) as exc:
+            why = f"the connection broke ({exc or type(exc).__name__})"
+        with self._cond:
+            self.gone[peer] = why
+            self._cond.notify_all()
+
+
+def _recv_exact(sock, n, idle_ok=False):
+    """Exactly n bytes. EOFError on a clean end before the first byte (idle_ok: a timeout before
+    the first byte just waits on)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            if idle_ok and got == 0:
+                continue
+            raise
+        if k == 0:
+            raise EOFError("the peer closed the connection" + (" mid-message" if got else ""))
+        got += k
+    return bytes(buf) if n <= 64 else buf

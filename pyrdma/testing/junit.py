@@ -1,50 +1,83 @@
-"""Check JUnit XML reports: ``python -m pyrdma.testing.junit HOST.xml DEVICE.xml``.
+"""Check pytest's JUnit XML reports: ``python -m pyrdma.testing.junit HOST.xml DEVICE.xml``.
 
-Prints one summary line per report and exits non-zero if a report is missing or unreadable,
-any test failed or errored, the device report ran no test, or any device test was skipped
-(a skipped device test means the device path went untested).
+Prints one summary line per report and exits non-zero if a report is missing or unreadable, any
+test failed or errored, no device test ran, or any device test was skipped (a skipped device test
+means the device path went untested). Expected failures (xfail) are counted apart, not as skips.
 """
 import sys
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Report:
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    xfailed: int = 0
+    skipped_names: list = field(default_factory=list)
+    failed_names: list = field(default_factory=list)
+
+    @property
+    def tests(self):
+        return self.passed + self.failed + self.errors + self.skipped + self.xfailed
+
+    def line(self, label):
+        extra = f", {self.xfailed} xfailed" if self.xfailed else ""
+        return (f"{label}: {self.tests} tests: {self.passed} passed, {self.failed} failed, {self.errors} errors, "
+                f"{self.skipped} skipped{extra}")
 
 
 def summarize(path):
-    """(tests, failures, errors, skipped, skipped_names) of a pytest JUnit XML file."""
+    """A Report of a pytest JUnit XML file, counted from its <testcase> elements."""
     root = ET.parse(path).getroot()
-    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
-    tests = failures = errors = skipped = 0
-    names = []
-    for suite in suites:
-        tests += int(suite.get("tests", 0))
-        failures += int(suite.get("failures", 0))
-        errors += int(suite.get("errors", 0))
-        skipped += int(suite.get("skipped", 0))
-        for case in suite.iter("testcase"):
-            if case.find("skipped") is not None:
-                names.append(f"{case.get('classname')}::{case.get('name')}")
-    return tests, failures, errors, skipped, names
+    report = Report()
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        skip = case.find("skipped")
+        if case.find("failure") is not None:
+            report.failed += 1
+            report.failed_names.append(name)
+        elif case.find("error") is not None:
+            report.errors += 1
+            report.failed_names.append(name)
+        elif skip is not None and skip.get("type") == "pytest.xfail":
+            report.xfailed += 1
+        elif skip is not None:
+            report.skipped += 1
+            report.skipped_names.append(f"{name} ({skip.get('message', '')})")
+        else:
+            report.passed += 1
+    return report
 
 
-def check(host_xml, device_xml):
-    problems = []
-    for label, path in (("host", host_xml), ("device", device_xml)):
+def problems(label, report, device):
+    """What makes this report a failure (empty list: it passes)."""
+    found = []
+    if report.failed or report.errors:
+        found.append(f"{label}: {report.failed} failed, {report.errors} errors: {', '.join(report.failed_names[:10])}")
+    if device and report.tests == 0:
+        found.append(f"{label}: no device test ran")
+    if device and report.skipped:
+        found.append(f"{label}: {report.skipped} device tests were skipped: {'; '.join(report.skipped_names[:10])}")
+    return found
+
+
+def check(host_xml, device_xml, out=sys.stdout):
+    """Print a summary of both reports and what is wrong with them; 0 if nothing is."""
+    found = []
+    for label, path, device in (("host", host_xml, False), ("device", device_xml, True)):
         try:
-            tests, failures, errors, skipped, names = summarize(path)
+            report = summarize(path)
         except (OSError, ET.ParseError) as exc:
-            problems.append(f"{label}: no readable report at {path} ({exc})")
+            found.append(f"{label}: no readable report at {path} ({exc})")
             continue
-        print(f"{label}: {tests - failures - errors - skipped} passed, {failures + errors} failed, "
-              f"{skipped} skipped")
-        if failures or errors:
-            problems.append(f"{label}: {failures} failed, {errors} errors")
-        if label == "device":
-            if tests == 0:
-                problems.append("device: no device test ran")
-            if skipped:
-                problems.append(f"device: {skipped} device tests were skipped: {', '.join(names[:10])}")
-    for p in problems:
-        print("FAIL " + p)
-    return 1 if problems else 0
+        print(report.line(label), file=out)
+        found += problems(label, report, device)
+    for p in found:
+        print("FAIL " + p, file=out)
+    return 1 if found else 0
 
 
 if __name__ == "__main__":

@@ -3,10 +3,15 @@ otherwise inside a virtme-ng VM with the kernel's Soft-RoCE driver (rxe0 on lo).
 
     python -m pyrdma.testing.vm [--rwdir DIR] [--timeout S] -- CMD [ARGS...]
 
-The VM boots Debian's kernel with this machine's files as its root (read-only with overlays;
-``--rwdir`` directories are writable and shared back), loads rdma_rxe, creates rxe0, waits for
-its port to be ACTIVE, then runs CMD from the current directory with the caller's environment.
-Exit status: CMD's own; 125 when the VM or rxe0 could not be brought up; 124 on timeout.
+The VM boots the newest /boot/vmlinuz-* that has the rdma_rxe module, with this machine's files
+as its root filesystem (read-only, with a throw-away overlay; each ``--rwdir`` directory is writable
+and shared back to the host). A guest script loads rdma_rxe, creates rxe0 on lo, waits for its port
+to be ACTIVE, then runs CMD from the current directory with the caller's environment variables
+(PYTHONPATH, PYRDMA_*, ... see ``PASSED_ENV``; the guest's PATH is its own, so name the host's
+Python by absolute path, e.g. ``sys.executable``). CMD's output streams through.
+
+Exit status: CMD's own; 125 (``VM_FAILED``) when the VM did not boot or rxe0 did not come up;
+124 (``TIMED_OUT``) when the timeout expired (the VM is killed).
 """
 import argparse
 import glob
@@ -14,146 +19,295 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 
 VM_FAILED = 125
 TIMED_OUT = 124
-# Environment variables that are passed into the guest (the guest starts with a clean environment).
-PASSED_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYRDMA_REQUIRE_DEVICE", "PYTEST_ADDOPTS", "HOME", "LANG",
-              "MPLBACKEND", "PYRDMA_BENCH_QUICK")
+DEFAULT_TIMEOUT = 3600
+SYSFS_INFINIBAND = "/sys/class/infiniband"
+# Host environment variables the guest gets (it starts with a clean environment), plus every PYRDMA_*.
+PASSED_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTEST_ADDOPTS", "HOME", "LANG",
+              "LC_ALL", "TERM", "COLUMNS", "MPLBACKEND", "CI")
+# Default for ``stream``: the sys.stdout of the moment of the call (pytest swaps it).
+STDOUT = "stdout"
+# How long the guest waits for rxe0's port to become ACTIVE (software emulation is slow).
+PORT_ACTIVE_WAIT_S = 60
 
 
-def host_has_active_rdma_port(sysfs="/sys/class/infiniband"):
-    for state in glob.glob(os.path.join(sysfs, "*", "ports", "*", "state")):
+def active_rdma_devices(sysfs=SYSFS_INFINIBAND):
+    """Names of the RDMA devices that have at least one ACTIVE port, from sysfs."""
+    names = []
+    for state in sorted(glob.glob(os.path.join(sysfs, "*", "ports", "*", "state"))):
         try:
             with open(state) as f:
-                if "ACTIVE" in f.read():
-                    return True
+                active = "ACTIVE" in f.read()
         except OSError:
             continue
-    return False
+        name = state.split(os.sep)[-4]
+        if active and name not in names:
+            names.append(name)
+    return names
+
+
+def host_has_active_rdma_port(sysfs=SYSFS_INFINIBAND):
+    return bool(active_rdma_devices(sysfs))
 
 
 def _version_key(path):
-    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", os.path.basename(path))]
+    return [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in re.split(r"(\d+)", os.path.basename(path))]
+
+
+def kernel_has_rxe(version, modules="/lib/modules"):
+    """Whether /lib/modules/<version> has the rdma_rxe module (any compression)."""
+    moddir = os.path.join(modules, version)
+    if glob.glob(os.path.join(moddir, "kernel", "drivers", "infiniband", "sw", "rxe", "rdma_rxe.ko*")):
+        return True
+    try:
+        with open(os.path.join(moddir, "modules.dep")) as f:
+            return any(re.search(r"/rdma_rxe\.ko(\.\w+)?:", line) for line in f)
+    except OSError:
+        return False
 
 
 def find_rxe_kernel(boot="/boot", modules="/lib/modules"):
-    """The newest /boot/vmlinuz-* whose modules include rdma_rxe, or None."""
-    for kernel in sorted(glob.glob(os.path.join(boot, "vmlinuz-*")), key=_version_key, reverse=True):
-        version = os.path.basename(kernel)[len("vmlinuz-"):]
-        if glob.glob(os.path.join(modules, version, "kernel", "drivers", "infiniband", "sw", "rxe", "rdma_rxe.ko*")):
+    """The newest /boot/vmlinuz-<version> whose modules include rdma_rxe, or None."""
+    kernels = [k for k in glob.glob(os.path.join(boot, "vmlinuz-*")) if os.path.isfile(k)]
+    for kernel in sorted(kernels, key=_version_key, reverse=True):
+        if kernel_has_rxe(os.path.basename(kernel)[len("vmlinuz-"):], modules):
             return kernel
     return None
 
 
-def guest_script(cmd, cwd, env, status_file):
-    """The shell script the guest runs: bring up rxe0, then run ``cmd`` and record its status."""
+def guest_environment(env=None, environ=None):
+    """The variables exported in the guest: PASSED_ENV and PYRDMA_* from the host, updated by ``env``."""
+    environ = os.environ if environ is None else environ
+    out = {k: v for k, v in environ.items() if k in PASSED_ENV or k.startswith("PYRDMA_")}
+    out.update(env or {})
+    return out
+
+
+def guest_script(cmd, cwd, env, state_dir):
+    """The bash script the guest runs: bring up rxe0, run ``cmd`` in ``cwd`` with ``env``, and
+    leave markers in ``state_dir`` (shared with the host): ``booted``, then either ``vm-error``
+    (the set-up failed, with the reason) or ``status`` (cmd's exit status)."""
+    state = shlex.quote(state_dir)
+    port_state = "/sys/class/infiniband/rxe0/ports/1/state"
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    return f"""set -u
-fail() {{ echo "pyrdma-vm: $*" >&2; echo {VM_FAILED} > {shlex.quote(status_file)}; exit {VM_FAILED}; }}
-ip link set lo up 2>/dev/null
+    return f"""exec 2>&1   # one ordered stream back to the host
+set -u
+echo booted > {state}/booted
+fail() {{ echo "pyrdma-vm: $*"; echo "$*" > {state}/vm-error; sync; exit {VM_FAILED}; }}
+ip link set lo up || fail "ip link set lo up failed"
 modprobe rdma_rxe || fail "modprobe rdma_rxe failed"
-rdma link add rxe0 type rxe netdev lo || fail "rdma link add rxe0 failed"
-for i in $(seq 1 100); do
-  grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null && break
+rdma link add rxe0 type rxe netdev lo || fail "rdma link add rxe0 type rxe netdev lo failed"
+for _ in $(seq {PORT_ACTIVE_WAIT_S * 10}); do
+  grep -q ACTIVE {port_state} 2>/dev/null && break
   sleep 0.1
 done
-grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null || fail "rxe0 port never became ACTIVE"
-echo "pyrdma-vm: rxe0 is ACTIVE" >&2
+grep -q ACTIVE {port_state} 2>/dev/null || fail "rxe0 port 1 not ACTIVE after {PORT_ACTIVE_WAIT_S} s: $(cat {port_state} 2>&1)"
+ibv_devices 2>/dev/null | grep -q rxe0 || fail "ibv_devices does not list rxe0"
+echo "pyrdma-vm: rxe0 is ACTIVE on lo"
 {exports}
-cd {shlex.quote(cwd)} || fail "cannot cd to {cwd}"
-{' '.join(shlex.quote(c) for c in cmd)}
-echo $? > {shlex.quote(status_file)}
+cd {shlex.quote(cwd)} || fail cannot cd to {shlex.quote(cwd)}
+{shlex.join(cmd)}
+status=$?
+echo $status > {state}/status
+sync
+exit $status
 """
 
 
-def vm_command(kernel, script_path, rwdirs, memory="4G", cpus=2):
+def vng_command(kernel, script_path, rwdirs, memory="4G", cpus=2, kvm=False):
+    """The virtme-ng command line that boots ``kernel`` and runs ``bash script_path``."""
     vng = shutil.which("vng")
     if vng is None:
-        raise FileNotFoundError("vng (virtme-ng) not found; pip install virtme-ng")
-    cmd = [vng, "--run", kernel, "--user", "root", "--memory", memory, "--cpus", str(cpus), "--disable-kvm"]
+        raise FileNotFoundError("vng (virtme-ng) not found on PATH; pip install virtme-ng")
+    argv = [vng, "--run", kernel, "--user", "root", "--memory", memory, "--cpus", str(cpus)]
+    if not kvm:
+        # /dev/kvm may exist and still hang (nested virtualisation); software emulation always works.
+        argv.append("--disable-kvm")
     for d in rwdirs:
-        cmd += ["--rwdir", d]
-    return cmd + ["--exec", f"bash {shlex.quote(script_path)}"]
+        argv += ["--rwdir", d]
+    return argv + ["--exec", f"bash {shlex.quote(script_path)}"]
 
 
-def run_in_vm(cmd, rwdirs=(), timeout=3600, env=None, memory="4G", cpus=2, stream=sys.stdout):
-    """Run ``cmd`` (a list) in the Soft-RoCE VM; returns (returncode, output)."""
-    kernel = find_rxe_kernel()
-    if kernel is None:
-        msg = "pyrdma-vm: no /boot/vmlinuz-* with rdma_rxe modules; apt-get install linux-image-amd64\n"
-        stream.write(msg)
-        return VM_FAILED, msg
-    env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ} if env is None else env
-    state = tempfile.mkdtemp(prefix="pyrdma-vm-")
-    status_file = os.path.join(state, "status")
-    script_path = os.path.join(state, "guest.sh")
-    with open(script_path, "w") as f:
-        f.write(guest_script(cmd, os.getcwd(), env, status_file))
-    rwdirs = [os.path.abspath(d) for d in rwdirs]
-    for d in rwdirs:
-        os.makedirs(d, exist_ok=True)
-    argv = vm_command(kernel, script_path, [state, *rwdirs], memory, cpus)
+def _as_list(rwdir):
+    if rwdir is None:
+        return []
+    if isinstance(rwdir, (str, os.PathLike)):
+        return [os.fspath(rwdir)]
+    return [os.fspath(d) for d in rwdir]
+
+
+def _kill_group(proc):
+    """Stop a process started with start_new_session and everything it started (vng, qemu)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _run_streaming(argv, timeout, stream, env=None):
+    """Run argv in its own session, echo its merged output to ``stream`` line by line.
+    Returns (returncode or None on timeout, output)."""
+    stream = sys.stdout if stream is STDOUT else stream
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, text=True, errors="replace", start_new_session=True)
     output = []
-    try:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                text=True, errors="replace", start_new_session=True)
-    except FileNotFoundError as exc:
-        stream.write(f"pyrdma-vm: {exc}\n")
-        return VM_FAILED, str(exc)
-    import threading
 
     def pump():
         for line in proc.stdout:
             output.append(line)
-            stream.write(line)
-            stream.flush()
+            if stream is not None:
+                stream.write(line)
+                stream.flush()
+
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
+    code = None
     try:
-        proc.wait(timeout=timeout)
+        code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        reader.join(5)
-        stream.write(f"pyrdma-vm: timed out after {timeout} s; VM killed\n")
-        return TIMED_OUT, "".join(output)
-    reader.join(10)
-    try:
-        with open(status_file) as f:
-            code = int(f.read().strip())
-    except (OSError, ValueError):
-        stream.write(f"pyrdma-vm: the VM exited ({proc.returncode}) without running the command "
-                     "(boot failure?)\n")
-        code = VM_FAILED
-    shutil.rmtree(state, ignore_errors=True)
+        pass
+    finally:
+        if code is None:   # timeout, or an exception such as KeyboardInterrupt: never leave a VM behind
+            _kill_group(proc)
+        reader.join(timeout=10)
+        proc.stdout.close()
     return code, "".join(output)
 
 
-def run(cmd, rwdirs=(), timeout=3600, force_vm=False):
-    """Run ``cmd`` on the host's RDMA device if it has one, else in the Soft-RoCE VM."""
-    if not force_vm and host_has_active_rdma_port():
+def _say(stream, msg):
+    """Echo one of our own messages like the command's output; return it for ``output``."""
+    line = f"pyrdma-vm: {msg}\n"
+    stream = sys.stdout if stream is STDOUT else stream
+    if stream is not None:
+        stream.write(line)
+        stream.flush()
+    return line
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G", cpus=2, kvm=False,
+              stream=STDOUT):
+    """Run ``cmd`` (a list of arguments) in the Soft-RoCE VM; returns ``(returncode, output)``.
+
+    ``rwdir``: a directory (or a list) the command may write, shared back to the host (created if missing).
+    ``env``: variables to set in the guest on top of ``guest_environment()``'s defaults.
+    ``stream``: where output is echoed as it arrives (None: nowhere). ``output`` has it all.
+    returncode is cmd's own, ``VM_FAILED`` if the VM or rxe0 did not come up, ``TIMED_OUT`` after
+    ``timeout`` seconds (the VM is killed).
+    """
+    cmd = [os.fspath(c) for c in cmd]
+    kernel = find_rxe_kernel()
+    if kernel is None:
+        return VM_FAILED, _say(stream, "VM failed: no /boot/vmlinuz-* whose /lib/modules has rdma_rxe "
+                                       "(apt-get install linux-image-amd64)")
+    rwdirs = [os.path.abspath(d) for d in _as_list(rwdir)]
+    for d in rwdirs:
+        os.makedirs(d, exist_ok=True)
+    state_dir = tempfile.mkdtemp(prefix="pyrdma-vm-")
+    try:
+        script_path = os.path.join(state_dir, "guest.sh")
+        with open(script_path, "w") as f:
+            f.write(guest_script(cmd, os.getcwd(), guest_environment(env), state_dir))
         try:
-            return subprocess.run(cmd, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            return TIMED_OUT
-    return run_in_vm(cmd, rwdirs, timeout)[0]
+            argv = vng_command(kernel, script_path, [state_dir, *rwdirs], memory, cpus, kvm)
+        except FileNotFoundError as exc:
+            return VM_FAILED, _say(stream, f"VM failed: {exc}")
+        vng_code, output = _run_streaming(argv, timeout, stream)
+        if vng_code is None:
+            return TIMED_OUT, output + _say(stream, f"timed out after {timeout:g} s; VM killed")
+        status = _read(os.path.join(state_dir, "status"))
+        if status is not None and status.lstrip("-").isdigit():
+            return int(status), output
+        if _read(os.path.join(state_dir, "booted")) is None:
+            why = f"VM failed: it did not boot (vng exit status {vng_code}; kernel {kernel})"
+        else:
+            error = _read(os.path.join(state_dir, "vm-error"))
+            why = (f"VM failed: rxe0 did not come up: {error}" if error is not None else
+                   f"VM failed: the VM stopped before the command finished (vng exit status {vng_code})")
+        return VM_FAILED, output + _say(stream, why)
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def run_on_host(cmd, timeout=DEFAULT_TIMEOUT, env=None, *, stream=STDOUT):
+    """Run ``cmd`` on this machine with ``env`` added to its environment; returns ``(returncode, output)``."""
+    full_env = dict(os.environ, **(env or {}))
+    try:
+        code, output = _run_streaming([os.fspath(c) for c in cmd], timeout, stream, env=full_env)
+    except OSError as exc:
+        return 127, _say(stream, f"cannot run {cmd[0]}: {exc}")
+    if code is None:
+        return TIMED_OUT, output + _say(stream, f"timed out after {timeout:g} s; command killed")
+    return code, output
+
+
+def run_with_device(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, force_vm=False, stream=STDOUT,
+                    **vm_options):
+    """Run ``cmd`` on the host's RDMA device if it has an ACTIVE port, else in the Soft-RoCE VM."""
+    if not force_vm and host_has_active_rdma_port():
+        note = _say(stream, f"host has an ACTIVE RDMA port ({', '.join(active_rdma_devices())}); running on the host")
+        for d in _as_list(rwdir):
+            os.makedirs(d, exist_ok=True)
+        code, output = run_on_host(cmd, timeout, env, stream=stream)
+        return code, note + output
+    return run_in_vm(cmd, rwdir, timeout, env, stream=stream, **vm_options)
+
+
+def _parse_env(items):
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--env wants KEY=VALUE, got {item!r}")
+        env[key] = value
+    return env
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="pyrdma-vm", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pyrdma-vm", description=__doc__.split("\n\n")[0],
+        epilog=f"Exit status: CMD's; {VM_FAILED} if the VM or rxe0 failed; {TIMED_OUT} on timeout.")
     parser.add_argument("--rwdir", action="append", default=[], help="directory writable in the VM (repeatable)")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds before the VM is killed")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds before the VM is killed")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="set a variable for CMD (repeatable)")
     parser.add_argument("--force-vm", action="store_true", help="use the VM even if the host has a device")
+    parser.add_argument("--memory", default="4G", help="VM memory (default 4G)")
+    parser.add_argument("--cpus", type=int, default=2, help="VM CPUs (default 2)")
+    parser.add_argument("--kvm", action="store_true",
+                        help="use KVM instead of software emulation (only where nested KVM really works)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
-        parser.error("no command given (use: pyrdma-vm -- CMD ...)")
-    return run(cmd, args.rwdir, args.timeout, args.force_vm)
+        parser.error("no command given (use: pyrdma-vm [options] -- CMD ...)")
+    try:
+        env = _parse_env(args.env)
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    code, _ = run_with_device(cmd, args.rwdir, args.timeout, env, force_vm=args.force_vm,
+                              memory=args.memory, cpus=args.cpus, kvm=args.kvm)
+    return code
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""How buffers are cut: segments (one per rank) and chunks (one per message), and the pipelined
+step every algorithm is built from. Pure arithmetic plus calls to the transport interface."""
+
+
+def segment_bounds(count, parts):
+    """Element boundaries of ``parts`` near-equal segments of ``count`` elements: the first
+    ``count % parts`` segments get one element more. Some segments are empty when count < parts."""
+    q, r = divmod(count, parts)
+    return [i * q + min(i, r) for i in range(parts + 1)]
+
+
+def nchunks_for(nelems, itemsize, max_message):
+    """How many messages of at most ``max_message`` bytes carry ``nelems`` elements (at least 1:
+    an empty range still sends one zero-byte message, so both sides count the same messages)."""
+    per = max(1, max_message // itemsize)
+    return max(1, -(-nelems // per))
+
+
+def chunk_ranges(start, stop, nchunks, itemsize):
+    """(byte offset, byte length) of each of ``nchunks`` near-equal chunks of elements [start, stop)."""
+    b = segment_bounds(stop - start, nchunks)
+    return [((start + b[k]) * itemsize, (b[k + 1] - b[k]) * itemsize) for k in range(nchunks)]
+
+
+class Segments:
+    """``count`` elements in ``parts`` segments, each cut into the same number of chunks (so that
+    the chunk k of any segment is a message both sides agree on)."""
+
+    def __init__(self, count, itemsize, parts, max_message, bounds=None):
+        self.itemsize = itemsize
+        self.bounds = bounds if bounds is not None else segment_bounds(count, parts)
+        longest = max(self.bounds[i + 1] - self.bounds[i] for i in range(parts))
+        self.nchunks = nchunks_for(longest, itemsize, max_message)
+        self._cache = {}
+
+    def chunks(self, seg):
+        got = self._cache.get(seg)
+        if got is None:
+            got = self._cache[seg] = chunk_ranges(self.bounds[seg], self.bounds[seg + 1], self.nchunks,
+                                                  self.itemsize)
+        return got
+
+
+def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
+    """Send ``send_chunks`` to send_peer while receiving as many chunks from recv_peer.
+
+    The send of chunk k+1 is posted before chunk k is consumed (reduced or copied), so the transfer
+    of one chunk overlaps the reduction of the previous one. Either peer may be None (send only or
+    receive only). ``consume(k, offset, data)`` handles received chunk k, destined for ``offset``."""
+    nsend = len(send_chunks) if send_peer is not None else 0
+    nrecv = len(recv_chunks) if recv_peer is not None else 0
+    if nsend:
+        off, n = send_chunks[0]
+        t.send(send_peer, off, n)
+    for k in range(max(nsend, nrecv)):
+        if k < nrecv:
+            off, n = recv_chunks[k]
+            data = t.recv(recv_peer, n)
+        if k + 1 < nsend:
+            soff, sn = send_chunks[k + 1]
+            t.send(send_peer, soff, sn)
+        if k < nrecv:
+            consume(k, off, data)
+            t.release(recv_peer)
+
+
+def reducer(reduce, work):
+    """consume() that reduces a received chunk into the work buffer: work = op(work, data)."""
+    def consume(k, off, data):
+        dst = work[off:off + data.nbytes]
+        reduce(dst, dst, data)
+    return consume
+
+
+def copier(work):
+    """consume() that stores a received chunk into the work buffer."""
+    def consume(k, off, data):
+        work[off:off + data.nbytes] = data
+    return consume

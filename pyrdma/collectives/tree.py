@@ -1,0 +1,187 @@
+"""Logarithmic algorithms for small and medium messages (same conventions as ring.py: in place on
+``t.buffer()``, ``count`` elements of ``itemsize`` bytes from offset 0, ``reduce(dst, a, b)``).
+
+Any rank count works. With p the largest power of two <= n, the ranks r >= p first fold their
+data into rank r - p, sit out the power-of-two algorithm, and get the result back at the end
+(two extra messages on their path; none for a power-of-two n).
+
+- halving_doubling_allreduce (Rabenseifner, gloo's allreduce_halving_doubling): reduce-scatter by
+  recursive halving (log p steps, the exchanged half shrinks each step) then allgather by recursive
+  doubling. 2 log p messages per rank, 2(p-1)/p of the buffer sent: good from small to large sizes.
+- recursive_doubling_allreduce: log p steps exchanging the whole buffer; the fewest messages, for
+  tiny buffers. Each step computes op(lower ranks' part, higher ranks' part), so every rank
+  evaluates the same expression and results are bit-identical across ranks.
+- binomial_broadcast / binomial_reduce: binomial tree from / to ``root``, pipelined per chunk.
+- dissemination_barrier: ceil(log2 n) rounds of zero-byte messages, any n.
+"""
+from pyrdma.collectives.pieces import (chunk_ranges, copier, nchunks_for, pipelined_step, reducer,
+                                       segment_bounds)
+
+
+def _pow2_floor(n):
+    return 1 << (n.bit_length() - 1)
+
+
+def _exchange(t, peer, itemsize, send_range, recv_range, consume):
+    """Swap element ranges with ``peer``: ours [send_range) goes out while theirs arrives for
+    [recv_range) and is consumed. Both sides cut both ranges into the same number of chunks."""
+    k = nchunks_for(max(send_range[1] - send_range[0], recv_range[1] - recv_range[0]), itemsize, t.max_message)
+    pipelined_step(t, peer, chunk_ranges(send_range[0], send_range[1], k, itemsize),
+                   peer, chunk_ranges(recv_range[0], recv_range[1], k, itemsize), consume)
+
+
+def _send_all(t, peer, count, itemsize, offset=0):
+    for off, nb in chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize):
+        t.send(peer, offset + off, nb)
+
+
+def _recv_all(t, peer, count, itemsize, consume):
+    for k, (off, nb) in enumerate(chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize)):
+        data = t.recv(peer, nb)
+        consume(k, off, data)
+        t.release(peer)
+
+
+def halving_doubling_allreduce(t, count, itemsize, reduce):
+    n, r = t.size, t.rank
+    if n == 1:
+        return
+    p = _pow2_floor(n)
+    work = t.buffer(0)
+    if r >= p:                                   # fold in, wait for the result
+        _send_all(t, r - p, count, itemsize)
+        _recv_all(t, r - p, count, itemsize, copier(work))
+        t.wait_sends()
+        return
+    if r + p < n:
+        _recv_all(t, r + p, count, itemsize, reducer(reduce, work))
+    bounds = segment_bounds(count, p)            # block b belongs to rank b at the end of halving
+    consume = reducer(reduce, work)
+    lo, hi = 0, p                                # the blocks this rank still reduces
+    mask = p >> 1
+    while mask:
+        mid = (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if r & mask else ((lo, mid), (mid, hi))
+        _exchange(t, r ^ mask, itemsize, (bounds[give[0]], bounds[give[1]]),
+                  (bounds[keep[0]], bounds[keep[1]]), consume)
+        lo, hi = keep
+        mask >>= 1
+    t.wait_sends()                               # the given halves are about to be overwritten
+    consume = copier(work)
+    mask = 1
+    while mask < p:
+        other = (lo - mask, lo) if r & mask else (hi, hi + mask)
+        _exchange(t, r ^ mask, itemsize, (bounds[lo], bounds[hi]), (bounds[other[0]], bounds[other[1]]), consume)
+        lo, hi = min(lo, other[0]), max(hi, other[1])
+        mask <<= 1
+    if r + p < n:
+        _send_all(t, r + p, count, itemsize)
+    t.wait_sends()
+
+
+def recursive_doubling_allreduce(t, count, itemsize, reduce):
+    """Needs t.buffer(2 * count * itemsize): the second half is the other side of a double buffer
+    (a step reads the current half while its sends may still be in flight)."""
+    n, r = t.size, t.rank
+    if n == 1:
+        return
+    p = _pow2_floor(n)
+    nbytes = count * itemsize
+    work = t.buffer(2 * nbytes)
+    if r >= p:
+        _send_all(t, r - p, count, itemsize)
+        _recv_all(t, r - p, count, itemsize, copier(work))
+        t.wait_sends()
+        return
+    if r + p < n:
+        _recv_all(t, r + p, count, itemsize, reducer(reduce, work))
+    cur, nxt = 0, nbytes
+    mask = 1
+    while mask < p:
+        peer = r ^ mask
+        lower = r < peer
+
+        def consume(k, off, data, cur=cur, nxt=nxt, lower=lower):
+            mine = work[cur + off:cur + off + data.nbytes]
+            dst = work[nxt + off:nxt + off + data.nbytes]
+            if lower:
+                reduce(dst, mine, data)
+            else:
+                reduce(dst, data, mine)
+        k = nchunks_for(count, itemsize, t.max_message)
+        chunks = chunk_ranges(0, count, k, itemsize)
+        pipelined_step(t, peer, [(cur + off, nb) for off, nb in chunks], peer, chunks, consume)
+        t.wait_sends(peer)                       # next step writes where these sends read
+        cur, nxt = nxt, cur
+        mask <<= 1
+    if cur:
+        work[:nbytes] = work[cur:cur + nbytes]
+    if r + p < n:
+        _send_all(t, r + p, count, itemsize)
+    t.wait_sends()
+
+
+def _binomial(n, v):
+    """(parent, children) of relative rank v in a binomial tree rooted at 0; children in the order
+    their subtrees shrink."""
+    if v == 0:
+        parent, limit = None, _pow2_floor(n) << 1
+    else:
+        low = v & -v
+        parent, limit = v - low, low
+    children = []
+    bit = limit >> 1
+    while bit:
+        if v + bit < n:
+            children.append(v + bit)
+        bit >>= 1
+    return parent, children
+
+
+def binomial_broadcast(t, count, itemsize, root):
+    n, r = t.size, t.rank
+    if n == 1:
+        return
+    parent, children = _binomial(n, (r - root) % n)
+    parent = None if parent is None else (parent + root) % n
+    children = [(c + root) % n for c in children]
+    work = t.buffer(0)
+    for off, nb in chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize):
+        if parent is not None:
+            work[off:off + nb] = t.recv(parent, nb)
+            t.release(parent)
+        for c in children:
+            t.send(c, off, nb)
+    t.wait_sends()
+
+
+def binomial_reduce(t, count, itemsize, reduce, root):
+    """Only ``root``'s buffer holds the result afterwards."""
+    n, r = t.size, t.rank
+    if n == 1:
+        return
+    parent, children = _binomial(n, (r - root) % n)
+    parent = None if parent is None else (parent + root) % n
+    children = [(c + root) % n for c in reversed(children)]   # smallest subtree first: ready first
+    work = t.buffer(0)
+    for off, nb in chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize):
+        dst = work[off:off + nb]
+        for c in children:
+            data = t.recv(c, nb)
+            reduce(dst, dst, data)
+            t.release(c)
+        if parent is not None:
+            t.send(parent, off, nb)
+    t.wait_sends()
+
+
+def dissemination_barrier(t):
+    n, r = t.size, t.rank
+    t.buffer(0)
+    dist = 1
+    while dist < n:
+        t.send((r + dist) % n, 0, 0)
+        t.recv((r - dist) % n, 0)
+        t.release((r - dist) % n)
+        dist <<= 1
+    t.wait_sends()

@@ -1,0 +1,351 @@
+"""Rendezvous (TCP store, environment, MPI), transport agreement, wire validation and the cost
+model. Ranks run as threads here: the TCP store and TcpTransport need no separate processes."""
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pyrdma
+from pyrdma.collectives import Communicator, CostModel, MPIExchange, TCPStore, env_config, init_from_env
+from pyrdma.collectives import bootstrap, segment_bounds
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def in_threads(size, fn, timeout=60):
+    """fn(rank) in ``size`` threads; results (or raised exceptions) by rank."""
+    results = [None] * size
+
+    def run(rank):
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:   # returned to the test
+            results[rank] = exc
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), "a rank thread hung"
+    return results
+
+
+def test_env_config():
+    env = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "4"}
+    assert env_config(env) == ("node0", 29500, 1, 4)
+    with pytest.raises(pyrdma.UsageError, match="MASTER_PORT, RANK, WORLD_SIZE"):
+        env_config({"MASTER_ADDR": "h"})
+    with pytest.raises(pyrdma.UsageError, match="integers"):
+        env_config(dict(env, RANK="one"))
+    with pytest.raises(pyrdma.UsageError, match="not within"):
+        env_config(dict(env, RANK="4"))
+    for bad in ("nohost", ":80", "h:", "h:99999"):
+        with pytest.raises(pyrdma.UsageError, match="host:port"):
+            bootstrap.parse_address(bad)
+    assert bootstrap.parse_address("[::1]:5") == ("::1", 5)
+
+
+def test_store_allgather_rounds_and_barrier():
+    port = free_port()
+
+    def rank_fn(rank):
+        with TCPStore("127.0.0.1", port, rank, 3, timeout=20) as store:
+            first = store.allgather(f"r{rank}".encode())
+            store.barrier()
+            second = store.allgather(bytes(rank * 1000))   # records of different lengths
+            return first, [len(r) for r in second], store.advertise_host
+    for first, lengths, host in in_threads(3, rank_fn):
+        assert first == [b"r0", b"r1", b"r2"]
+        assert lengths == [0, 1000, 2000]
+        assert host == "127.0.0.1"
+
+
+def test_store_on_any_free_port():
+    store = TCPStore("127.0.0.1", 0, 0, 2, timeout=10)
+    port = store.port
+    assert port != 0
+    other = threading.Thread(target=lambda: TCPStore("127.0.0.1", port, 1, 2, timeout=10).allgather(b"b"))
+    other.start()
+    assert store.allgather(b"a") == [b"a", b"b"]
+    other.join(10)
+    store.close()
+
+
+def test_store_rejects_foreign_data():
+    store = TCPStore("127.0.0.1", 0, 0, 2, timeout=5)
+
+    def intruder():
+        with socket.create_connection(("127.0.0.1", store.port), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(20))
+    threading.Thread(target=intruder, daemon=True).start()
+    with pytest.raises(pyrdma.WireFormatError, match="not a pyrdma rendezvous peer"):
+        store.allgather(b"rank0")
+    store.close()
+
+
+def _fake_server(reply):
+    """A one-shot TCP server that reads a frame and answers ``reply``; returns its port."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(reply)
+        srv.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+def test_client_rejects_foreign_or_newer_rank0():
+    port = _fake_server(b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(64))
+    with pytest.raises(pyrdma.WireFormatError, match="not a pyrdma rendezvous peer"):
+        TCPStore("127.0.0.1", port, 1, 2, timeout=5).allgather(b"x")
+    newer = bootstrap._HEADER.pack(bootstrap.MAGIC, bootstrap.VERSION + 1, bootstrap.TABLE, 0, 2, 1, 0)
+    port = _fake_server(newer)
+    with pytest.raises(pyrdma.WireFormatError, match="version 2"):
+        TCPStore("127.0.0.1", port, 1, 2, timeout=5).allgather(b"x")
+    truncated = bootstrap._pack(bootstrap.TABLE, 0, 2, 1, struct.pack("!Q", 100) + b"short")
+    port = _fake_server(truncated)
+    with pytest.raises(pyrdma.WireFormatError, match="truncated"):
+        TCPStore("127.0.0.1", port, 1, 2, timeout=5).allgather(b"x")
+
+
+def test_world_size_disagreement_and_duplicate_ranks():
+    port = free_port()
+
+    def rank_fn(rank):
+        size = 3 if rank == 1 else 2
+        with TCPStore("127.0.0.1", port, rank, size, timeout=5) as store:
+            return store.allgather(b"x")
+    results = in_threads(2, rank_fn)
+    assert isinstance(results[0], pyrdma.UsageError) and "believes the world has 3 ranks" in str(results[0])
+    assert isinstance(results[1], pyrdma.RDMAError)
+    port = free_port()
+    results = in_threads(3, lambda r: TCPStore("127.0.0.1", port, min(r, 1), 3, timeout=5).allgather(b"x"))
+    assert any(isinstance(r, pyrdma.UsageError) and "two processes claim rank 1" in str(r) for r in results)
+
+
+def test_rendezvous_timeout_names_the_missing_ranks_everywhere():
+    port = free_port()
+    start = time.monotonic()
+
+    def rank_fn(rank):
+        with TCPStore("127.0.0.1", port, rank, 4, timeout=1.0) as store:   # ranks 2 and 3 never come
+            return store.allgather(b"x")
+    results = in_threads(2, rank_fn)
+    assert time.monotonic() - start < 1.0 + bootstrap.CLIENT_GRACE + 2
+    assert isinstance(results[0], pyrdma.RDMATimeoutError) and "ranks [2, 3] did not join" in str(results[0])
+    # rank 1 joined and is told why the rendezvous failed
+    assert isinstance(results[1], pyrdma.PeerError) and "ranks [2, 3] did not join" in str(results[1])
+
+
+def test_unreachable_rank0_is_named():
+    start = time.monotonic()
+    with pytest.raises(pyrdma.PeerError, match="rank 0 at 127.0.0.1:.* not reachable") as info:
+        TCPStore("127.0.0.1", free_port(), 2, 3, timeout=0.5).allgather(b"x")
+    assert info.value.peer == 0
+    assert time.monotonic() - start < 0.5 + bootstrap.CLIENT_GRACE + 2
+
+
+def test_mpi_exchange_with_a_plain_allgather():
+    class FakeComm:   # only what an mpi4py communicator without non-blocking collectives has
+        def Get_rank(self):
+            return 1
+
+        def Get_size(self):
+            return 2
+
+        def allgather(self, obj):
+            return [b"zero", obj]
+    ex = MPIExchange(FakeComm())
+    assert (ex.rank, ex.size) == (1, 2)
+    assert ex.allgather(b"one") == [b"zero", b"one"]
+
+
+def _mpi4py_path():
+    """A PYTHONPATH under which this interpreter imports mpi4py, or None."""
+    try:
+        import mpi4py  # noqa: F401
+        return ""
+    except ImportError:
+        pass
+    system = "/usr/lib/python3/dist-packages/mpi4py"
+    if not os.path.isdir(system):
+        return None
+    # Debian's python3-mpi4py, for the system Python; expose only mpi4py, not all of dist-packages.
+    tmp = tempfile.mkdtemp(prefix="pyrdma-mpi4py-")
+    os.symlink(system, os.path.join(tmp, "mpi4py"))
+    probe = subprocess.run([sys.executable, "-c", "from mpi4py import MPI"], env=dict(os.environ, PYTHONPATH=tmp),
+                           capture_output=True, timeout=60)
+    return tmp if probe.returncode == 0 else None
+
+
+MPI_SCRIPT = """
+import numpy as np
+from mpi4py import MPI
+from pyrdma.collectives import init_from_mpi
+with init_from_mpi(MPI.COMM_WORLD, transport="tcp", timeout=30) as comm:
+    x = np.full(7, comm.rank + 1, np.int64)
+    comm.allreduce(x)
+    everyone = comm.allgather(np.array([comm.rank, comm.size, x[0]], np.int64))
+    if comm.rank == 0:   # one line: mpirun may interleave the ranks' output
+        print("RESULT", everyone.tolist(), flush=True)
+"""
+
+
+def test_rendezvous_over_real_mpi():
+    mpirun = shutil.which("mpirun")
+    path = _mpi4py_path() if mpirun else None
+    if path is None:
+        pytest.skip("mpirun or mpi4py not available")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (path, root) if p))
+    proc = subprocess.run([mpirun, "--allow-run-as-root", "--oversubscribe", "-n", "3", sys.executable, "-c",
+                           MPI_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    expected = "RESULT " + str([v for r in range(3) for v in (r, 3, 6)])
+    assert proc.returncode == 0 and expected in proc.stdout.splitlines(), proc.stdout + proc.stderr
+
+
+def test_init_from_env_torchrun_style():
+    port = free_port()
+
+    def rank_fn(rank):
+        env = {"MASTER_ADDR": "localhost", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "3"}
+        with init_from_env(environ=env, transport="tcp", timeout=20) as comm:
+            x = np.full(3, rank + 1.0)
+            comm.allreduce(x)
+            return comm.transport_name, x
+    for name, x in in_threads(3, rank_fn):
+        assert name == "tcp" and (x == 6.0).all()
+
+
+def test_transport_choice_is_agreed_by_all_ranks():
+    port = free_port()
+
+    def auto(rank):
+        with Communicator(rank, 2, f"127.0.0.1:{port}", transport="auto", timeout=20) as comm:
+            return comm.transport_name
+    names = in_threads(2, auto)
+    assert names[0] == names[1] and names[0] in ("tcp", "rdma")
+    port = free_port()
+
+    def mixed(rank):
+        return Communicator(rank, 2, f"127.0.0.1:{port}", transport=("tcp", "rdma")[rank], timeout=20)
+    results = in_threads(2, mixed)
+    for r in results:
+        assert isinstance(r, pyrdma.UsageError) and "different transports" in str(r)
+
+
+def test_tcp_transport_rejects_foreign_connections():
+    from pyrdma.collectives.transport import TcpTransport
+
+    class Exchange:   # rank 1 of 2 whose "rank 0" is someone else entirely
+        advertise_host = "127.0.0.1"
+
+        def __init__(self):
+            self.rank, self.size = 1, 2
+
+        def allgather(self, record):
+            port = int(record.decode().rsplit(":", 1)[1])
+
+            def intrude():
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(b"SSH-2.0-OpenSSH_9.2\r\n" + bytes(20))
+                    time.sleep(1)
+            threading.Thread(target=intrude, daemon=True).start()
+            return [record, record]
+    with pytest.raises((pyrdma.WireFormatError, pyrdma.PeerError)):
+        TcpTransport(0, 2, Exchange(), timeout=3)
+
+
+def test_communicator_arguments():
+    with pytest.raises(pyrdma.UsageError, match="host:port"):
+        Communicator(0, 2, "nowhere")
+    with pytest.raises(pyrdma.UsageError, match="master="):
+        Communicator(0, 2)
+    with pytest.raises(pyrdma.UsageError, match="unknown transport"):
+        Communicator(0, 1, "127.0.0.1:1", transport="carrier-pigeon")
+    with pytest.raises(pyrdma.UsageError, match="not within"):
+        Communicator(3, 2, "127.0.0.1:1")
+
+
+def test_single_rank_communicator():
+    with Communicator(0, 1, "127.0.0.1:0", transport="tcp") as comm:
+        x = np.arange(5, dtype=np.float32)
+        assert comm.allreduce(x, op="avg") is x and (x == np.arange(5)).all()
+        assert (comm.allgather(x) == x).all()
+        assert (comm.reduce_scatter(x) == x).all()
+        comm.barrier()
+        assert comm.ibroadcast(x).wait(1) is x
+    assert "closed" in repr(comm)
+    with pytest.raises(pyrdma.UsageError, match="closed"):
+        comm.allreduce(x)
+
+
+def test_segment_bounds():
+    assert segment_bounds(10, 3) == [0, 4, 7, 10]
+    assert segment_bounds(2, 4) == [0, 1, 2, 2, 2]
+    assert segment_bounds(0, 2) == [0, 0, 0]
+
+
+def test_cost_model_choices_and_overrides(monkeypatch):
+    m = CostModel(alpha=5e-6, beta=1e-10)
+    assert m.choose_allreduce(64, 8, 256 * 1024) == "recursive_doubling"
+    assert m.choose_allreduce(64 << 20, 8, 256 * 1024) == "ring"
+    assert m.choose_allreduce(256 << 10, 8, 256 * 1024) == "halving_doubling"
+    assert m.choose(64, 8, 256 * 1024) == "tree" and m.choose(64 << 20, 8, 256 * 1024) == "ring"
+    assert m.choose_rooted(64, 8, 256 * 1024) == "binomial"
+    assert m.choose_rooted(64 << 20, 8, 256 * 1024) == "chain"
+    # every estimate grows with the size
+    for algo in ("ring", "halving_doubling", "recursive_doubling", "chain", "binomial"):
+        costs = [getattr(m, algo)(n, 5, 65536) for n in (1, 1 << 10, 1 << 20, 1 << 26)]
+        assert costs == sorted(costs), algo
+    monkeypatch.setenv("PYRDMA_ALLREDUCE_ALGORITHM", "tree")
+    assert m.choose_allreduce(64 << 20, 8, 256 * 1024) == "halving_doubling"
+
+
+class _AlwaysRing(CostModel):
+    def choose_allreduce(self, nbytes, n, max_message):
+        self.calls = getattr(self, "calls", 0) + 1
+        return "ring"
+
+
+def test_custom_cost_model_is_used():
+    port = free_port()
+    models = [_AlwaysRing(), _AlwaysRing()]
+
+    def rank_fn(rank):
+        with Communicator(rank, 2, f"127.0.0.1:{port}", transport="tcp", cost_model=models[rank]) as comm:
+            comm.allreduce(np.ones(3))
+            return comm.cost_model.calls
+    assert in_threads(2, rank_fn) == [1, 1]
+
+
+def test_cuda_arrays_take_the_staging_hook_or_get_a_clear_error():
+    class FakeCuda:   # looks like a CuPy array; no GPU needed
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
+    with Communicator(0, 1, "127.0.0.1:0", transport="tcp") as comm:
+        for call in (lambda: comm.reduce(FakeCuda()), lambda: comm.broadcast(FakeCuda()),
+                     lambda: comm.allgather(FakeCuda()), lambda: comm.reduce_scatter(FakeCuda()),
+                     lambda: comm.iallreduce(FakeCuda()), lambda: comm.allreduce(FakeCuda(), out=np.zeros(4))):
+            with pytest.raises(pyrdma.UsageError, match="CUDA"):
+                call()
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            # allreduce hands CUDA arrays to pyrdma.cuda's host staging, which needs CuPy
+            with pytest.raises(pyrdma.RDMAError, match="CuPy"):
+                comm.allreduce(FakeCuda())

@@ -1,0 +1,408 @@
+"""The test bed itself: the Soft-RoCE VM runner (pyrdma.testing.vm), the JUnit check
+(pyrdma.testing.junit), the device fixtures (conftest) and the multi-process helper (mp).
+Host tests use fakes (a fake vng, a fake sysfs); device tests prove the device is real."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import conftest
+from mp import free_port, run_ranks
+from pyrdma.testing import junit, vm
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---------------------------------------------------------------- kernel and sysfs discovery
+
+def _kernel(boot, modules, version, rxe=True, via_modules_dep=False):
+    (boot / f"vmlinuz-{version}").write_bytes(b"kernel")
+    moddir = modules / version
+    if rxe and via_modules_dep:
+        moddir.mkdir(parents=True)
+        (moddir / "modules.dep").write_text("kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.xz: ib_core.ko\n")
+    elif rxe:
+        rxe_dir = moddir / "kernel" / "drivers" / "infiniband" / "sw" / "rxe"
+        rxe_dir.mkdir(parents=True)
+        (rxe_dir / "rdma_rxe.ko").write_bytes(b"")
+    else:
+        moddir.mkdir(parents=True)
+        (moddir / "modules.dep").write_text("kernel/net/foo.ko:\n")
+
+
+def test_find_rxe_kernel_picks_the_newest_with_rdma_rxe(tmp_path):
+    boot, modules = tmp_path / "boot", tmp_path / "modules"
+    boot.mkdir()
+    assert vm.find_rxe_kernel(str(boot), str(modules)) is None
+    _kernel(boot, modules, "6.1.0-9-amd64")
+    _kernel(boot, modules, "6.1.0-56-amd64", via_modules_dep=True)
+    _kernel(boot, modules, "6.12.0-1-amd64", rxe=False)            # newer, but no Soft-RoCE
+    _kernel(boot, modules, "6.2.0-1-amd64")
+    (boot / "vmlinuz-6.99.0-1-amd64").write_bytes(b"")             # no modules at all
+    # numeric, not lexical: 6.2 > 6.1.0-56 > 6.1.0-9
+    assert vm.find_rxe_kernel(str(boot), str(modules)) == str(boot / "vmlinuz-6.2.0-1-amd64")
+    os.remove(boot / "vmlinuz-6.2.0-1-amd64")
+    assert vm.find_rxe_kernel(str(boot), str(modules)) == str(boot / "vmlinuz-6.1.0-56-amd64")
+
+
+def _sysfs(tmp_path, ports):
+    """ports: {(device, port): state text}."""
+    for (dev, port), state in ports.items():
+        d = tmp_path / dev / "ports" / str(port)
+        d.mkdir(parents=True)
+        (d / "state").write_text(state + "\n")
+    return str(tmp_path)
+
+
+def test_active_rdma_devices_reads_sysfs(tmp_path):
+    sysfs = _sysfs(tmp_path, {("mlx5_0", 1): "1: DOWN", ("mlx5_1", 1): "4: ACTIVE", ("rxe0", 1): "4: ACTIVE",
+                              ("rxe0", 2): "4: ACTIVE"})
+    assert vm.active_rdma_devices(sysfs) == ["mlx5_1", "rxe0"]
+    assert conftest.active_rdma_devices(sysfs) == ["mlx5_1", "rxe0"]
+    assert vm.host_has_active_rdma_port(sysfs)
+    assert not vm.host_has_active_rdma_port(str(tmp_path / "none"))
+
+
+def test_sysfs_best_gid_index(tmp_path):
+    port = tmp_path / "rxe0" / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gid_attrs" / "types").mkdir(parents=True)
+    (port / "link_layer").write_text("Ethernet\n")
+    gids = {0: ("fe80:0000:0000:0000:0000:0000:0000:0001", "RoCE v2"),
+            1: ("0000:0000:0000:0000:0000:ffff:7f00:0001", "IB/RoCE v1"),
+            2: ("0000:0000:0000:0000:0000:0000:0000:0000", "RoCE v2"),
+            3: ("0000:0000:0000:0000:0000:ffff:7f00:0001", "RoCE v2")}
+    for i, (gid, kind) in gids.items():
+        (port / "gids" / str(i)).write_text(gid + "\n")
+        (port / "gid_attrs" / "types" / str(i)).write_text(kind + "\n")
+    assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 3      # RoCEv2 IPv4-mapped
+    os.remove(port / "gids" / "3")
+    assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 0      # then any RoCEv2
+    (port / "link_layer").write_text("InfiniBand\n")
+    assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 0
+
+
+# ---------------------------------------------------------------- the guest script and vng command line
+
+def test_guest_environment_passes_the_test_variables_only():
+    host = {"PYTHONPATH": "/src", "PYRDMA_REQUIRE_DEVICE": "1", "PYRDMA_X": "y", "SSH_AUTH_SOCK": "/s", "PATH": "/p"}
+    env = vm.guest_environment({"EXTRA": "1", "PYTHONPATH": "/other"}, environ=host)
+    assert env == {"PYTHONPATH": "/other", "PYRDMA_REQUIRE_DEVICE": "1", "PYRDMA_X": "y", "EXTRA": "1"}
+
+
+def test_guest_script_is_valid_bash_and_quotes_everything(tmp_path):
+    cmd = ["python3", "-c", "print('a b')", "$HOME", "it's"]
+    env = {"WEIRD": "a 'b' \"c\" $d `e`"}
+    script = vm.guest_script(cmd, "/dir with space", env, str(tmp_path / "st ate"))
+    path = tmp_path / "guest.sh"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+    for needed in ("modprobe rdma_rxe", "rdma link add rxe0 type rxe netdev lo", "ip link set lo up",
+                   "/sys/class/infiniband/rxe0/ports/1/state", "ibv_devices",
+                   "cd '/dir with space'", "export WEIRD='a '\"'\"'b'\"'\"' \"c\" $d `e`'",
+                   "python3 -c 'print('\"'\"'a b'\"'\"')' '$HOME' 'it'\"'\"'s'"):
+        assert needed in script, needed
+    # rxe0 comes up before the command runs, and the status is recorded after it
+    assert script.index("rdma link add") < script.index("python3 -c") < script.index("/status")
+
+
+def test_vng_command(monkeypatch, tmp_path):
+    fake = tmp_path / "vng"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    argv = vm.vng_command("/boot/vmlinuz-x", "/tmp/s/guest.sh", ["/tmp/s", "/out"], memory="2G", cpus=3)
+    assert argv[0] == str(fake)
+    assert argv[1:] == ["--run", "/boot/vmlinuz-x", "--user", "root", "--memory", "2G", "--cpus", "3",
+                        "--disable-kvm", "--rwdir", "/tmp/s", "--rwdir", "/out", "--exec", "bash /tmp/s/guest.sh"]
+    assert "--disable-kvm" not in vm.vng_command("/k", "/s.sh", [], kvm=True)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="virtme-ng"):
+        vm.vng_command("/k", "/s.sh", [])
+
+
+# ---------------------------------------------------------------- run_in_vm against a fake vng
+
+FAKE_VNG = r"""#!/bin/bash
+# Stands in for virtme-ng: finds the state dir from "--exec 'bash DIR/guest.sh'", acts per $FAKE_VNG.
+for a; do last=$a; done
+state=$(dirname "${last#bash }")
+echo "$state" > "$FAKE_LOG/state_dir"
+echo $$ > "$FAKE_LOG/pid"
+case "$FAKE_VNG" in
+  noboot) echo "qemu: could not load kernel"; exit 1 ;;
+  norxe)  echo booted > "$state/booted"; echo "modprobe rdma_rxe failed" > "$state/vm-error"; exit 0 ;;
+  status) echo booted > "$state/booted"; echo "out"; echo 7 > "$state/status"; exit 0 ;;
+  died)   echo booted > "$state/booted"; echo "Kernel panic"; exit 0 ;;
+  hang)   echo booted > "$state/booted"; sleep 600 ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake_vng(monkeypatch, tmp_path):
+    bindir, log = tmp_path / "bin", tmp_path / "log"
+    bindir.mkdir()
+    log.mkdir()
+    (bindir / "vng").write_text(FAKE_VNG)
+    (bindir / "vng").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_LOG", str(log))
+    monkeypatch.setattr(vm, "find_rxe_kernel", lambda: "/boot/vmlinuz-fake")
+
+    def run(mode, **kwargs):
+        monkeypatch.setenv("FAKE_VNG", mode)
+        return vm.run_in_vm(["true"], stream=None, **kwargs)
+    run.log = log
+    return run
+
+
+def test_run_in_vm_returns_the_commands_status_not_vngs(fake_vng, tmp_path):
+    out = tmp_path / "reports"
+    code, output = fake_vng("status", rwdir=str(out))
+    assert (code, output) == (7, "out\n")
+    assert out.is_dir()                                                   # rwdir created for the caller
+    assert not os.path.exists((fake_vng.log / "state_dir").read_text().strip())   # state dir cleaned up
+
+
+def test_run_in_vm_reports_a_vm_that_did_not_boot(fake_vng):
+    code, output = fake_vng("noboot")
+    assert code == vm.VM_FAILED
+    assert "qemu: could not load kernel" in output and "VM failed: it did not boot (vng exit status 1" in output
+
+
+def test_run_in_vm_reports_rxe_failure(fake_vng):
+    code, output = fake_vng("norxe")
+    assert code == vm.VM_FAILED
+    assert "VM failed: rxe0 did not come up: modprobe rdma_rxe failed" in output
+
+
+def test_run_in_vm_reports_a_vm_that_died_under_the_command(fake_vng):
+    code, output = fake_vng("died")
+    assert code == vm.VM_FAILED and "stopped before the command finished" in output
+
+
+def test_run_in_vm_kills_the_vm_on_timeout(fake_vng):
+    start = time.monotonic()
+    code, output = fake_vng("hang", timeout=2)
+    assert code == vm.TIMED_OUT and "timed out after 2 s; VM killed" in output
+    assert time.monotonic() - start < 20
+    pid = int((fake_vng.log / "pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_run_in_vm_without_a_kernel(monkeypatch):
+    monkeypatch.setattr(vm, "find_rxe_kernel", lambda: None)
+    code, output = vm.run_in_vm(["true"], stream=None)
+    assert code == vm.VM_FAILED and "linux-image-amd64" in output
+
+
+def test_run_with_device_uses_the_hosts_device_when_it_has_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(vm, "active_rdma_devices", lambda sysfs=None: ["mlx5_0"])
+    monkeypatch.setattr(vm, "run_in_vm", lambda *a, **k: pytest.fail("must not boot a VM"))
+    code, output = vm.run_with_device(["sh", "-c", "echo $FOO; exit 3"], rwdir=str(tmp_path / "o"),
+                                      env={"FOO": "bar"}, stream=None)
+    assert code == 3 and "(mlx5_0); running on the host" in output
+    assert output.splitlines()[-1] == "bar" and (tmp_path / "o").is_dir()
+
+
+def test_run_on_host_timeout_and_missing_command():
+    assert vm.run_on_host(["sleep", "30"], timeout=0.5, stream=None)[0] == vm.TIMED_OUT
+    assert vm.run_on_host(["/nonexistent/cmd"], stream=None)[0] == 127
+
+
+def test_cli(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(vm, "run_with_device", lambda *a, **k: calls.append((a, k)) or (9, ""))
+    assert vm.main(["--rwdir", "/o", "--timeout", "5", "--env", "A=b=c", "--", "python3", "-m", "pytest", "-x"]) == 9
+    (cmd, rwdir, timeout, env), kwargs = calls[0]
+    assert cmd == ["python3", "-m", "pytest", "-x"] and rwdir == ["/o"] and timeout == 5 and env == {"A": "b=c"}
+    assert kwargs["force_vm"] is False
+    with pytest.raises(SystemExit):
+        vm.main([])
+    with pytest.raises(SystemExit):
+        vm.main(["--env", "novalue", "--", "true"])
+
+
+def test_module_entry_point_help():
+    for module in ("pyrdma.testing.vm", "pyrdma.testing"):
+        r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60,
+                           cwd=REPO)
+        assert r.returncode == 0 and "--rwdir" in r.stdout and "--timeout" in r.stdout
+
+
+# ---------------------------------------------------------------- the JUnit check in scripts/test.sh
+
+def _junit(path, cases):
+    body = "".join(f'<testcase classname="tests.t" name="{n}">{inner}</testcase>' for n, inner in cases)
+    path.write_text(f'<?xml version="1.0"?><testsuites><testsuite name="pytest">{body}</testsuite></testsuites>')
+    return str(path)
+
+
+SKIP = '<skipped type="pytest.skip" message="no device">x</skipped>'
+XFAIL = '<skipped type="pytest.xfail" message="known">x</skipped>'
+FAIL = '<failure message="boom">x</failure>'
+ERROR = '<error message="setup">x</error>'
+
+
+def test_junit_summary_counts(tmp_path):
+    r = junit.summarize(_junit(tmp_path / "a.xml", [("a", ""), ("b", SKIP), ("c", XFAIL), ("d", FAIL), ("e", ERROR)]))
+    assert (r.tests, r.passed, r.skipped, r.xfailed, r.failed, r.errors) == (5, 1, 1, 1, 1, 1)
+    assert r.skipped_names == ["tests.t::b (no device)"]
+
+
+@pytest.mark.parametrize("host, device, ok, why", [
+    ([("a", "")], [("b", "")], True, ""),
+    ([], [("b", "")], True, ""),                                # no host test: pytest exit 5, not a failure
+    ([("a", "")], [("b", ""), ("c", XFAIL)], True, ""),         # an xfail is not a skip
+    ([("a", SKIP)], [("b", "")], True, ""),                     # host tests may skip (no GPU...)
+    ([("a", "")], [("b", SKIP)], False, "device tests were skipped: tests.t::b"),
+    ([("a", "")], [], False, "no device test ran"),
+    ([("a", FAIL)], [("b", "")], False, "host: 1 failed"),
+    ([("a", "")], [("b", ERROR)], False, "device: 0 failed, 1 errors"),
+    ([("a", "")], None, False, "device: no readable report"),
+])
+def test_junit_check(tmp_path, host, device, ok, why):
+    import io
+    out = io.StringIO()
+    host_xml = _junit(tmp_path / "host.xml", host)
+    device_xml = _junit(tmp_path / "device.xml", device) if device is not None else str(tmp_path / "missing.xml")
+    assert junit.check(host_xml, device_xml, out=out) == (0 if ok else 1), out.getvalue()
+    assert why in out.getvalue()
+
+
+def test_scripts_are_valid_bash():
+    for script in ("scripts/test.sh", ".ci/run"):
+        subprocess.run(["bash", "-n", os.path.join(REPO, script)], check=True, timeout=30)
+    with open(os.path.join(REPO, ".ci/run")) as f:
+        assert "scripts/test.sh" in f.read()
+
+
+# ---------------------------------------------------------------- conftest: device tests fail when a device is required
+
+def test_required_device_fails_instead_of_skipping(tmp_path):
+    shutil.copy(os.path.join(REPO, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_needs_device.py").write_text(textwrap.dedent("""
+        import pytest, conftest
+        conftest.SYSFS_INFINIBAND = "/nonexistent/infiniband"     # no device, whatever the host has
+
+        @pytest.mark.device
+        def test_marked():
+            pass
+
+        def test_fixture(rdma_device_name):
+            pass
+
+        def test_host():
+            pass
+    """))
+    env = dict(os.environ)
+
+    def run(require):
+        env["PYRDMA_REQUIRE_DEVICE"] = "1" if require else "0"
+        xml = tmp_path / f"r{int(require)}.xml"
+        subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path),
+                        "-c", os.devnull, f"--junitxml={xml}", str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, timeout=120)
+        return junit.summarize(str(xml))
+
+    relaxed = run(False)
+    assert (relaxed.passed, relaxed.skipped, relaxed.errors) == (1, 2, 0)
+    required = run(True)
+    assert (required.passed, required.skipped, required.errors) == (1, 0, 2)
+
+
+# ---------------------------------------------------------------- mp: ranks in spawned processes
+
+def _rank_echo(rank, size, base, scale=1):
+    return (rank, size, base + rank * scale)
+
+
+def _rank_fails_on_one(rank, size):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    return rank
+
+
+def _rank_hangs_on_one(rank, size):
+    if rank == 1:
+        time.sleep(600)
+    return rank
+
+
+def _rank_exits_hard(rank, size):
+    os._exit(3)
+
+
+def test_run_ranks_returns_results_by_rank():
+    assert run_ranks(_rank_echo, 3, 10, kwargs={"scale": 2}, timeout=120) == [(0, 3, 10), (1, 3, 12), (2, 3, 14)]
+
+
+def test_run_ranks_reports_an_exception_with_its_traceback():
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 raised ValueError: rank one is broken.*Traceback"):
+        run_ranks(_rank_fails_on_one, 2, timeout=120)
+    outcome = run_ranks(_rank_fails_on_one, 2, timeout=120, expect_errors=True)
+    assert outcome[0] == ("ok", 0) and outcome[1][0] == "error"
+
+
+def test_run_ranks_kills_a_hung_rank_after_the_timeout():
+    start = time.monotonic()
+    outcome = run_ranks(_rank_hangs_on_one, 2, timeout=8, expect_errors=True)
+    assert outcome == [("ok", 0), ("missing", None)]
+    assert time.monotonic() - start < 30
+    import multiprocessing
+    assert not multiprocessing.active_children()
+
+
+def test_run_ranks_does_not_wait_the_timeout_for_a_crashed_rank():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="rank 0 gave no result: exited with code 3"):
+        run_ranks(_rank_exits_hard, 2, timeout=120)
+    assert time.monotonic() - start < 60
+
+
+def test_free_port_is_bindable():
+    import socket
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+# ---------------------------------------------------------------- device: the device is real
+
+@pytest.mark.device
+def test_device_port_is_active(rdma_device_name):
+    r = subprocess.run(["ibv_devinfo", "-d", rdma_device_name], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "PORT_ACTIVE" in r.stdout, r.stdout
+
+
+@pytest.mark.device
+def test_gid_index_is_usable(rdma_device_name, gid_index):
+    port = os.path.join(conftest.SYSFS_INFINIBAND, rdma_device_name, "ports", "1")
+    with open(os.path.join(port, "gids", str(gid_index))) as f:
+        gid = f.read().strip()
+    assert set(gid) - {"0", ":"}, f"GID {gid_index} of {rdma_device_name} is empty"
+    with open(os.path.join(port, "link_layer")) as f:
+        link_layer = f.read().strip()
+    if link_layer == "Ethernet":
+        with open(os.path.join(port, "gid_attrs", "types", str(gid_index))) as f:
+            assert f.read().strip() == "RoCE v2"
+    # the binding and the sysfs fallback agree
+    assert gid_index == conftest.sysfs_best_gid_index(rdma_device_name)
+
+
+def _rank_opens_device(rank, size, name):
+    import pyrdma
+    with pyrdma.Context(name) as ctx:
+        return ctx.query_port(1).state_name
+
+
+@pytest.mark.device
+def test_device_opens_in_two_processes(rdma_device_name):
+    assert run_ranks(_rank_opens_device, 2, rdma_device_name, timeout=240) == ["active", "active"]
