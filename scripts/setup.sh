@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 APT_PACKAGES=(rdma-core ibverbs-providers ibverbs-utils libibverbs-dev perftest qemu-system-x86
-              linux-image-amd64 python3-pyverbs iproute2 kmod openmpi-bin python3-mpi4py gcc)
+              linux-image-amd64 python3-pyverbs iproute2 kmod openmpi-bin python3-mpi4py gcc python3-dev python3-pip)
 PIP_PACKAGES=(virtme-ng cython numpy pytest matplotlib)
 PYTHON=${PYTHON:-python3}
 
@@ -28,9 +28,10 @@ done
 command -v vng >/dev/null || pip_missing+=(virtme-ng)
 if [ ${#pip_missing[@]} -gt 0 ]; then
   echo "setup: pip install ${pip_missing[*]}"
-  "$PYTHON" -m pip install -q "${pip_missing[@]}"
+  # Debian's own python3 refuses pip installs into the system (PEP 668) unless told otherwise.
+  PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install -q "${pip_missing[@]}"
 fi
 
 echo "setup: building the extension"
-"$PYTHON" setup.py -q build_ext --inplace -j 2 > build-ext.log 2>&1 || { cat build-ext.log; exit 1; }
-rm -f build-ext.log
+mkdir -p build
+"$PYTHON" setup.py -q build_ext --inplace -j 2 > build/build-ext.log 2>&1 || { cat build/build-ext.log; exit 1; }
