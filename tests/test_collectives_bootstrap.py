@@ -349,3 +349,13 @@ def test_cuda_arrays_take_the_staging_hook_or_get_a_clear_error():
             # allreduce hands CUDA arrays to pyrdma.cuda's host staging, which needs CuPy
             with pytest.raises(pyrdma.RDMAError, match="CuPy"):
                 comm.allreduce(FakeCuda())
+
+
+def test_ranks_must_agree_on_the_message_size():
+    port = free_port()
+
+    def rank_fn(rank):
+        return Communicator(rank, 2, f"127.0.0.1:{port}", transport="tcp", timeout=10,
+                            max_message=4096 * (rank + 1))
+    for r in in_threads(2, rank_fn):
+        assert isinstance(r, pyrdma.UsageError) and "max_message" in str(r)

@@ -27,6 +27,7 @@ TRANSPORTS = [pytest.param("tcp", id="tcp"), pytest.param("rdma", id="rdma", mar
 # Small messages make even 1000-element buffers travel in several pipelined chunks.
 MAX_MESSAGE = 2048
 TIMEOUT = 30.0
+START_TIMEOUT = 300.0   # Python starts slowly in the emulated VM
 
 
 def _world_params(sizes_tcp, sizes_rdma):
@@ -43,7 +44,8 @@ def worlds():
         if w is None or w.broken:
             if w is not None:
                 w.close()
-            w = cache[(transport, size)] = World(size, transport, timeout=TIMEOUT, max_message=MAX_MESSAGE)
+            w = cache[(transport, size)] = World(size, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT,
+                                                 max_message=MAX_MESSAGE)
         return w
     yield get
     for w in cache.values():
@@ -420,39 +422,62 @@ def test_bad_input_is_a_clear_usage_error(worlds, transport, size):
 
 # ---- failures: mismatched calls, dead and stalled ranks ----------------------------------------------
 
-def _mismatch(comm, kind):
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fresh_comm(comm, port, **kwargs):
+    """A second communicator among the same rank processes (for tests that break one on purpose)."""
+    from pyrdma.collectives import Communicator
+    kwargs.setdefault("timeout", TIMEOUT)
+    kwargs.setdefault("max_message", MAX_MESSAGE)
+    return Communicator(comm.rank, comm.size, f"127.0.0.1:{port}", transport=comm.transport_name, **kwargs)
+
+
+def _mismatch(comm, ports, kinds):
     import pyrdma
-    start = time.monotonic()
-    try:
-        if kind == "size":
-            comm.allreduce(np.zeros(100 + comm.rank, np.float32), algorithm="ring")
-        elif kind == "dtype":
-            comm.allreduce(np.zeros(100, np.float32 if comm.rank else np.int32))
-        elif kind == "op":
-            comm.allreduce(np.zeros(100), op="max" if comm.rank else "min")
-        elif kind == "collective":
-            comm.barrier() if comm.rank else comm.allreduce(np.zeros(4))
-        result = "no error"
-    except pyrdma.RDMAError as exc:
-        result = f"{type(exc).__name__}: {exc}"
-    elapsed = time.monotonic() - start
-    try:
-        comm.allreduce(np.zeros(1))
-        after = "works"
-    except pyrdma.RDMAError as exc:
-        after = type(exc).__name__
-    return result, elapsed, after
+    outcomes = []
+    for k, kind in enumerate(kinds):
+        with fresh_comm(comm, ports[k]) as c:
+            start = time.monotonic()
+            try:
+                if kind == "size":
+                    c.allreduce(np.zeros(100 + c.rank, np.float32), algorithm="ring")
+                elif kind == "dtype":
+                    c.allreduce(np.zeros(100, np.float32 if c.rank else np.int32))
+                elif kind == "op":
+                    c.allreduce(np.zeros(100), op="max" if c.rank else "min")
+                elif kind == "collective":
+                    c.barrier() if c.rank else c.allreduce(np.zeros(4))
+                result = "no error"
+            except pyrdma.RDMAError as exc:
+                result = f"{type(exc).__name__}: {exc}"
+            elapsed = time.monotonic() - start
+            try:
+                c.allreduce(np.zeros(1))
+                after = "works"
+            except pyrdma.RDMAError as exc:
+                after = type(exc).__name__
+        outcomes.append((result, elapsed, after))
+    x = np.ones(2)
+    comm.allreduce(x)            # the world's own communicator is unaffected
+    return outcomes, float(x[0])
 
 
-@pytest.mark.parametrize("kind", ["size", "dtype", "op", "collective"])
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_mismatched_calls_fail_fast_on_every_rank(transport, kind):
-    with World(3, transport, timeout=20, max_message=MAX_MESSAGE) as w:
-        results = w.run(_mismatch, kind, timeout=60)
-    for result, elapsed, after in results:
-        assert result.startswith("UsageError") and ("disagree" in result or "different collective" in result), result
-        assert elapsed < 10, f"the mismatch took {elapsed:.1f} s to surface (timeout is 20 s)"
-        assert after == "UsageError", "a communicator that failed halfway must refuse further collectives"
+@pytest.mark.parametrize("transport, size", _world_params([3], [3]))
+def test_mismatched_calls_fail_fast_on_every_rank(worlds, transport, size):
+    kinds = ["size", "dtype", "op", "collective"]
+    results = worlds(transport, size).run(_mismatch, [free_port() for _ in kinds], kinds, timeout=300)
+    for outcomes, value in results:
+        assert value == size
+        for kind, (result, elapsed, after) in zip(kinds, outcomes):
+            assert result.startswith("UsageError") and ("disagree" in result or "different collective" in result), \
+                (kind, result)
+            assert elapsed < TIMEOUT / 2, f"{kind}: the mismatch took {elapsed:.1f} s to surface"
+            assert after == "UsageError", f"{kind}: a communicator that failed halfway must refuse further calls"
 
 
 def _die_or_stall(comm, victim, how, iterations):
@@ -475,7 +500,7 @@ def _die_or_stall(comm, victim, how, iterations):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_dead_or_stalled_rank_is_named_within_the_timeout(transport, how):
     timeout, victim, size = 4.0, 2, 4
-    w = World(size, transport, timeout=timeout, max_message=MAX_MESSAGE)
+    w = World(size, transport, timeout=timeout, start_timeout=START_TIMEOUT, max_message=MAX_MESSAGE)
     try:
         started = time.monotonic()
         results = w.run(_die_or_stall, victim, how, 40, timeout=timeout * 4 + 20, expect_errors=True,
@@ -514,30 +539,30 @@ def test_work_buffer_is_registered_once_and_reused(worlds, transport, size):
         assert same, "a same-size collective re-registered its buffers"
 
 
-def _tight(comm, counts):
+def _tight(comm, port, counts):
     out = []
-    for count in counts:
-        for algorithm in ("ring", "halving_doubling", "recursive_doubling"):
-            x = make_input(comm.rank, count, "int64", "sum")
-            comm.allreduce(x, algorithm=algorithm)
+    # slots=1: every message waits for the previous one's credit (RDMA); tiny messages, many chunks
+    with fresh_comm(comm, port, max_message=256, slots=1) as c:
+        for count in counts:
+            for algorithm in ("ring", "halving_doubling", "recursive_doubling"):
+                x = make_input(c.rank, count, "int64", "sum")
+                c.allreduce(x, algorithm=algorithm)
+                out.append(x)
+            x = make_input(c.rank, count, "int64", "sum")
+            c.reduce(x, root=c.size - 1, algorithm="chain")
             out.append(x)
-        x = make_input(comm.rank, count, "int64", "sum")
-        comm.reduce(x, root=comm.size - 1, algorithm="chain")
-        out.append(x)
     return out
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_one_receive_slot_per_peer_still_flows(transport):
-    # slots=1: every message waits for the previous one's credit (RDMA); tiny messages, many chunks
+@pytest.mark.parametrize("transport, size", _world_params([3], [3]))
+def test_one_receive_slot_per_peer_still_flows(worlds, transport, size):
     counts = [3, 10007]
-    with World(3, transport, timeout=TIMEOUT, max_message=256, slots=1) as w:
-        results = w.run(_tight, counts, timeout=300)
+    results = worlds(transport, size).run(_tight, free_port(), counts, timeout=300)
     pos = 0
     for count in counts:
-        expected = reference([make_input(r, count, "int64", "sum") for r in range(3)], "int64", "sum", 3)
+        expected = reference([make_input(r, count, "int64", "sum") for r in range(size)], "int64", "sum", size)
         for k in range(4):
-            for r in range(3):
-                if k < 3 or r == 2:
+            for r in range(size):
+                if k < 3 or r == size - 1:
                     assert np.array_equal(results[r][pos + k], expected), (count, k, r)
         pos += 4

@@ -45,8 +45,12 @@ def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
     """Send ``send_chunks`` to send_peer while receiving as many chunks from recv_peer.
 
     The send of chunk k+1 is posted before chunk k is consumed (reduced or copied), so the transfer
-    of one chunk overlaps the reduction of the previous one. Either peer may be None (send only or
-    receive only). ``consume(k, offset, data)`` handles received chunk k, destined for ``offset``."""
+    of one chunk overlaps the reduction of the previous one, but only when the transport can take
+    it at once: a send that would wait for a credit goes after chunk k is released. Otherwise,
+    with one receive slot per peer, every rank of a ring (or both sides of an exchange) would wait
+    for a credit that its neighbour only returns after its own blocked send. Either peer may be
+    None (send only or receive only). ``consume(k, offset, data)`` handles received chunk k,
+    destined for ``offset``."""
     nsend = len(send_chunks) if send_peer is not None else 0
     nrecv = len(recv_chunks) if recv_peer is not None else 0
     if nsend:
@@ -56,12 +60,17 @@ def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
         if k < nrecv:
             off, n = recv_chunks[k]
             data = t.recv(recv_peer, n)
-        if k + 1 < nsend:
+        pending = k + 1 < nsend
+        if pending and (k >= nrecv or t.can_send(send_peer)):
             soff, sn = send_chunks[k + 1]
             t.send(send_peer, soff, sn)
+            pending = False
         if k < nrecv:
             consume(k, off, data)
             t.release(recv_peer)
+        if pending:
+            soff, sn = send_chunks[k + 1]
+            t.send(send_peer, soff, sn)
 
 
 def reducer(reduce, work):

@@ -6,6 +6,7 @@ The algorithms see only this interface; a transport never knows the algorithm.
     t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
     t.set_tag(tag)                       stamp of the collective now running (checked on receive)
     t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
+    t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
     t.recv(peer, nbytes) -> uint8 view   wait for the next message from peer (messages arrive in
                                          the order they were sent); valid until release(peer)
     t.release(peer)                      that view has been consumed (its slot may be reused)
@@ -260,6 +261,9 @@ class RdmaTransport(_Waits):
                 raise WireFormatError(f"rank {p} sent a {len(rec)}-byte connection record, expected "
                                       f"{self.size * WIRE_SIZE} (different world size or pyrdma version?)")
             ep = Endpoint.from_bytes(rec[self.rank * WIRE_SIZE:(self.rank + 1) * WIRE_SIZE])
+            if ep.length != self.slot_mr.length:
+                raise UsageError(f"rank {p} registered {ep.length} bytes of receive slots, rank {self.rank} "
+                                 f"{self.slot_mr.length}: the ranks were given different max_message or slots")
             self.qp[p].to_rtr(ep)
             self.qp[p].to_rts()
             # our slots in the peer's region: it orders its peers by rank, skipping itself
@@ -281,6 +285,9 @@ class RdmaTransport(_Waits):
 
     def set_tag(self, tag):
         self.tag = tag & ((1 << _TAG_BITS) - 1)
+
+    def can_send(self, peer):
+        return self.credits[peer] > 0 and self.outstanding[peer] < self.sq_depth
 
     def send(self, peer, offset, nbytes):
         if nbytes > self.max_message:
@@ -450,7 +457,14 @@ class TcpTransport(_Waits):
         listener = socket.create_server(("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, 0))
         try:
             listener.settimeout(self.timeout)
-            addresses = exchange.allgather(f"{host}:{listener.getsockname()[1]}".encode())
+            records = exchange.allgather(f"{self.max_message} {host}:{listener.getsockname()[1]}".encode())
+            addresses = []
+            for p, rec in enumerate(records):
+                message, _, address = rec.decode(errors="replace").partition(" ")
+                if p != self.rank and message != str(self.max_message):
+                    raise UsageError(f"rank {p} uses max_message={message}, rank {self.rank} {self.max_message}: "
+                                     f"all ranks must be given the same")
+                addresses.append(address)
             self._connect_all(listener, addresses)
         except BaseException:
             for s in self.socks.values():
@@ -470,7 +484,7 @@ class TcpTransport(_Waits):
         end = time.monotonic() + self.timeout
         hello = _HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, self.rank, self.size)
         for p in range(self.rank):   # connect to lower ranks, accept from higher ones
-            host, _, port = addresses[p].decode().rpartition(":")
+            host, _, port = addresses[p].rpartition(":")
             try:
                 s = socket.create_connection((host, int(port)), timeout=max(0.1, end - time.monotonic()))
             except OSError as exc:
@@ -508,6 +522,9 @@ class TcpTransport(_Waits):
 
     def set_tag(self, tag):
         self.tag = tag & 0xFFFFFFFF
+
+    def can_send(self, peer):
+        return True   # the peer's reader thread drains its socket, so a send never waits on it
 
     def send(self, peer, offset, nbytes):
         if nbytes > self.max_message:

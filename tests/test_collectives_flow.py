@@ -1,0 +1,137 @@
+"""Flow control of the collective algorithms, on the host: an in-process transport that counts
+credits exactly like RdmaTransport (``slots`` receive slots per peer, a send waits for a free one)
+runs every algorithm with one rank per thread. A credit cycle shows up here as a timeout, in
+seconds and without a VM."""
+import threading
+
+import numpy as np
+import pytest
+
+from pyrdma.collectives import ring, tree
+from pyrdma.errors import RDMATimeoutError
+
+TIMEOUT = 10.0
+
+
+class _World:
+    def __init__(self, size, slots):
+        self.size, self.slots = size, slots
+        self.cond = threading.Condition()
+        self.queues = {(a, b): [] for a in range(size) for b in range(size) if a != b}   # a -> b
+        self.credits = {(a, b): slots for a in range(size) for b in range(size) if a != b}
+
+
+class CreditTransport:
+    """Messages are copied on send; a slot is returned (a credit) on release."""
+
+    def __init__(self, world, rank, max_message):
+        self.w, self.rank, self.size, self.max_message = world, rank, world.size, max_message
+        self.work = np.zeros(0, np.uint8)
+        self.held = {}
+
+    def buffer(self, nbytes):
+        if self.work.nbytes < nbytes:
+            self.work = np.zeros(max(64, nbytes), np.uint8)
+        return self.work
+
+    def set_tag(self, tag):
+        pass
+
+    def _wait(self, ready, what):
+        if not self.w.cond.wait_for(ready, timeout=TIMEOUT):
+            raise RDMATimeoutError(f"rank {self.rank} waited {TIMEOUT} s for {what}")
+
+    def can_send(self, peer):
+        with self.w.cond:
+            return self.w.credits[(self.rank, peer)] > 0
+
+    def send(self, peer, offset, nbytes):
+        assert nbytes <= self.max_message
+        key = (self.rank, peer)
+        with self.w.cond:
+            self._wait(lambda: self.w.credits[key] > 0, f"a credit from rank {peer}")
+            self.w.credits[key] -= 1
+            self.w.queues[key].append(self.work[offset:offset + nbytes].copy())
+            self.w.cond.notify_all()
+
+    def recv(self, peer, nbytes):
+        q = self.w.queues[(peer, self.rank)]
+        with self.w.cond:
+            self._wait(lambda: len(q) > 0, f"a message from rank {peer}")
+            data = q.pop(0)
+        assert data.nbytes == nbytes, (data.nbytes, nbytes)
+        self.held[peer] = data
+        return data
+
+    def release(self, peer):
+        del self.held[peer]
+        with self.w.cond:
+            self.w.credits[(peer, self.rank)] += 1
+            self.w.cond.notify_all()
+
+    def wait_sends(self, peer=None):
+        pass
+
+
+def _add(dst, a, b):
+    np.add(a.view(np.int64), b.view(np.int64), out=dst.view(np.int64))
+
+
+def _run(size, slots, max_message, count, body):
+    world = _World(size, slots)
+    results, errors = [None] * size, []
+
+    def rank_main(r):
+        t = CreditTransport(world, r, max_message)
+        work = t.buffer(2 * count * 8)
+        work[:count * 8] = (np.arange(count, dtype=np.int64) * (r + 1)).view(np.uint8)
+        try:
+            body(t, count)
+            results[r] = t.buffer(0)[:count * 8].view(np.int64).copy()
+        except Exception as exc:   # noqa: BLE001 - reported below with the rank
+            errors.append((r, exc))
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(size)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(TIMEOUT * 3)
+    assert not any(th.is_alive() for th in threads), "a rank is still running"
+    assert not errors, errors
+    return results
+
+
+ALLREDUCES = {
+    "ring": lambda t, count: ring.ring_allreduce(t, count, 8, _add),
+    "halving_doubling": lambda t, count: tree.halving_doubling_allreduce(t, count, 8, _add),
+    "recursive_doubling": lambda t, count: tree.recursive_doubling_allreduce(t, count, 8, _add),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALLREDUCES))
+@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("size", [2, 3, 4, 5])
+def test_allreduce_flows_with_few_receive_slots(algorithm, slots, size):
+    count = 1001                       # 64-byte messages: many chunks per step
+    results = _run(size, slots, 64, count, ALLREDUCES[algorithm])
+    expected = np.arange(count, dtype=np.int64) * (size * (size + 1) // 2)
+    for r, got in enumerate(results):
+        assert np.array_equal(got, expected), (algorithm, slots, size, r)
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_rooted_and_barrier_flow_with_one_slot(slots):
+    size, count = 4, 333
+
+    def body(t, count):
+        tree.binomial_broadcast(t, count, 8, root=1)
+        ring.chain_broadcast(t, count, 8, root=2)
+        ring.chain_reduce(t, count, 8, _add, root=3)
+        ring.chain_broadcast(t, count, 8, root=3)
+        tree.binomial_reduce(t, count, 8, _add, root=0)
+        tree.binomial_broadcast(t, count, 8, root=0)
+        tree.dissemination_barrier(t)
+        tree.dissemination_barrier(t)
+    results = _run(size, slots, 64, count, body)
+    # rank 1's data (2x) goes to all, two reductions of 4 copies each make it 2 * 4 * 4
+    for got in results:
+        assert np.array_equal(got, np.arange(count, dtype=np.int64) * 32)
