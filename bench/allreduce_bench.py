@@ -1,0 +1,192 @@
+"""Allreduce sweep in the style of nccl-tests, with ib_write_bw and OpenMPI+UCX on the same device
+as anchors, all in one run (one VM boot):
+
+    python3 -m pyrdma.testing.vm --rwdir build/bench -- "$(python3 -c 'import sys;print(sys.executable)')" \
+        bench/allreduce_bench.py --out build/bench
+
+Per size and algorithm: time (us; per iteration the slowest rank, median over iterations),
+algbw = bytes / time and busbw = algbw * 2(n-1)/n (GB/s, GB = 1e9), as nccl-tests prints them;
+ib_write_bw's average at 8 MiB is the physical limit, MPI_Allreduce through OpenMPI's UCX pml
+forced onto the device (UCX_TLS=rc_verbs,ud_verbs,self: UCX needs ud_verbs to wire up rc_verbs;
+bench/mpi_allreduce.py) the software anchor.
+Writes allreduce.json and allreduce.png.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _rank(rank, size, master, sizes, algorithms, iters, results):
+    from pyrdma.collectives import Communicator
+    with Communicator(rank, size, master, transport="rdma", timeout=300) as comm:
+        rows = []
+        for nbytes in sizes:
+            x = np.ones(nbytes // 4, np.float32)
+            for alg in algorithms:
+                comm.allreduce(x, algorithm=alg)            # warm-up (registration, connections)
+                times = []
+                for _ in range(iters):
+                    x[:] = 1
+                    comm.barrier()
+                    t0 = time.perf_counter()
+                    comm.allreduce(x, algorithm=alg)
+                    times.append(time.perf_counter() - t0)
+                    if x.size and x[0] != size:
+                        raise SystemExit(f"rank {rank}: allreduce gave {x[0]}, expected {size}")
+                rows.append((nbytes, alg, times))
+        results.put((rank, rows))
+
+
+def sweep(size, sizes, algorithms, iters):
+    """[(bytes, algorithm, seconds)]: per iteration the slowest rank's time, median over iterations
+    (a collective ends when its slowest rank does; mpi_allreduce.py measures the same way)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, size, f"127.0.0.1:{port}", sizes, algorithms, iters, results))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(results.get(timeout=1800) for _ in range(size))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    out = []
+    for i, (nbytes, alg, _) in enumerate(got[0]):
+        slowest = [max(got[r][i][2][k] for r in range(size)) for k in range(iters)]
+        out.append((nbytes, alg, float(np.median(slowest))))
+    return out
+
+
+def mpi_sweep(size, sizes, iters, dev, port=1):
+    """OpenMPI + UCX forced onto ``dev``: {bytes: seconds}, or None with the reason. Data goes over
+    rc_verbs; UCX refuses rc_verbs without an auxiliary transport for its wire-up ("no auxiliary
+    transport"), hence ud_verbs on the same device as well."""
+    script = os.path.join(ROOT, "bench", "mpi_allreduce.py")
+    cmd = ["mpirun", "-np", str(size), "--oversubscribe", "--mca", "pml", "ucx", "--mca", "btl", "self",
+           "-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", f"UCX_NET_DEVICES={dev}:{port}",
+           "/usr/bin/python3", script, "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"mpirun failed: {exc}"
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            got = json.loads(line)
+            return {b: t for b, t in got["rows"]}, got.get("library", "")
+    return None, f"mpirun exit {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}"
+
+
+def ib_write_bw(dev, gid, nbytes, port=23000, bidirectional=False):
+    """perftest's BW average in GB/s (with -b: both directions together, as perftest reports it)."""
+    args = ["ib_write_bw", "-d", dev, "-x", str(gid), "-s", str(nbytes), "-n", "200", "-F", "-p", str(port)]
+    args += ["-b"] if bidirectional else []
+    server = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(1)
+    try:
+        out = subprocess.run(args + ["127.0.0.1"], capture_output=True, text=True, timeout=300).stdout
+    finally:
+        server.wait(timeout=60) if server.poll() is None else None
+        if server.poll() is None:
+            server.kill()
+    m = re.search(rf"^\s*{nbytes}\s+\d+\s+[\d.]+\s+([\d.]+)", out, re.M)
+    return float(m.group(1)) * 2**20 / 1e9 if m else None   # perftest MB/s (MiB) -> GB/s
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "build", "bench"))
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--sizes", default="4096,16384,65536,262144,1048576,4194304,8388608",
+                   help="comma-separated byte counts (multiples of 4)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--dev", default="rxe0")
+    p.add_argument("--gid", type=int, default=1)
+    p.add_argument("--no-mpi", action="store_true", help="skip the OpenMPI+UCX anchor")
+    args = p.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    if args.ranks < 2 or any(n <= 0 or n % 4 for n in sizes):
+        p.error("need --ranks >= 2 and positive sizes that are multiples of 4 (float32)")
+    os.makedirs(args.out, exist_ok=True)
+    algorithms = ["ring", "tree"]
+    rows = sweep(args.ranks, sizes, algorithms, args.iters)
+    mpi, mpi_note = (None, "skipped") if args.no_mpi else mpi_sweep(args.ranks, sizes, args.iters, args.dev)
+    anchor = ib_write_bw(args.dev, args.gid, 8 << 20)
+    # Every rank of an allreduce sends and receives at once. On a real NIC the directions do not
+    # compete; on Soft-RoCE both are CPU work on the same cores, so also show -b's per-direction share.
+    bidir = ib_write_bw(args.dev, args.gid, 8 << 20, port=23001, bidirectional=True)
+    per_direction = bidir / 2 if bidir else None
+    factor = 2 * (args.ranks - 1) / args.ranks
+    print(f"# allreduce float32 sum, {args.ranks} ranks on {args.dev}, median of {args.iters} iterations")
+    print(f"# ib_write_bw 8 MiB: {'n/a' if anchor is None else f'{anchor:.4f}'} GB/s; "
+          f"ib_write_bw -b 8 MiB: {'n/a' if bidir is None else f'{bidir:.4f}'} GB/s (both directions); "
+          f"MPI: {mpi_note if mpi is None else 'OpenMPI+UCX rc_verbs (' + mpi_note + ')'}")
+    print(f"{'size(B)':>10} {'algo':>5} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
+          f"{'vs ib_write_bw':>15} {'vs -b/2':>8} {'MPI time(us)':>13} {'MPI busbw':>10} {'vs MPI':>7}")
+    table = []
+    for nbytes, alg, t in rows:
+        algbw = nbytes / t / 1e9
+        busbw = algbw * factor
+        ratio = busbw / anchor if anchor else None
+        vs_dir = busbw / per_direction if per_direction else None
+        mpi_t = mpi.get(nbytes) if mpi else None
+        mpi_busbw = nbytes / mpi_t / 1e9 * factor if mpi_t else None
+        vs_mpi = busbw / mpi_busbw if mpi_busbw else None
+        table.append(dict(bytes=nbytes, algorithm=alg, time_us=t * 1e6, algbw=algbw, busbw=busbw,
+                          vs_ib_write_bw=ratio, vs_bidir_per_direction=vs_dir, mpi_time_us=mpi_t and mpi_t * 1e6, mpi_busbw=mpi_busbw,
+                          vs_mpi=vs_mpi))
+
+        def f(v, fmt):
+            return "" if v is None else format(v, fmt)
+        print(f"{nbytes:>10} {alg:>5} {t * 1e6:>10.1f} {algbw:>12.4f} {busbw:>12.4f} {f(ratio, '.3f'):>15} {f(vs_dir, '.3f'):>8} "
+              f"{f(mpi_t and mpi_t * 1e6, '.1f'):>13} {f(mpi_busbw, '.4f'):>10} {f(vs_mpi, '.2f'):>7}")
+    with open(os.path.join(args.out, "allreduce.json"), "w") as fh:
+        json.dump(dict(ranks=args.ranks, device=args.dev, iters=args.iters, ib_write_bw_gbps=anchor,
+                       ib_write_bw_bidir_gbps=bidir,
+                       mpi=mpi_note, rows=table), fh, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for alg in algorithms:
+        pts = [r for r in table if r["algorithm"] == alg]
+        ax.plot([r["bytes"] for r in pts], [r["busbw"] for r in pts], marker="o", label=f"pyrdma {alg}")
+    if mpi:
+        pts = [r for r in table if r["algorithm"] == algorithms[0] and r["mpi_busbw"]]
+        ax.plot([r["bytes"] for r in pts], [r["mpi_busbw"] for r in pts], marker="s", label="OpenMPI+UCX")
+    if anchor:
+        ax.axhline(anchor, color="k", linestyle="--", label="ib_write_bw 8 MiB")
+    if per_direction:
+        ax.axhline(per_direction, color="gray", linestyle=":", label="ib_write_bw -b 8 MiB, per direction")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("bytes")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_title(f"allreduce, {args.ranks} ranks, {args.dev}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "allreduce.png"))
+
+
+if __name__ == "__main__":
+    main()
