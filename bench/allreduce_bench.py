@@ -27,12 +27,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def _rank(rank, size, master, sizes, algorithms, iters, results):
+def _rank(rank, size, master, sizes, algorithms, iters, results, options):
     from pyrdma.collectives import Communicator
-    with Communicator(rank, size, master, transport="rdma", timeout=300) as comm:
+    options = dict(options)
+    dtype = options.pop("dtype", "float32")
+    with Communicator(rank, size, master, transport="rdma", timeout=300, **options) as comm:
         rows = []
         for nbytes in sizes:
-            x = np.ones(nbytes // 4, np.float32)
+            x = np.ones(nbytes // 4, dtype)
             for alg in algorithms:
                 comm.allreduce(x, algorithm=alg)            # warm-up (registration, connections)
                 times = []
@@ -48,7 +50,7 @@ def _rank(rank, size, master, sizes, algorithms, iters, results):
         results.put((rank, rows))
 
 
-def sweep(size, sizes, algorithms, iters):
+def sweep(size, sizes, algorithms, iters, options=None):
     """[(bytes, algorithm, seconds)]: per iteration the slowest rank's time, median over iterations
     (a collective ends when its slowest rank does; mpi_allreduce.py measures the same way)."""
     with socket.socket() as s:
@@ -56,7 +58,8 @@ def sweep(size, sizes, algorithms, iters):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, size, f"127.0.0.1:{port}", sizes, algorithms, iters, results))
+    procs = [ctx.Process(target=_rank, args=(r, size, f"127.0.0.1:{port}", sizes, algorithms, iters, results,
+                                                     options or {}))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -74,24 +77,42 @@ def sweep(size, sizes, algorithms, iters):
     return out
 
 
-def mpi_sweep(size, sizes, iters, dev, port=1):
-    """OpenMPI + UCX forced onto ``dev``: {bytes: seconds}, or None with the reason. Data goes over
-    rc_verbs; UCX refuses rc_verbs without an auxiliary transport for its wire-up ("no auxiliary
-    transport"), hence ud_verbs on the same device as well."""
+def _mpi_configs(dev, port):
+    """(label, mpirun arguments) to try in order. The anchor the issue asks for is UCX on the RDMA
+    device: rc_verbs for data, ud_verbs because UCX will not wire rc_verbs up without it ("no
+    auxiliary transport"). On Soft-RoCE in the emulated VM UCX's UD wire-up times out ("UD endpoint
+    ... unhandled timeout error") and openib offers only its UD-based udcm, so the fallback is
+    OpenMPI's TCP BTL over lo: not RDMA, but the MPI a user would get there."""
+    return [
+        (f"OpenMPI+UCX rc_verbs on {dev}", ["--mca", "pml", "ucx", "--mca", "btl", "self",
+                                            "-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", f"UCX_NET_DEVICES={dev}:{port}"]),
+        ("OpenMPI ob1/TCP over lo (not RDMA)", ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
+                                               "--mca", "btl_tcp_if_include", "lo"]),
+    ]
+
+
+def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
+    """MPI_Allreduce timed by bench/mpi_allreduce.py: ({bytes: seconds}, label) from the first
+    configuration of _mpi_configs that works, or (None, why none did)."""
     script = os.path.join(ROOT, "bench", "mpi_allreduce.py")
-    cmd = ["mpirun", "-np", str(size), "--oversubscribe", "--mca", "pml", "ucx", "--mca", "btl", "self",
-           "-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", f"UCX_NET_DEVICES={dev}:{port}",
-           "/usr/bin/python3", script, "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)]
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"mpirun failed: {exc}"
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            got = json.loads(line)
-            return {b: t for b, t in got["rows"]}, got.get("library", "")
-    return None, f"mpirun exit {proc.returncode}: {(proc.stdout + proc.stderr)[-2000:]}"
+    failures = []
+    for label, extra in _mpi_configs(dev, port):
+        cmd = ["mpirun", "-np", str(size), "--oversubscribe", *extra, "/usr/bin/python3", script,
+               "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failures.append(f"{label}: {exc}")
+            continue
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                got = json.loads(line)
+                note = label + "".join(f"; {f}" for f in failures)
+                return {b: t for b, t in got["rows"]}, note
+        why = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if re.search(r"Fatal|ERROR|Error", ln)]
+        failures.append(f"{label} failed (exit {proc.returncode}): {why[0] if why else 'no output'}")
+    return None, "; ".join(failures)
 
 
 def ib_write_bw(dev, gid, nbytes, port=23000, bidirectional=False):
@@ -120,13 +141,22 @@ def main(argv=None):
     p.add_argument("--dev", default="rxe0")
     p.add_argument("--gid", type=int, default=1)
     p.add_argument("--no-mpi", action="store_true", help="skip the OpenMPI+UCX anchor")
+    p.add_argument("--max-message", type=int, default=None, help="Communicator max_message (bytes per RDMA write)")
+    p.add_argument("--dtype", choices=["float32", "int32"], default="float32",
+                   help="element type (4 bytes; MPI always uses float32)")
+    p.add_argument("--slots", type=int, default=None, help="Communicator receive slots per peer")
+    p.add_argument("--spin", type=float, default=None,
+                   help="Communicator spin: seconds of busy polling before sleeping on the completion channel")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.ranks < 2 or any(n <= 0 or n % 4 for n in sizes):
-        p.error("need --ranks >= 2 and positive sizes that are multiples of 4 (float32)")
+        p.error("need --ranks >= 2 and positive sizes that are multiples of 4 (4-byte elements)")
     os.makedirs(args.out, exist_ok=True)
     algorithms = ["ring", "tree"]
-    rows = sweep(args.ranks, sizes, algorithms, args.iters)
+    options = {k: v for k, v in (("max_message", args.max_message), ("slots", args.slots),
+                                                 ("spin", args.spin)) if v is not None}
+    options["dtype"] = args.dtype
+    rows = sweep(args.ranks, sizes, algorithms, args.iters, options)
     mpi, mpi_note = (None, "skipped") if args.no_mpi else mpi_sweep(args.ranks, sizes, args.iters, args.dev)
     anchor = ib_write_bw(args.dev, args.gid, 8 << 20)
     # Every rank of an allreduce sends and receives at once. On a real NIC the directions do not
@@ -134,10 +164,10 @@ def main(argv=None):
     bidir = ib_write_bw(args.dev, args.gid, 8 << 20, port=23001, bidirectional=True)
     per_direction = bidir / 2 if bidir else None
     factor = 2 * (args.ranks - 1) / args.ranks
-    print(f"# allreduce float32 sum, {args.ranks} ranks on {args.dev}, median of {args.iters} iterations")
+    print(f"# allreduce {args.dtype} sum, {args.ranks} ranks on {args.dev}, median of {args.iters} iterations")
     print(f"# ib_write_bw 8 MiB: {'n/a' if anchor is None else f'{anchor:.4f}'} GB/s; "
           f"ib_write_bw -b 8 MiB: {'n/a' if bidir is None else f'{bidir:.4f}'} GB/s (both directions); "
-          f"MPI: {mpi_note if mpi is None else 'OpenMPI+UCX rc_verbs (' + mpi_note + ')'}")
+          f"MPI: {mpi_note}")
     print(f"{'size(B)':>10} {'algo':>5} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
           f"{'vs ib_write_bw':>15} {'vs -b/2':>8} {'MPI time(us)':>13} {'MPI busbw':>10} {'vs MPI':>7}")
     table = []
@@ -174,7 +204,7 @@ def main(argv=None):
         ax.plot([r["bytes"] for r in pts], [r["busbw"] for r in pts], marker="o", label=f"pyrdma {alg}")
     if mpi:
         pts = [r for r in table if r["algorithm"] == algorithms[0] and r["mpi_busbw"]]
-        ax.plot([r["bytes"] for r in pts], [r["mpi_busbw"] for r in pts], marker="s", label="OpenMPI+UCX")
+        ax.plot([r["bytes"] for r in pts], [r["mpi_busbw"] for r in pts], marker="s", label=mpi_note.split(";")[0])
     if anchor:
         ax.axhline(anchor, color="k", linestyle="--", label="ib_write_bw 8 MiB")
     if per_direction:
