@@ -48,7 +48,8 @@ def dtype_code(dtype):
         dt = np.dtype(dtype)
     except TypeError:
         raise UsageError(f"unsupported dtype {dtype!r}; supported: {', '.join(DTYPE_NAMES)}") from None
-    if dt.name == "bfloat16" and dt.itemsize == 2:
+    # dt.type.__name__, not dt.name: numpy computes .name in Python, a cost paid per collective
+    if dt.itemsize == 2 and dt.type.__name__ == "bfloat16":
         return BFLOAT16
     code = _KINDS.get((dt.kind, dt.itemsize)) if dt.isnative else None
     if code is None:

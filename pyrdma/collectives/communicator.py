@@ -102,7 +102,7 @@ class _Operand:
                              f"needs {self.itemsize}-byte ones")
         self.array = arr
         flat = arr.reshape(-1)
-        if flat.dtype.name == "bfloat16":     # ml_dtypes arrays export no buffer: use their bits
+        if self.code == _reduce.BFLOAT16:     # ml_dtypes arrays export no buffer: use their bits
             flat = flat.view(np.uint16)
         self.bytes = flat.view(np.uint8)
         self.nbytes = self.bytes.nbytes
