@@ -114,6 +114,20 @@ class _Operand:
             raise UsageError(f"{name} has dtype {other.array.dtype}, the input has {self.array.dtype}")
 
 
+def _in_and_out(buf, out, dtype, writes):
+    """(src, dst) operands of a reduction: in place on buf when out is None, else into out, which
+    must match buf. ``writes``: whether this rank stores a result (buf or out must be writable)."""
+    src = _Operand(buf, "buf", writable=writes and out is None, dtype=dtype)
+    if out is None:
+        return src, src
+    dst = _Operand(out, "out", writable=writes, dtype=dtype)
+    src.same_type(dst, "out")
+    if dst.count != src.count:
+        raise UsageError(f"out has {dst.count} elements ({dst.nbytes} bytes, expected {src.nbytes}): "
+                         f"it must match buf")
+    return src, dst
+
+
 def _as_numpy(obj, name):
     if isinstance(obj, np.ndarray):
         return obj
@@ -379,14 +393,7 @@ class Communicator:
     def _iallreduce(self, buf, out, op, algorithm, dtype, blocking):
         _check_op(op)
         algorithm = self._check_algorithm(algorithm)
-        src = _Operand(buf, "buf", writable=out is None, dtype=dtype)
-        dst = src
-        if out is not None:
-            dst = _Operand(out, "out", writable=True, dtype=dtype)
-            src.same_type(dst, "out")
-            if dst.count != src.count:
-                raise UsageError(f"out has {dst.count} elements ({dst.nbytes} bytes, expected {src.nbytes}): "
-                                 f"it must match buf")
+        src, dst = _in_and_out(buf, out, dtype, writes=True)
         plan = []
         for lo, hi in self._pieces(src.count, src.itemsize):
             nbytes = (hi - lo) * src.itemsize
@@ -468,14 +475,7 @@ class Communicator:
         _check_op(op)
         root = self._check_root(root)
         is_root = self.rank == root
-        src = _Operand(buf, "buf", writable=is_root and out is None, dtype=dtype)
-        dst = src
-        if out is not None:
-            dst = _Operand(out, "out", writable=is_root, dtype=dtype)
-            src.same_type(dst, "out")
-            if dst.count != src.count:
-                raise UsageError(f"out has {dst.count} elements ({dst.nbytes} bytes, expected {src.nbytes}): "
-                                 f"it must match buf")
+        src, dst = _in_and_out(buf, out, dtype, writes=is_root)
         plan = []
         for lo, hi in self._pieces(src.count, src.itemsize):
             algo = self._rooted_algorithm(algorithm, (hi - lo) * src.itemsize)
