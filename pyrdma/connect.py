@@ -69,8 +69,9 @@ def _bring_up(sock, pd, cq, mr, peer, qp_kwargs):
     return Connection(qp, remote, local)
 
 
-def accept(pd, cq, port=DEFAULT_PORT, host="0.0.0.0", mr=None, timeout=30.0, **qp_kwargs):
-    """Wait (up to ``timeout`` s) for one connect() on ``host:port``; returns a Connection."""
+def accept_one(host, port, timeout, who="peer"):
+    """Listen on host:port for exactly one TCP connection; (socket, "addr:port") or
+    RDMATimeoutError after ``timeout`` seconds."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
@@ -79,11 +80,17 @@ def accept(pd, cq, port=DEFAULT_PORT, host="0.0.0.0", mr=None, timeout=30.0, **q
         try:
             sock, addr = listener.accept()
         except socket.timeout:
-            raise RDMATimeoutError(f"no peer connected to {host}:{port} within {timeout} s",
+            raise RDMATimeoutError(f"no {who} connected to {host}:{port} within {timeout} s",
                                    call="accept") from None
+    return sock, f"{addr[0]}:{addr[1]}"
+
+
+def accept(pd, cq, port=DEFAULT_PORT, host="0.0.0.0", mr=None, timeout=30.0, **qp_kwargs):
+    """Wait (up to ``timeout`` s) for one connect() on ``host:port``; returns a Connection."""
+    sock, where = accept_one(host, port, timeout)
     with sock:
         sock.settimeout(timeout)
-        return _bring_up(sock, pd, cq, mr, f"{addr[0]}:{addr[1]}", qp_kwargs)
+        return _bring_up(sock, pd, cq, mr, where, qp_kwargs)
 
 
 def connect(pd, cq, host, port=DEFAULT_PORT, mr=None, timeout=30.0, **qp_kwargs):

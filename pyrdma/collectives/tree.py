@@ -42,19 +42,28 @@ def _recv_all(t, peer, count, itemsize, consume):
         t.release(peer)
 
 
+def _fold_in(t, p, count, itemsize, reduce, work):
+    """The start of a power-of-two algorithm on any n: rank r >= p hands its data to rank r - p and
+    waits for the result (returns True: it is done); rank r < p adds rank r + p's data, if any."""
+    n, r = t.size, t.rank
+    if r >= p:
+        _send_all(t, r - p, count, itemsize)
+        _recv_all(t, r - p, count, itemsize, copier(work))
+        t.wait_sends()
+        return True
+    if r + p < n:
+        _recv_all(t, r + p, count, itemsize, reducer(reduce, work))
+    return False
+
+
 def halving_doubling_allreduce(t, count, itemsize, reduce):
     n, r = t.size, t.rank
     if n == 1:
         return
     p = _pow2_floor(n)
     work = t.buffer(0)
-    if r >= p:                                   # fold in, wait for the result
-        _send_all(t, r - p, count, itemsize)
-        _recv_all(t, r - p, count, itemsize, copier(work))
-        t.wait_sends()
+    if _fold_in(t, p, count, itemsize, reduce, work):
         return
-    if r + p < n:
-        _recv_all(t, r + p, count, itemsize, reducer(reduce, work))
     bounds = segment_bounds(count, p)            # block b belongs to rank b at the end of halving
     consume = reducer(reduce, work)
     lo, hi = 0, p                                # the blocks this rank still reduces
@@ -88,13 +97,8 @@ def recursive_doubling_allreduce(t, count, itemsize, reduce):
     p = _pow2_floor(n)
     nbytes = count * itemsize
     work = t.buffer(2 * nbytes)
-    if r >= p:
-        _send_all(t, r - p, count, itemsize)
-        _recv_all(t, r - p, count, itemsize, copier(work))
-        t.wait_sends()
+    if _fold_in(t, p, count, itemsize, reduce, work):
         return
-    if r + p < n:
-        _recv_all(t, r + p, count, itemsize, reducer(reduce, work))
     cur, nxt = 0, nbytes
     mask = 1
     while mask < p:

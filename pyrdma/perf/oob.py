@@ -26,6 +26,7 @@ import socket
 import struct
 import time
 
+from pyrdma.connect import accept_one
 from pyrdma.endpoint import WIRE_SIZE as ENDPOINT_SIZE, Endpoint
 from pyrdma.errors import PeerError, RDMATimeoutError, WireFormatError
 
@@ -186,17 +187,8 @@ class Channel:
 
 def listen(port=DEFAULT_PORT, host="0.0.0.0", timeout=60.0):
     """Server side: accept one client on host:port (perftest's server also serves exactly one)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(1)
-        listener.settimeout(timeout)
-        try:
-            sock, addr = listener.accept()
-        except socket.timeout:
-            raise RDMATimeoutError(f"no client connected to {host}:{port} within {timeout} s",
-                                   call="accept") from None
-    return Channel(sock, f"{addr[0]}:{addr[1]}", timeout)
+    sock, where = accept_one(host, port, timeout, who="client")
+    return Channel(sock, where, timeout)
 
 
 def dial(host, port=DEFAULT_PORT, timeout=60.0):
