@@ -6,7 +6,9 @@
 For every test (write_bw ... atomic_lat) and size it runs perftest's binary (server + client on
 this host, ``-d DEV -x GID``, distinct TCP ports, with timeouts) and pyrdma-perf (one connection
 per test covering the whole size sweep, ``--mode both``), parses both outputs with
-pyrdma.perf.parse, and prints a table of ours/perftest ratios:
+pyrdma.perf.parse, and prints a table of ours/perftest ratios. For write_bw and read_bw it also
+runs our client against perftest's own server (``--perftest-compat``, mode "interop" in the
+table), so the bench talks to a program we did not write (``--no-interop`` skips it):
 
     BW tests:       BW average and MsgRate (higher is better; ratio > 1 means we are faster)
     latency tests:  t_typical and the 99% percentile (lower is better; ratio < 1 means faster)
@@ -32,6 +34,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from pyrdma.perf.parse import parse_output  # noqa: E402
+from pyrdma.testing import tcp_listening  # noqa: E402
 
 BW_TESTS = ["write_bw", "read_bw", "send_bw", "atomic_bw"]
 LAT_TESTS = ["write_lat", "read_lat", "send_lat", "atomic_lat"]
@@ -39,6 +42,10 @@ ALL_TESTS = ["write_bw", "write_lat", "read_bw", "read_lat", "send_bw", "send_la
 DEF_BW_SIZES = [64, 4096, 65536, 1048576]
 DEF_LAT_SIZES = [2, 64, 4096]
 MODES = ["loop", "batched"]
+# Our batched client against perftest's server (--perftest-compat): the bench talking to a program
+# we did not write; its rows are compared with perftest's own client like the other modes.
+INTEROP = "interop"
+INTEROP_TESTS = ["write_bw", "read_bw"]
 
 # The targets this project reports against (ratios ours/perftest).
 TARGETS = [
@@ -49,23 +56,6 @@ TARGETS = [
     dict(name="MsgRate >= 0.7x perftest at 64 B (batched)", tests=["write_bw", "read_bw", "send_bw"],
          mode="batched", metric="msg_rate", sizes=[64], op=">=", value=0.7),
 ]
-
-
-def _listening(port):
-    """True once some socket listens on TCP ``port`` (read from /proc: a probe connection would be
-    taken by perftest's one-shot server as its client)."""
-    want = f":{port:04X}"
-    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(path) as fh:
-                next(fh)
-                for line in fh:
-                    parts = line.split()
-                    if parts[1].endswith(want) and parts[3] == "0A":
-                        return True
-        except OSError:
-            pass
-    return False
 
 
 def _kill(proc):
@@ -106,7 +96,7 @@ def run_pair(server_cmd, client_cmd, port, timeout, log=None):
     cli = None
     try:
         deadline = time.monotonic() + min(timeout, 60)
-        while not _listening(port):
+        while not tcp_listening(port):
             if srv.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -192,6 +182,32 @@ class Bench:
         for r, mode in zip(run.rows, run.modes):
             self.rows.append(dict(test=test, size=r.size, tool="pyrdma", mode=mode, report=r.to_dict()))
 
+    def interop(self, test, sizes):
+        """Our client (batched) against perftest's own server, in perftest's TCP exchange: the
+        perftest server prints the report our client sends, which must match ours."""
+        a = self.args
+        exe = shutil.which(f"ib_{test}")
+        if exe is None:
+            return
+        port = self.next_port()
+        server = [exe, "-d", a.dev, "-x", str(a.gid), "-p", str(port), "-F", "-s", str(max(sizes))]
+        client = [sys.executable, "-m", "pyrdma.perf", test, "--perftest-compat", "-d", a.dev, "-x", str(a.gid),
+                  "-n", str(self.iters_for(test)), "-p", str(port), "--mode", "batched",
+                  "--sizes", ",".join(str(s) for s in sizes), "-l", str(a.post_list), a.host]
+        rc_s, out_s, rc_c, out_c = run_pair(server, client, port, a.timeout * len(sizes), self.log)
+        self._save(f"interop_{test}", out_s, out_c)
+        mine = parse_output(out_c).rows_for("batched")
+        printed = parse_output(out_s).rows_for(None)
+        if rc_c != 0 or rc_s != 0 or not mine or not printed:
+            self.failures.append(f"pyrdma-perf --perftest-compat {test}: rc client {rc_c}, server {rc_s}, "
+                                 f"{len(mine)} rows, perftest printed {len(printed)}")
+            return
+        if abs(printed[-1].bw_avg - mine[-1].bw_avg) > 0.01:
+            self.failures.append(f"interop {test}: perftest's server printed BW {printed[-1].bw_avg}, "
+                                 f"our client measured {mine[-1].bw_avg}")
+        for r in mine:
+            self.rows.append(dict(test=test, size=r.size, tool="pyrdma", mode=INTEROP, report=r.to_dict()))
+
     def _save(self, name, out_s, out_c):
         with open(os.path.join(self.raw_dir, name + ".server.txt"), "w") as fh:
             fh.write(out_s or "")
@@ -205,6 +221,8 @@ class Bench:
             self.ours(test, sizes)
             for size in sizes:
                 self.perftest(test, size)
+            if self.args.interop and test in INTEROP_TESTS:
+                self.interop(test, sizes)
 
     # -- analysis --------------------------------------------------------------------------------
     def find(self, test, size, tool, mode):
@@ -219,8 +237,10 @@ class Bench:
             metrics = ["bw_avg", "msg_rate"] if test.endswith("_bw") else ["t_typical", "p99"]
             for size in self.sizes_for(test):
                 ref = self.find(test, size, "perftest", "-")
-                for mode in MODES:
+                for mode in MODES + [INTEROP]:
                     mine = self.find(test, size, "pyrdma", mode)
+                    if mode == INTEROP and mine is None:
+                        continue
                     for metric in metrics:
                         p = ref.get(metric) if ref else None
                         o = mine.get(metric) if mine else None
@@ -278,12 +298,13 @@ def plot(bench, out):
         for ax, test in zip(axes[0], bw_tests):
             sizes = bench.sizes_for(test)
             for tool, mode, style in (("perftest", "-", "k-o"), ("pyrdma", "loop", "C0--s"),
-                                      ("pyrdma", "batched", "C1-^")):
+                                      ("pyrdma", "batched", "C1-^"), ("pyrdma", INTEROP, "C2:x")):
                 ys = [(bench.find(test, s, tool, mode) or {}).get("bw_avg") for s in sizes]
                 pts = [(s, y) for s, y in zip(sizes, ys) if y is not None]
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], style,
-                            label=tool if tool == "perftest" else f"pyrdma {mode}")
+                            label=tool if tool == "perftest" else
+                            ("pyrdma batched vs perftest server" if mode == INTEROP else f"pyrdma {mode}"))
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("message size [bytes]")
@@ -339,6 +360,8 @@ def main(argv=None):
     p.add_argument("--post-list", type=int, default=32)
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per perftest run")
     p.add_argument("--port-base", type=int, default=19000)
+    p.add_argument("--no-interop", dest="interop", action="store_false",
+                   help="skip our client against perftest's server (write_bw, read_bw)")
     args = p.parse_args(argv)
     args.tests = [t.strip().replace("ib_", "") for t in args.tests.split(",") if t.strip()]
     args.bw_sizes = [int(x) for x in args.bw_sizes.split(",")]

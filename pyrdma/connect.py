@@ -93,18 +93,24 @@ def accept(pd, cq, port=DEFAULT_PORT, host="0.0.0.0", mr=None, timeout=30.0, **q
         return _bring_up(sock, pd, cq, mr, where, qp_kwargs)
 
 
-def connect(pd, cq, host, port=DEFAULT_PORT, mr=None, timeout=30.0, **qp_kwargs):
-    """Connect to a peer's accept() at ``host:port``, retrying until ``timeout``; returns a Connection."""
+def dial_one(host, port, timeout):
+    """Connect to host:port, retrying until ``timeout`` (the peer may not be listening yet);
+    (socket, deadline) or RDMATimeoutError."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            break
-        except (ConnectionRefusedError, socket.timeout, OSError) as exc:
+            return sock, deadline
+        except OSError as exc:
             if time.monotonic() >= deadline:
                 raise RDMATimeoutError(f"could not reach {host}:{port} within {timeout} s: {exc}",
                                        call="connect") from None
             time.sleep(0.05)
+
+
+def connect(pd, cq, host, port=DEFAULT_PORT, mr=None, timeout=30.0, **qp_kwargs):
+    """Connect to a peer's accept() at ``host:port``, retrying until ``timeout``; returns a Connection."""
+    sock, deadline = dial_one(host, port, timeout)
     with sock:
         sock.settimeout(max(0.1, deadline - time.monotonic()))
         return _bring_up(sock, pd, cq, mr, f"{host}:{port}", qp_kwargs)

@@ -217,7 +217,9 @@ def _print_addr(side, ep, verb, out_reads):
 
 
 class Side:
-    """One side of a test run: resources, channel, printing, JSON."""
+    """One side of a test run against another pyrdma-perf: resources, channel, printing, JSON."""
+
+    wire_name = "pyrdma wire v1"
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -228,12 +230,16 @@ class Side:
 
     # -- setup -----------------------------------------------------------------------------------
     def open(self):
-        import pyrdma as rd
-        from pyrdma.perf import loops, oob
+        self.open_channel()
+        self.build_resources()
+        self.connect_qps()
+
+    def open_channel(self):
+        """Meet the peer over TCP and agree on the run parameters (the client's win)."""
+        from pyrdma.perf import oob
         cfg = self.cfg
         if cfg.is_server:
-            print("\n************************************\n* Waiting for client to connect... *\n"
-                  "************************************", flush=True)
+            self._print_waiting()
             self.ch = oob.listen(cfg.args.port, timeout=max(cfg.args.timeout, 600.0))
             self.ch.timeout = cfg.args.timeout
             hello = self.ch.recv_json(oob.HELLO)
@@ -247,6 +253,17 @@ class Side:
             reply = self.ch.exchange_json(oob.HELLO, cfg.run_params())
             if reply.get("test") != cfg.test:
                 raise SystemExit(f"pyrdma-perf: server runs {reply.get('test')}, not {cfg.test}")
+
+    @staticmethod
+    def _print_waiting():
+        print("\n************************************\n* Waiting for client to connect... *\n"
+              "************************************", flush=True)
+
+    def build_resources(self, min_half=4096):
+        """Context, PD, one MR of [source half | destination half], CQs and the QPs in INIT."""
+        import pyrdma as rd
+        from pyrdma.perf import loops
+        cfg = self.cfg
         ctx = rd.Context(cfg.args.ib_dev)
         try:
             port = cfg.args.ib_port
@@ -254,7 +271,7 @@ class Side:
             dev = ctx.query_device()
             self.inline = _default_inline(cfg, dev.vendor_id)
             pd = rd.ProtectionDomain(ctx)
-            half = max(4096, -(-max(cfg.sizes) // 4096) * 4096)
+            half = max(min_half, -(-max(cfg.sizes) // 4096) * 4096)
             buf = rd.aligned_empty(2 * half)
             seed = 2 if cfg.is_server else 1
             buf[:half] = loops.pattern(half, seed)
@@ -284,6 +301,7 @@ class Side:
         self.port_attr = ctx.query_port(port)
         self.gid_index = gid_index
         self.dev_name = ctx.name
+        self.out_reads = min(16, dev.max_qp_rd_atom)
         for qp in qps:
             qp.to_init()
         if cfg.verb == "send":
@@ -291,6 +309,10 @@ class Side:
             # (ctx_set_recv_wqes runs before RTR): a SEND that finds no receive is RNR-NAKed and
             # retried only after the RNR timer, which on rxe is at least one tick (4 ms).
             loops.ensure_receives(self.res, cfg.rx_depth)
+
+    def connect_qps(self):
+        import pyrdma as rd
+        qps, mr = self.res.qps, self.res.mr
         local = [qp.endpoint(mr=mr) for qp in qps]
         remotes = self.ch.exchange_endpoints(local)
         if len(remotes) != len(local):
@@ -331,17 +353,16 @@ class Side:
         print(f" Link type       : {self.port_attr.link_layer}")
         print(f" GID index       : {self.gid_index}")
         if cfg.verb in ("read", "atomic"):
-            print(f" Outstand reads  : {min(16, self.res.ctx.query_device().max_qp_rd_atom)}")
+            print(f" Outstand reads  : {self.out_reads}")
         else:
             print(f" Max inline data : {self.inline}[B]")
         print(" rdma_cm QPs\t : OFF")
-        print(" Data ex. method : Ethernet (pyrdma wire v1)")
+        print(f" Data ex. method : Ethernet ({self.wire_name})")
         print(stats.RESULT_LINE)
-        out_reads = min(16, self.res.ctx.query_device().max_qp_rd_atom)
         for ep in self.local:
-            _print_addr("local", ep, cfg.verb, out_reads)
+            _print_addr("local", ep, cfg.verb, self.out_reads)
         for ep in self.res.remotes:
-            _print_addr("remote", ep, cfg.verb, out_reads)
+            _print_addr("remote", ep, cfg.verb, self.out_reads)
 
     def _table_header(self, mode):
         cfg = self.cfg
@@ -387,6 +408,21 @@ class Side:
         if cfg.verb == "send":
             loops.ensure_receives(res, cfg.rx_depth)
         ch.sync(f"go:{mode}:{size}")
+        mine, run_ops = self.measure(mode, size)
+        peer_msg = ch.exchange_json(oob.REPORT, dict(report=_d(mine), kind=_kind(mine),
+                                                     atomic_ops=run_ops))
+        peer = _undict(peer_msg.get("report"), peer_msg.get("kind"))
+        if cfg.duration is not None:
+            loops.drain_receives(res)
+        check = self.check_data(size, peer_msg) if cfg.check else None
+        if check is not None and check != "OK":
+            self.check_failures.append(f"{mode} {size}B: {check}")
+        return mine, peer, check
+
+    def measure(self, mode, size):
+        """Run one (mode, size) on our side; (our report or None, operations we issued or None)."""
+        from pyrdma.perf import loops
+        cfg, res = self.cfg, self.res
         mine = None
         run_ops = None         # operations issued this run (atomic check: the peer's counter)
         kw = dict(mode=mode, duration=cfg.duration, margin=cfg.margin)
@@ -425,15 +461,7 @@ class Side:
                     mine = stats.lat_report(out[0], size, out[1], rtt_factor=rtt)
                 else:
                     mine = stats.lat_duration_report(out[0], size, out[1], rtt_factor=rtt)
-        peer_msg = ch.exchange_json(oob.REPORT, dict(report=_d(mine), kind=_kind(mine),
-                                                     atomic_ops=run_ops))
-        peer = _undict(peer_msg.get("report"), peer_msg.get("kind"))
-        if cfg.duration is not None:
-            loops.drain_receives(res)
-        check = self.check_data(size, peer_msg) if cfg.check else None
-        if check is not None and check != "OK":
-            self.check_failures.append(f"{mode} {size}B: {check}")
-        return mine, peer, check
+        return mine, run_ops
 
     def check_data(self, size, peer_msg):
         """Verify what the peer's operations left in our memory (or what ours fetched)."""
@@ -475,11 +503,15 @@ class Side:
         return f"FAIL: first mismatch at byte {bad}"
 
     def finish(self):
-        cfg = self.cfg
         try:
             self.ch.bye()
         finally:
             self.ch.close()
+        return self.report_files()
+
+    def report_files(self):
+        """Print the data check verdict and write --json; the exit status."""
+        cfg = self.cfg
         if cfg.check:
             print(" Data check      : " + ("OK" if not self.check_failures else
                                            "FAILED: " + "; ".join(self.check_failures)))
@@ -496,6 +528,11 @@ class Side:
             with open(cfg.args.json_path, "w") as fh:
                 json.dump(doc, fh, indent=1)
         return 1 if self.check_failures else 0
+
+    def fail(self, exc):
+        """Tell the peer we give up (best effort)."""
+        if self.ch is not None:
+            self.ch.fail(f"{type(exc).__name__}: {exc}")
 
     def close(self):
         if self.res is not None:
@@ -527,10 +564,10 @@ def main(argv=None):
     args = build_parser().parse_intermixed_args(argv)
     cfg = Config(args)
     if args.perftest_compat:
-        print("pyrdma-perf: --perftest-compat (perftest's TCP key exchange) is not implemented yet; "
-              "run pyrdma-perf on both sides", file=sys.stderr)
-        return 2
-    side = Side(cfg)
+        from pyrdma.perf.compat import PerftestSide
+        side = PerftestSide(cfg)
+    else:
+        side = Side(cfg)
     try:
         side.open()
         side.print_banner()
@@ -539,8 +576,7 @@ def main(argv=None):
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
-        if side.ch is not None:
-            side.ch.fail(f"{type(exc).__name__}: {exc}")
+        side.fail(exc)
         print(f"pyrdma-perf: {type(exc).__name__}: {exc}", file=sys.stderr)
         if os.environ.get("PYRDMA_PERF_DEBUG"):
             raise

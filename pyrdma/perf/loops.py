@@ -54,6 +54,8 @@ class Resources:
     inline_size: int = 0
     seed: int = 1                                   # our source-half pattern (pattern(n, seed))
     rx_posted: list = None                          # receives outstanding per QP (send tests)
+    perftest_peer: bool = False                     # the peer is perftest: its one address is where we
+                                                    # write to and read from
 
     @property
     def bytes_view(self):
@@ -61,7 +63,7 @@ class Resources:
 
     def remote_dst(self, q):
         """Address of the peer's destination half (where we write / send / atomically add)."""
-        return self.remotes[q].addr + self.half
+        return self.remotes[q].addr + (0 if self.perftest_peer else self.half)
 
     def remote_src(self, q):
         """Address of the peer's source half (what we RDMA-read)."""

@@ -24,9 +24,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
-import time
 
-from pyrdma.connect import accept_one
+from pyrdma.connect import accept_one, dial_one
 from pyrdma.endpoint import WIRE_SIZE as ENDPOINT_SIZE, Endpoint
 from pyrdma.errors import PeerError, RDMATimeoutError, WireFormatError
 
@@ -193,14 +192,5 @@ def listen(port=DEFAULT_PORT, host="0.0.0.0", timeout=60.0):
 
 def dial(host, port=DEFAULT_PORT, timeout=60.0):
     """Client side: connect to the server, retrying until ``timeout`` (it may not be listening yet)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
-            break
-        except OSError as exc:
-            if time.monotonic() >= deadline:
-                raise RDMATimeoutError(f"could not reach {host}:{port} within {timeout} s: {exc}",
-                                       call="connect") from None
-            time.sleep(0.05)
+    sock, _ = dial_one(host, port, timeout)
     return Channel(sock, f"{host}:{port}", timeout)
