@@ -32,25 +32,28 @@ class Connection:
         self.close()
 
 
-def _recv_exact(sock, n, peer):
-    chunks = []
-    while n:
+def recv_exact(sock, n, peer, during="the endpoint exchange"):
+    """Exactly ``n`` bytes from ``sock``: RDMATimeoutError when its timeout passes with nothing
+    received, PeerError when the peer closes or the connection fails."""
+    buf = bytearray()
+    while len(buf) < n:
         try:
-            chunk = sock.recv(n)
+            chunk = sock.recv(n - len(buf))
         except socket.timeout:
-            raise RDMATimeoutError(f"peer {peer} sent nothing in time during the endpoint exchange",
+            raise RDMATimeoutError(f"peer {peer} sent nothing for {sock.gettimeout()} s during {during}",
                                    call="recv") from None
+        except OSError as exc:
+            raise PeerError(f"connection to {peer} failed during {during}: {exc}", peer=peer) from None
         if not chunk:
-            raise PeerError(f"peer {peer} closed the connection during the endpoint exchange", peer=peer)
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
+            raise PeerError(f"peer {peer} closed the connection during {during}", peer=peer)
+        buf += chunk
+    return bytes(buf)
 
 
 def exchange_endpoints(sock, local, peer="peer"):
     """Send our Endpoint and receive the peer's over ``sock``; validates the peer's record."""
     sock.sendall(local.to_bytes())
-    return Endpoint.from_bytes(_recv_exact(sock, WIRE_SIZE, peer))
+    return Endpoint.from_bytes(recv_exact(sock, WIRE_SIZE, peer))
 
 
 def _bring_up(sock, pd, cq, mr, peer, qp_kwargs):
@@ -61,7 +64,7 @@ def _bring_up(sock, pd, cq, mr, peer, qp_kwargs):
         remote = exchange_endpoints(sock, local, peer)
         qp.connect(remote)
         sock.sendall(_READY)
-        if _recv_exact(sock, 1, peer) != _READY:
+        if recv_exact(sock, 1, peer) != _READY:
             raise WireFormatError(f"peer {peer} sent a bad ready byte")
     except BaseException:
         qp.close()

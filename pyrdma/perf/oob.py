@@ -25,9 +25,9 @@ import json
 import socket
 import struct
 
-from pyrdma.connect import accept_one, dial_one
+from pyrdma.connect import accept_one, dial_one, recv_exact
 from pyrdma.endpoint import WIRE_SIZE as ENDPOINT_SIZE, Endpoint
-from pyrdma.errors import PeerError, RDMATimeoutError, WireFormatError
+from pyrdma.errors import PeerError, WireFormatError
 
 MAGIC = b"PYRDMAPF"
 WIRE_VERSION = 1
@@ -109,19 +109,7 @@ class Channel:
         self.close()
 
     def _recv_exact(self, n):
-        buf = bytearray()
-        while len(buf) < n:
-            try:
-                chunk = self.sock.recv(n - len(buf))
-            except socket.timeout:
-                raise RDMATimeoutError(f"peer {self.peer} sent nothing for {self.timeout} s",
-                                       call="recv") from None
-            except OSError as exc:
-                raise PeerError(f"connection to {self.peer} failed: {exc}", peer=self.peer) from None
-            if not chunk:
-                raise PeerError(f"peer {self.peer} closed the connection", peer=self.peer)
-            buf += chunk
-        return bytes(buf)
+        return recv_exact(self.sock, n, self.peer, during="the pyrdma-perf exchange")
 
     def send(self, msg_type, payload=b""):
         try:

@@ -22,11 +22,11 @@ GID 59 bytes, ``lid:out_reads:qpn:psn:rkey:vaddr:srqn`` and a NUL.
 from __future__ import annotations
 
 import ipaddress
-import socket
 import struct
 from dataclasses import dataclass
 
-from pyrdma.errors import PeerError, RDMATimeoutError, WireFormatError
+from pyrdma.connect import recv_exact
+from pyrdma.errors import PeerError, WireFormatError
 
 # The version text perftest 4.5-0.17 sends. Peers gate features on it: >= 5.70 is required by
 # the server, >= 5.33 makes the report's iteration count 64-bit, >= 5.31 makes the MTU 2 bytes.
@@ -139,20 +139,7 @@ class Conversation:
             pass
 
     def _recv_exact(self, n):
-        buf = bytearray()
-        while len(buf) < n:
-            try:
-                chunk = self.sock.recv(n - len(buf))
-            except socket.timeout:
-                raise RDMATimeoutError(f"perftest peer {self.peer} sent nothing for {self.timeout} s",
-                                       call="recv") from None
-            except OSError as exc:
-                raise PeerError(f"connection to {self.peer} failed: {exc}", peer=self.peer) from None
-            if not chunk:
-                raise PeerError(f"perftest peer {self.peer} closed the connection (it prints why)",
-                                peer=self.peer)
-            buf += chunk
-        return bytes(buf)
+        return recv_exact(self.sock, n, self.peer, during="perftest's exchange (perftest prints why it left)")
 
     def _send(self, data):
         try:
