@@ -147,6 +147,8 @@ def main(argv=None):
     p.add_argument("--slots", type=int, default=None, help="Communicator receive slots per peer")
     p.add_argument("--spin", type=float, default=None,
                    help="Communicator spin: seconds of busy polling before sleeping on the completion channel")
+    p.add_argument("--zero-copy-bytes", type=int, default=None,
+                   help="Communicator zero_copy_bytes: in place on the caller's buffer from this size (0: never)")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if args.ranks < 2 or any(n <= 0 or n % 4 for n in sizes):
@@ -154,7 +156,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     algorithms = ["ring", "tree"]
     options = {k: v for k, v in (("max_message", args.max_message), ("slots", args.slots),
-                                                 ("spin", args.spin)) if v is not None}
+                                                 ("spin", args.spin),
+                                                 ("zero_copy_bytes", args.zero_copy_bytes)) if v is not None}
     options["dtype"] = args.dtype
     rows = sweep(args.ranks, sizes, algorithms, args.iters, options)
     mpi, mpi_note = (None, "skipped") if args.no_mpi else mpi_sweep(args.ranks, sizes, args.iters, args.dev)

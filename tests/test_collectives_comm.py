@@ -539,6 +539,65 @@ def test_work_buffer_is_registered_once_and_reused(worlds, transport, size):
         assert same, "a same-size collective re-registered its buffers"
 
 
+def _in_place(comm, count):
+    """Every collective that can work on the caller's memory does (zero_copy_bytes=1), including
+    pieces of a buffer larger than max_work_bytes; returns results and the registration cache."""
+    t = comm.transport
+    comm.zero_copy_bytes, comm.max_work_bytes = 1, 64 * 1024
+    try:
+        out = []
+        for k, algorithm in enumerate(("ring", "halving_doubling", "recursive_doubling")):
+            x = make_input(comm.rank, count, "int32", "sum")
+            if k == 1:
+                y = np.empty_like(x)
+                comm.allreduce(x, out=y, algorithm=algorithm)
+                out.append(y)
+                out.append(x)                           # out of place: the input stays as it was
+            else:
+                for _ in range(3):                      # the same buffer again: one registration
+                    x[:] = make_input(comm.rank, count, "int32", "sum")
+                    comm.allreduce(x, algorithm=algorithm)
+                out.append(x)
+        x = make_input(comm.rank, count, "float64", "avg")
+        comm.allreduce(x, op="avg", algorithm="ring")
+        out.append(x)
+        for root in range(comm.size):
+            b = np.full(count, comm.rank, np.int16)
+            if comm.rank == root:
+                b.setflags(write=False)                 # the root only sends from it
+            comm.broadcast(b, root=root)
+            out.append(b)
+        g = np.empty(count * comm.size, np.int64)
+        comm.allgather(np.arange(count, dtype=np.int64) + comm.rank * count, out=g)
+        out.append(g)
+        cached = len(getattr(t, "_user_mrs", ()))
+        for _ in range(12):                             # more buffers than the cache keeps
+            comm.allreduce(np.ones(count, np.int32))
+        return out, cached, len(getattr(t, "_user_mrs", ()))
+    finally:
+        comm.zero_copy_bytes, comm.max_work_bytes = 1 << 20, 64 << 20
+
+
+@pytest.mark.parametrize("transport, size", _world_params([3], [3]))
+def test_collectives_in_place_on_the_callers_memory(worlds, transport, size):
+    count = 40003                     # int32: 160 KiB, three pieces of at most 64 KiB
+    results = worlds(transport, size).run(_in_place, count, timeout=300)
+    ints = reference([make_input(r, count, "int32", "sum") for r in range(size)], "int32", "sum", size)
+    avg = reference([make_input(r, count, "float64", "avg") for r in range(size)], "float64", "avg", size)
+    for r, (out, cached, after) in enumerate(results):
+        assert np.array_equal(out[0], ints) and np.array_equal(out[1], ints) and np.array_equal(out[3], ints)
+        assert np.array_equal(out[2], make_input(r, count, "int32", "sum")), "out-of-place changed its input"
+        assert_bits_equal(out[4], avg, f"rank {r}: avg in place")
+        for root in range(size):
+            assert (out[5 + root] == root).all(), f"rank {r}: broadcast from {root}"
+        assert np.array_equal(out[5 + size], np.arange(count * size))
+        if transport == "rdma":
+            from pyrdma.collectives.transport import USER_MR_CACHE
+            # ring's buffer, halving-doubling's out, avg's, 3 broadcast buffers, allgather's out
+            assert cached == 7, cached
+            assert after == USER_MR_CACHE
+
+
 def _tight(comm, port, counts):
     out = []
     # slots=1: every message waits for the previous one's credit (RDMA); tiny messages, many chunks

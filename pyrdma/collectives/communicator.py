@@ -25,6 +25,7 @@ fast too. Arguments that differ across ranks (sizes, dtypes, ops, roots, algorit
 by a tag every message carries, and raise UsageError. After any such failure the communicator is
 unusable: close it and build a new one.
 """
+import contextlib
 import functools
 import threading
 import zlib
@@ -44,6 +45,7 @@ OPS = ("sum", "prod", "min", "max", "avg")
 ALGORITHMS = ("auto",) + ALLREDUCE_ALGORITHMS + tuple(ALIASES)
 TRANSPORTS = ("auto", "rdma", "tcp")
 DEFAULT_MAX_WORK_BYTES = 64 << 20
+DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
 _KINDS = {"allreduce": 1, "reduce": 2, "broadcast": 3, "allgather": 4, "reduce_scatter": 5, "barrier": 6}
 
@@ -185,12 +187,17 @@ class Communicator:
     declared dead. ``max_message``: bytes per message (the pipelining chunk; RDMA slot size);
     ``slots``: receive slots per peer (RDMA). ``cost_model``: a CostModel choosing algorithms for
     ``algorithm="auto"``. ``max_work_bytes``: allreduce, reduce and broadcast of larger buffers run
-    in pieces of this size, bounding the registered work buffer.
+    in pieces of this size, bounding the registered work buffer. ``zero_copy_bytes``: allreduce,
+    broadcast and allgather (with ``out`` given) of at least this many bytes work in place on the
+    result's own memory instead of copying it into and out of the transport's buffer; over RDMA
+    that memory is registered on first use and kept registered, and alive, among the transport's
+    USER_MR_CACHE most recent buffers (0 turns this off).
     """
 
     def __init__(self, rank=None, size=None, master=None, *, transport="auto", timeout=60.0, exchange=None,
                  device=None, max_message=None, slots=None, cost_model=None, tcp_host=None,
-                 max_work_bytes=DEFAULT_MAX_WORK_BYTES, spin=None, slot_bytes=None):
+                 max_work_bytes=DEFAULT_MAX_WORK_BYTES, spin=None, slot_bytes=None,
+                 zero_copy_bytes=DEFAULT_ZERO_COPY_BYTES):
         if transport not in TRANSPORTS:
             raise UsageError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
         if timeout is None or timeout <= 0:
@@ -205,6 +212,7 @@ class Communicator:
             max_message = slot_bytes if max_message is None else max_message
         self.rank, self.size, self.timeout = rank, size, float(timeout)
         self.max_work_bytes = int(max_work_bytes)
+        self.zero_copy_bytes = int(zero_copy_bytes) if zero_copy_bytes else 0
         self._closed = False
         self._broken = None
         self._seq = 0
@@ -411,6 +419,20 @@ class Communicator:
             raise UsageError(f"unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
         return ALIASES.get(algorithm, algorithm)
 
+    @contextlib.contextmanager
+    def _work_area(self, result, a, b, size=None):
+        """(work array, in place?) for bytes [a, b) of ``result``: that memory itself when it is at
+        least zero_copy_bytes (nothing to copy back), else the transport's buffer of ``size`` bytes."""
+        t = self.transport
+        if result is not None and self.zero_copy_bytes and b - a >= self.zero_copy_bytes:
+            t.use_buffer(result, a, b)
+            try:
+                yield t.buffer(b - a), True
+            finally:
+                t.use_buffer(None)
+        else:
+            yield t.buffer(b - a if size is None else size), False
+
     def _allreduce(self, src, dst, op, plan):
         t = self.transport
         reduce = self._reducer(src.code, op)
@@ -418,18 +440,23 @@ class Communicator:
         for lo, hi, algo, tag in plan:
             a, b = lo * itemsize, hi * itemsize
             nbytes = b - a
-            work = t.buffer(2 * nbytes if algo == "recursive_doubling" else nbytes)
-            work[:nbytes] = src.bytes[a:b]
-            t.set_tag(tag)
-            if algo == "ring":
-                ring.ring_allreduce(t, hi - lo, itemsize, reduce)
-            elif algo == "halving_doubling":
-                tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
-            else:
-                tree.recursive_doubling_allreduce(t, hi - lo, itemsize, reduce)
-            if op == "avg":
-                _reduce.divide_bytes(work[:nbytes], src.code, self.size)
-            dst.bytes[a:b] = work[:nbytes]
+            # recursive doubling needs room for a second copy: never in place
+            area = (self._work_area(dst.bytes, a, b) if algo != "recursive_doubling" else
+                    self._work_area(None, 0, 0, 2 * nbytes))
+            with area as (work, in_place):
+                if not in_place or src is not dst:
+                    work[:nbytes] = src.bytes[a:b]
+                t.set_tag(tag)
+                if algo == "ring":
+                    ring.ring_allreduce(t, hi - lo, itemsize, reduce)
+                elif algo == "halving_doubling":
+                    tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
+                else:
+                    tree.recursive_doubling_allreduce(t, hi - lo, itemsize, reduce)
+                if op == "avg":
+                    _reduce.divide_bytes(work[:nbytes], src.code, self.size)
+                if not in_place:
+                    dst.bytes[a:b] = work[:nbytes]
         return dst.obj
 
     def _cuda_allreduce(self, buf, out, op, algorithm, dtype):
@@ -526,16 +553,17 @@ class Communicator:
     def _broadcast(self, data, obj, root, plan):
         t = self.transport
         for lo, hi, algo, tag in plan:
-            work = t.buffer(hi - lo)
-            if self.rank == root:
-                work[:hi - lo] = data[lo:hi]
-            t.set_tag(tag)
-            if algo == "chain":
-                ring.chain_broadcast(t, hi - lo, 1, root)
-            else:
-                tree.binomial_broadcast(t, hi - lo, 1, root)
-            if self.rank != root:
-                data[lo:hi] = work[:hi - lo]
+            # in place the root only sends from its buffer (which may be read-only)
+            with self._work_area(data, lo, hi) as (work, in_place):
+                if self.rank == root and not in_place:
+                    work[:hi - lo] = data[lo:hi]
+                t.set_tag(tag)
+                if algo == "chain":
+                    ring.chain_broadcast(t, hi - lo, 1, root)
+                else:
+                    tree.binomial_broadcast(t, hi - lo, 1, root)
+                if self.rank != root and not in_place:
+                    data[lo:hi] = work[:hi - lo]
         return obj
 
     # ---- allgather, reduce_scatter, barrier -----------------------------------------------------
@@ -554,6 +582,7 @@ class Communicator:
         arr = _as_numpy(buf, "buf")
         if not arr.flags.c_contiguous:
             raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
+        users_out = out is not None
         if out is None:
             shape = (self.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (self.size,)
             out = np.empty(shape, arr.dtype)
@@ -565,17 +594,20 @@ class Communicator:
                              f"it has {dst_arr.size} of {dst_arr.dtype}")
         src_bytes = _raw_bytes(arr)
         tag = self._tag("allgather", str(arr.dtype), arr.size)
-        return self._submit(blocking, self._allgather, src_bytes, _raw_bytes(dst_arr), out, tag)
+        return self._submit(blocking, self._allgather, src_bytes, _raw_bytes(dst_arr), out, tag, users_out)
 
-    def _allgather(self, src_bytes, dst_bytes, out, tag):
+    def _allgather(self, src_bytes, dst_bytes, out, tag, users_out):
         t = self.transport
         block = src_bytes.nbytes
-        work = t.buffer(block * self.size)
-        work[self.rank * block:(self.rank + 1) * block] = src_bytes
-        t.set_tag(tag)
-        # blocks as "elements" of one byte: boundaries at multiples of the block size
-        ring.ring_allgather(t, block * self.size, 1, bounds=[i * block for i in range(self.size + 1)])
-        dst_bytes[:] = work[:block * self.size]
+        total = block * self.size
+        # a fresh out= of ours would be registered (and kept) once per call: copy instead
+        with self._work_area(dst_bytes if users_out else None, 0, total) as (work, in_place):
+            work[self.rank * block:(self.rank + 1) * block] = src_bytes
+            t.set_tag(tag)
+            # blocks as "elements" of one byte: boundaries at multiples of the block size
+            ring.ring_allgather(t, total, 1, bounds=[i * block for i in range(self.size + 1)])
+            if not in_place:
+                dst_bytes[:] = work[:total]
         return out
 
     def reduce_scatter(self, buf, out=None, op="sum", dtype=None):

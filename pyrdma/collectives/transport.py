@@ -4,6 +4,8 @@ The algorithms see only this interface; a transport never knows the algorithm.
 
     t.rank, t.size, t.max_message        who we are; the largest message in bytes
     t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
+    t.use_buffer(whole, start, stop)     work in place on the caller's memory whole[start:stop]
+                                         instead (zero copy); t.use_buffer(None) goes back
     t.set_tag(tag)                       stamp of the collective now running (checked on receive)
     t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
     t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
@@ -48,6 +50,7 @@ DEFAULT_TCP_MESSAGE = 1024 * 1024
 DEFAULT_SLOTS = 8
 MAX_RDMA_MESSAGE = 4 * 1024 * 1024   # the immediate carries a 23-bit length
 MAX_RANKS = 0xFFFE                   # a REPORT carries a 16-bit rank
+USER_MR_CACHE = 8                    # registrations of callers' buffers kept for reuse
 
 # Abort reasons (carried by ABORT messages)
 PEER_FAILED, MISMATCH, LEFT = 0, 1, 2
@@ -248,8 +251,13 @@ class RdmaTransport(_Waits):
                 qp.post_recv(self._recv_wr)
             self.qp[p] = qp
             self.peer_of_qpn[qp.qp_num] = p
-        self._work_mr = None
-        self._work = None
+        self._own_mr = self._own = None
+        self._work_mr = self._work = None
+        self._work_offset = 0          # where the work area starts in _work_mr
+        self._lent = False
+        # Callers' buffers registered by use_buffer, most recent last. Each MR keeps its buffer
+        # alive, so its address range cannot be freed and handed to other memory while cached.
+        self._user_mrs = collections.OrderedDict()
         self.buffer(0)
         placeholder = Endpoint(qpn=0, psn=0)
         record = b"".join((placeholder if p == self.rank else self.qp[p].endpoint(mr=self.slot_mr)).to_bytes()
@@ -275,13 +283,42 @@ class RdmaTransport(_Waits):
     # ---- the interface ------------------------------------------------------------------------
 
     def buffer(self, nbytes):
-        if self._work is None or self._work.nbytes < nbytes:
-            if self._work_mr is not None:
+        if self._lent:
+            if self._work.nbytes < nbytes:
+                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
+            return self._work
+        if self._own is None or self._own.nbytes < nbytes:
+            if self._own_mr is not None:
                 self.wait_sends()
-                self._work_mr.close()
-            self._work_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
-            self._work = self._work_mr.array()
+                self._own_mr.close()
+            self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
+            self._own = self._own_mr.array()
+        self._work, self._work_mr, self._work_offset = self._own, self._own_mr, 0
         return self._work
+
+    def use_buffer(self, whole, start=0, stop=None):
+        """Work in place on ``whole[start:stop]`` (a C-contiguous uint8 array): sends go straight
+        from it. ``whole`` is registered on first use and stays registered (and alive) among the
+        USER_MR_CACHE most recent, so calls on the same buffer pay nothing."""
+        if whole is None:
+            self._lent = False
+            self.buffer(0)
+            return
+        self.wait_sends()
+        addr, nbytes = whole.ctypes.data, whole.nbytes
+        for key, mr in self._user_mrs.items():
+            if key[0] <= addr and addr + nbytes <= key[0] + key[1]:
+                self._user_mrs.move_to_end(key)
+                base = addr - key[0]
+                break
+        else:
+            mr = self.rd.MemoryRegion(self.pd, whole, 0)   # local read: it is only sent from
+            self._user_mrs[(addr, nbytes)] = mr
+            while len(self._user_mrs) > USER_MR_CACHE:
+                self._user_mrs.popitem(last=False)[1].close()
+            base = 0
+        self._work = whole[start:stop]
+        self._work_mr, self._work_offset, self._lent = mr, base + start, True
 
     def set_tag(self, tag):
         self.tag = tag & ((1 << _TAG_BITS) - 1)
@@ -346,7 +383,7 @@ class RdmaTransport(_Waits):
     # ---- internals ----------------------------------------------------------------------------
 
     def _post(self, peer, offset, nbytes, remote_addr, rkey, imm, data):
-        self.qp[peer].post_write(self._work_mr, offset, nbytes, remote_addr, rkey,
+        self.qp[peer].post_write(self._work_mr, self._work_offset + offset, nbytes, remote_addr, rkey,
                                  wr_id=(peer << 1) | int(data), imm=imm)
         self.outstanding[peer] += 1
         if data:
@@ -452,7 +489,8 @@ class TcpTransport(_Waits):
         self.gone = {}                       # peer -> why its connection ended
         self.queries = {}                    # peer -> epoch of its unanswered QUERY
         self.socks = {}
-        self._work = None
+        self._own = self._work = None
+        self._lent = False
         host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
         listener = socket.create_server(("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, 0))
         try:
@@ -516,9 +554,19 @@ class TcpTransport(_Waits):
     # ---- the interface ------------------------------------------------------------------------
 
     def buffer(self, nbytes):
-        if self._work is None or self._work.nbytes < nbytes:
-            self._work = np.empty(_grow(nbytes), np.uint8)
+        if self._lent:
+            if self._work.nbytes < nbytes:
+                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
+            return self._work
+        if self._own is None or self._own.nbytes < nbytes:
+            self._own = np.empty(_grow(nbytes), np.uint8)
+        self._work = self._own
         return self._work
+
+    def use_buffer(self, whole, start=0, stop=None):
+        """Work in place on ``whole[start:stop]`` until use_buffer(None)."""
+        self._lent = whole is not None
+        self._work = whole[start:stop] if self._lent else self._own
 
     def set_tag(self, tag):
         self.tag = tag & 0xFFFFFFFF
