@@ -440,10 +440,9 @@ class Communicator:
         for lo, hi, algo, tag in plan:
             a, b = lo * itemsize, hi * itemsize
             nbytes = b - a
-            # recursive doubling needs room for a second copy: never in place
-            area = (self._work_area(dst.bytes, a, b) if algo != "recursive_doubling" else
-                    self._work_area(None, 0, 0, 2 * nbytes))
-            with area as (work, in_place):
+            doubling = algo == "recursive_doubling"     # needs room for a second copy: never in place
+            with self._work_area(None if doubling else dst.bytes, a, b,
+                                 size=2 * nbytes if doubling else None) as (work, in_place):
                 if not in_place or src is not dst:
                     work[:nbytes] = src.bytes[a:b]
                 t.set_tag(tag)

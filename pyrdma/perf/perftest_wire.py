@@ -182,13 +182,8 @@ class Conversation:
     def reports(self, mine):
         """Swap BW reports (a dict as decode_report gives); returns the peer's."""
         raw = encode_report(mine["size"], mine["iters"], mine["bw_peak"], mine["bw_avg"], mine["msg_rate"])
-        # perftest swaps the five fields one message at a time
-        got = b""
-        offset = 0
-        for width in (8, 8, 8, 8, 8):
-            got += self.exchange(raw[offset:offset + width])
-            offset += width
-        return decode_report(got)
+        # perftest swaps the five 8-byte fields one message at a time
+        return decode_report(b"".join(self.exchange(raw[i:i + 8]) for i in range(0, len(raw), 8)))
 
     def finish(self, mine, with_gid):
         """ctx_close_connection: a last handshake, then both sides write "done" and close."""
