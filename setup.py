@@ -15,7 +15,9 @@ OTHER_MODULES = {"reduce": "pyrdma._reduce"}
 
 
 def _check_libibverbs():
-    if any(os.path.exists(os.path.join(d, VERBS_HEADER)) for d in HEADER_DIRS):
+    # the compiler also searches CPATH / C_INCLUDE_PATH (rdma-core unpacked outside /usr, say)
+    extra = [d for var in ("CPATH", "C_INCLUDE_PATH") for d in os.environ.get(var, "").split(os.pathsep) if d]
+    if any(os.path.exists(os.path.join(d, VERBS_HEADER)) for d in HEADER_DIRS + extra):
         return
     sys.exit("pyrdma: cannot find <infiniband/verbs.h>. Install the rdma-core development files:\n"
              "    Debian/Ubuntu: apt-get install libibverbs-dev rdma-core ibverbs-providers\n"

@@ -3,7 +3,8 @@
 Markers: ``device`` (needs a real RDMA device; scripts/test.sh runs these inside the Soft-RoCE VM) and
 ``gpu`` (needs CUDA and CuPy). A device test skips when no RDMA device has an ACTIVE port, except when
 the environment says one is required (PYRDMA_REQUIRE_DEVICE=1, as scripts/test.sh sets for the VM
-run): then it fails, so a broken test bed can never pass as a row of skips.
+run): then it fails, so a broken test bed can never pass as a row of skips. GPU tests likewise skip
+without CuPy and a GPU, and fail instead under PYRDMA_REQUIRE_GPU=1 (scripts/gpu.sh, on a GPU machine).
 
 Fixtures: ``rdma_device_name`` (first device with an ACTIVE port, from sysfs, so it works before the
 binding is built) and ``gid_index`` (the GID index to use on its port 1).
@@ -14,6 +15,7 @@ import os
 import pytest
 
 REQUIRE_DEVICE = os.environ.get("PYRDMA_REQUIRE_DEVICE") == "1"
+REQUIRE_GPU = os.environ.get("PYRDMA_REQUIRE_GPU") == "1"
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 
 
@@ -50,10 +52,31 @@ def require_device():
     pytest.skip(f"{why} (run device tests with: python3 -m pyrdma.testing.vm -- python3 -m pytest -m device)")
 
 
+_gpu_missing = []    # why GPU tests cannot run here, once known ("" when they can)
+
+
+def require_gpu():
+    """Skip (or fail, under PYRDMA_REQUIRE_GPU=1) unless CuPy imports and sees a GPU."""
+    if not _gpu_missing:
+        try:
+            import cupy
+            count = cupy.cuda.runtime.getDeviceCount()
+            _gpu_missing.append("" if count > 0 else "CuPy sees no CUDA GPU")
+        except Exception as exc:    # ImportError, or CUDARuntimeError without a driver
+            _gpu_missing.append(f"needs CuPy and a CUDA GPU ({type(exc).__name__}: {exc})")
+    why = _gpu_missing[0]
+    if why:
+        if REQUIRE_GPU:
+            pytest.fail(f"PYRDMA_REQUIRE_GPU=1 but {why}", pytrace=False)
+        pytest.skip(why)
+
+
 def pytest_runtest_setup(item):
-    # Every device test, whether or not it asks for a fixture, needs the device.
+    # Every device (gpu) test, whether or not it asks for a fixture, needs the device (GPU).
     if item.get_closest_marker("device") is not None:
         require_device()
+    if item.get_closest_marker("gpu") is not None:
+        require_gpu()
 
 
 def _read(path):

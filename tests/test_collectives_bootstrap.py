@@ -338,17 +338,23 @@ def test_cuda_arrays_take_the_staging_hook_or_get_a_clear_error():
     class FakeCuda:   # looks like a CuPy array; no GPU needed
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
     with Communicator(0, 1, "127.0.0.1:0", transport="tcp") as comm:
-        for call in (lambda: comm.reduce(FakeCuda()), lambda: comm.broadcast(FakeCuda()),
-                     lambda: comm.allgather(FakeCuda()), lambda: comm.reduce_scatter(FakeCuda()),
-                     lambda: comm.iallreduce(FakeCuda()), lambda: comm.allreduce(FakeCuda(), out=np.zeros(4))):
-            with pytest.raises(pyrdma.UsageError, match="CUDA"):
+        for call in (comm.iallreduce, comm.ireduce, comm.ibroadcast, comm.iallgather, comm.ireduce_scatter):
+            with pytest.raises(pyrdma.UsageError, match="non-blocking collectives on CUDA arrays"):
+                call(FakeCuda())
+        for call in (lambda: comm.allreduce(FakeCuda(), out=np.zeros(4)),
+                     lambda: comm.allgather(FakeCuda(), out=np.zeros(4)),
+                     lambda: comm.reduce_scatter(np.zeros(4), out=FakeCuda())):
+            with pytest.raises(pyrdma.UsageError, match="must both be CUDA arrays or both host arrays"):
                 call()
+        with pytest.raises(pyrdma.UsageError, match="unsupported op"):
+            comm.allreduce(FakeCuda(), op="xor")
         try:
             import cupy  # noqa: F401
         except ImportError:
-            # allreduce hands CUDA arrays to pyrdma.cuda's host staging, which needs CuPy
-            with pytest.raises(pyrdma.RDMAError, match="CuPy"):
-                comm.allreduce(FakeCuda())
+            # the blocking collectives hand CUDA arrays to pyrdma.cuda's host staging, which needs CuPy
+            for call in (comm.allreduce, comm.reduce, comm.broadcast, comm.allgather, comm.reduce_scatter):
+                with pytest.raises(pyrdma.RDMAError, match="CuPy"):
+                    call(FakeCuda())
 
 
 def test_ranks_must_agree_on_the_message_size():

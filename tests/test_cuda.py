@@ -24,9 +24,6 @@ import pyrdma.cuda as gpu
 from pyrdma.cuda import _driver, buffers, reduce as gpu_reduce, registration
 
 PAGE = os.sysconf("SC_PAGESIZE")
-HAVE_GPU = gpu.cupy_available()
-needs_gpu = pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy and a CUDA GPU (not present on this host)")
-HAVE_RDMA = os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -571,6 +568,12 @@ def test_reduce_ops_and_dtypes():
     assert "isnan" not in gpu_reduce.kernel_source("min", "int32")
     assert "isnan" in gpu_reduce.kernel_source("max", "float16")
     assert gpu_reduce.kernel_source("avg", "float32") == gpu_reduce.kernel_source("sum", "float32")
+    # the vector kernel: float16 computed in float32, NaN tested without a math header
+    src, name = gpu_reduce.vector_kernel_source("max", "float16")
+    assert name == "pyrdma_reduce_max_float16" and "typedef float C" in src and "cvt.rn.f16.f32" in src
+    assert "(x != x)" in src and "isnan" not in src
+    src, _ = gpu_reduce.vector_kernel_source("prod", "int8")
+    assert "typedef signed char T" in src and "typedef signed char C" in src and "y = y * x" in src
 
 
 class _FakeCupyStreams:
@@ -614,6 +617,10 @@ class FakeCupy:
             self.gpu = getattr(obj, "gpu", None)
 
         @property
+        def data(self):              # CuPy's MemoryPointer: just the address
+            return type("MemoryPointer", (), {"ptr": self.ctypes.data})()
+
+        @property
         def device(self):            # (numpy 2 has a read-only ndarray.device of its own)
             return self.gpu
 
@@ -639,6 +646,11 @@ class FakeCupy:
 
         current = Stream()
 
+        class runtime:
+            @staticmethod
+            def getDeviceProperties(device_id):
+                return {"multiProcessorCount": 4}
+
     current_device, current_stream, launches = [], [], []
     NUMPY = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum, "avg": np.add}
 
@@ -654,6 +666,17 @@ class FakeCupy:
             else:
                 with np.errstate(over="ignore"):
                     FakeCupy.NUMPY[op](y, x, out=y)
+
+    class RawKernel:
+        def __init__(self, source, name):
+            self.source, self.name, self.params = source, name, "vector"
+
+        def __call__(self, grid, block, args):
+            FakeCupy.launches.append((self, FakeCupy.current_device[-1].id, FakeCupy.current_stream[-1]))
+            y, x, n, nvec = args
+            assert 1 <= grid[0] and block == (256,) and 0 <= nvec * (16 // y.itemsize) <= n == y.size
+            with np.errstate(over="ignore"):
+                FakeCupy.NUMPY[self.name.split("_")[2]](y.ravel(), x.ravel(), out=y.ravel())
 
     @classmethod
     def asarray(cls, obj):           # CuPy views __cuda_array_interface__ memory without copying
@@ -678,7 +701,8 @@ def test_reduce_into_wiring_with_a_fake_cupy(monkeypatch):
     assert gpu.reduce_into(dst, src, "sum", stream=stream) is dst
     assert dst.ravel().tolist() == [10, 11, 12, 13, 14, 15] and src.tolist() == [10] * 6
     kernel, device, used_stream = FakeCupy.launches[-1]
-    assert (kernel.params, device, used_stream) == (("T x", "T y"), 0, stream) and dst.device.entered == 1
+    assert (kernel.params, device, used_stream) == ("vector", 0, stream) and dst.device.entered == 1
+    assert kernel.name == "pyrdma_reduce_sum_int32"
     gpu.reduce_into(dst, src, "SUM")                          # the current stream, the cached kernel
     assert FakeCupy.launches[-1][0] is kernel and FakeCupy.launches[-1][2] is FakeCupy.cuda.current
     gpu.reduce_into(dst, FakeCupy.array(np.full(6, 12, np.int32)).reshape(2, 3), "min")
@@ -702,6 +726,10 @@ def test_reduce_into_wiring_with_a_fake_cupy(monkeypatch):
         gpu.reduce_into(FakeDLPackCuda(0x1000, (3,), device=(1, 0)), FakeCupy.array(np.zeros(3, np.float32)))
     with pytest.raises(rd.UsageError, match="not supported"):
         gpu.reduce_into(FakeCupy.array(np.zeros(3, np.complex64)), FakeCupy.array(np.zeros(3, np.complex64)))
+    # strided views take the elementwise kernel
+    wide = FakeCupy.array(np.zeros((3, 4), np.int32))
+    gpu.reduce_into(wide[:, :2], FakeCupy.array(np.ones((3, 2), np.int32)))
+    assert FakeCupy.launches[-1][0].params == ("T x", "T y") and wide.sum() == 6 and wide[:, 2:].sum() == 0
     # a foreign CUDA array (__cuda_array_interface__) is reduced in its own memory
     host = np.ones(4, np.float64)
     foreign = FakeCudaArray(host)
@@ -991,8 +1019,11 @@ def test_pipeline_rejects_what_it_cannot_stage():
     pipe = gpu.HostStagingPipeline(64, 2, backend=SimBackend())
     with pytest.raises(rd.UsageError, match="read-only"):
         pipe.run(FakeCudaArray(np.zeros(8), readonly=True), lambda c: None)
-    with pytest.raises(rd.UsageError, match="bfloat16"):
-        pipe.run(FakeDLPackCuda(0x7f0000000000, (8,), code=4, bits=16), lambda c: None)
+    bits = np.arange(8, dtype=np.uint16)          # bfloat16 (numpy has none) is staged as its bits
+    seen = []
+    pipe.run(FakeDLPackCuda(bits.ctypes.data, (8,), code=4, bits=16), lambda c: seen.append(c.dtype))
+    pipe.backend.synchronize_stream(pipe.backend.user)
+    assert seen == [np.uint16]
     with pytest.raises(rd.UsageError, match="cpu memory"):
         pipe.run(np.zeros(8), lambda c: None)
     with pytest.raises(rd.UsageError, match="smaller than one"):
@@ -1089,7 +1120,6 @@ def _reference(op, a, b):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("op", ["sum", "prod", "min", "max", "avg"])
 def test_gpu_reduce_into_matches_numpy(op, dtype):
@@ -1107,7 +1137,6 @@ def test_gpu_reduce_into_matches_numpy(op, dtype):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 def test_gpu_finalize_avg(dtype):
     import cupy as cp
@@ -1119,7 +1148,6 @@ def test_gpu_finalize_avg(dtype):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_gpu_reduce_into_errors():
     import cupy as cp
     with pytest.raises(rd.UsageError, match="dtypes differ"):
@@ -1136,7 +1164,6 @@ def test_gpu_reduce_into_errors():
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("nbytes", [8, 4 << 20, (4 << 20) * 3 + 1000 * 8])
 def test_gpu_host_staging_pipeline(nbytes):
     import cupy as cp
@@ -1151,8 +1178,33 @@ def test_gpu_host_staging_pipeline(nbytes):
 
 
 @pytest.mark.gpu
-@needs_gpu
-@pytest.mark.skipif(not HAVE_RDMA, reason="needs an RDMA device as well as a GPU")
+def test_gpu_dmabuf_export_of_cupy_memory():
+    """The dma-buf half of GPUDirect, which needs no NIC: export a CuPy array's pages as a dma-buf."""
+    import cupy as cp
+    x = cp.arange(3 * PAGE // 4 + 5, dtype=cp.float32)[1:]      # not page aligned at either end
+    drv = gpu.cuda_driver()
+    info = drv.pointer_info(x.data.ptr)
+    assert info.memory_type == _driver.CU_MEMORYTYPE_DEVICE and not info.is_managed
+    assert info.device_ordinal == x.device.id
+    start, length = gpu.dmabuf_range(x.data.ptr, x.nbytes)
+    if not drv.dmabuf_supported(info.device_ordinal):
+        with pytest.raises(rd.RDMAError, match="cuMemGetHandleForAddressRange"):
+            drv.export_dmabuf(start, length, info.context, info.device_ordinal)
+        pytest.xfail("this GPU's driver does not export dma-buf (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0)")
+    fd = drv.export_dmabuf(start, length, info.context, info.device_ordinal)
+    try:
+        assert fd >= 0
+        # a dma-buf's size is where lseek(SEEK_END) lands: the whole page-aligned range
+        assert os.lseek(fd, 0, os.SEEK_END) == length
+    finally:
+        os.close(fd)
+    # memory with no context of its own (a CuPy memory pool in async mode, cuMemMap) uses the primary one
+    fd = drv.export_dmabuf(start, length, None, info.device_ordinal)
+    os.close(fd)
+
+
+@pytest.mark.gpu
+@pytest.mark.device
 def test_gpu_register_cupy_array():
     import cupy as cp
     x = cp.zeros(1 << 20, cp.float32)

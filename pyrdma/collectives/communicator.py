@@ -11,8 +11,9 @@ barrier, each with a non-blocking ``i*`` form returning a Handle. Ops: sum, prod
 int8, uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arrays, or
 ``dtype="bfloat16"`` with uint16 arrays holding the bits). Buffers: numpy arrays, anything with
 the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
-than ranks). CUDA arrays: allreduce goes through pyrdma.cuda's host-staging pipeline; the other
-collectives raise UsageError (GPU support for them is a separate piece of work).
+than ranks). CUDA arrays (CuPy, DLPack CUDA tensors, bfloat16 ones too): the blocking collectives
+stage them through pinned host memory (pyrdma.cuda.collectives), pipelined in chunks for allreduce,
+reduce and broadcast; the non-blocking forms raise UsageError for them.
 
 How it runs: the input is copied into the transport's registered work buffer (registered once,
 reused; grown when needed), the algorithm runs there, the result is copied out. One collective
@@ -39,6 +40,7 @@ from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, CostModel
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.transport import MISMATCH, NO_CULPRIT, PEER_FAILED
+from pyrdma.cuda.buffers import is_cuda_array
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
 
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -137,7 +139,7 @@ def _as_numpy(obj, name):
         device_type = obj.__dlpack_device__()[0]
         if device_type != 1:   # kDLCPU
             raise UsageError(f"{name} lives on DLPack device type {device_type}; only CPU memory "
-                             f"(and CUDA arrays for allreduce) is supported")
+                             f"and CUDA device memory are supported")
         return np.from_dlpack(obj)
     try:
         return np.asarray(memoryview(obj))
@@ -145,18 +147,15 @@ def _as_numpy(obj, name):
         raise UsageError(f"{name} ({type(obj).__name__}) is not an array, a buffer or a DLPack tensor") from None
 
 
-def _is_cuda(obj):
-    if isinstance(obj, np.ndarray):
-        return False
-    if hasattr(obj, "__cuda_array_interface__"):
-        return True
-    dev = getattr(obj, "__dlpack_device__", None)
-    if dev is None:
-        return False
-    try:
-        return dev()[0] in (2, 3, 13)   # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
-    except Exception:
-        return False
+def _is_cuda(*objs):
+    """Whether any of ``objs`` (None ignored) is a CUDA array (no CuPy imported to tell)."""
+    return any(o is not None and is_cuda_array(o) for o in objs)
+
+
+def _cuda():
+    """pyrdma.cuda.collectives, imported when a CUDA array first comes (it imports CuPy lazily too)."""
+    from pyrdma.cuda import collectives
+    return collectives
 
 
 def _check_op(op):
@@ -388,14 +387,14 @@ class Communicator:
     def allreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks, into ``out`` (default: ``buf``, in place).
         Returns the result buffer."""
-        if _is_cuda(buf) or (out is not None and _is_cuda(out)):
-            return self._cuda_allreduce(buf, out, op, algorithm, dtype)
+        if _is_cuda(buf, out):
+            _check_op(op)
+            return _cuda().allreduce(self, buf, out, op, self._check_algorithm(algorithm), dtype)
         return self._iallreduce(buf, out, op, algorithm, dtype, blocking=True).wait()
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done."""
-        if _is_cuda(buf) or (out is not None and _is_cuda(out)):
-            raise UsageError("non-blocking collectives on CUDA arrays are not supported; use allreduce()")
+        self._no_cuda("iallreduce", buf, out)
         return self._iallreduce(buf, out, op, algorithm, dtype, blocking=False)
 
     def _iallreduce(self, buf, out, op, algorithm, dtype, blocking):
@@ -458,16 +457,6 @@ class Communicator:
                     dst.bytes[a:b] = work[:nbytes]
         return dst.obj
 
-    def _cuda_allreduce(self, buf, out, op, algorithm, dtype):
-        # The hook for GPU buffers: host staging through pyrdma.cuda (chunks come back as numpy
-        # arrays and run through this Communicator's host allreduce).
-        if out is not None or algorithm != "auto" or dtype is not None:
-            raise UsageError("allreduce of a CUDA array supports only in-place operation with "
-                             "algorithm='auto' and the array's own dtype")
-        _check_op(op)
-        from pyrdma.cuda import staged_allreduce
-        return staged_allreduce(self, buf, op)
-
     # ---- reduce, broadcast ----------------------------------------------------------------------
 
     def _rooted_algorithm(self, algorithm, nbytes):
@@ -484,20 +473,23 @@ class Communicator:
         return int(root)
 
     def _no_cuda(self, what, *objs):
-        if any(o is not None and _is_cuda(o) for o in objs):
-            raise UsageError(f"{what} of CUDA arrays is not supported yet (only allreduce stages through "
-                             f"the host); copy to host memory first")
+        if _is_cuda(*objs):
+            raise UsageError(f"{what}: non-blocking collectives on CUDA arrays are not supported; "
+                             f"use the blocking form (it stages through the host)")
 
     def reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
         """Element-wise ``op`` over all ranks, delivered to ``root`` only (into ``out``, default in
         place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
+        if _is_cuda(buf, out):
+            _check_op(op)
+            return _cuda().reduce(self, buf, out, op, self._check_root(root), algorithm, dtype)
         return self._ireduce(buf, out, op, root, algorithm, dtype, True).wait()
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
+        self._no_cuda("ireduce", buf, out)
         return self._ireduce(buf, out, op, root, algorithm, dtype, False)
 
     def _ireduce(self, buf, out, op, root, algorithm, dtype, blocking):
-        self._no_cuda("reduce", buf, out)
         _check_op(op)
         root = self._check_root(root)
         is_root = self.rank == root
@@ -529,13 +521,15 @@ class Communicator:
 
     def broadcast(self, buf, root=0, algorithm="auto"):
         """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
+        if _is_cuda(buf):
+            return _cuda().broadcast(self, buf, self._check_root(root), algorithm)
         return self._ibroadcast(buf, root, algorithm, True).wait()
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):
+        self._no_cuda("ibroadcast", buf)
         return self._ibroadcast(buf, root, algorithm, False)
 
     def _ibroadcast(self, buf, root, algorithm, blocking):
-        self._no_cuda("broadcast", buf)
         root = self._check_root(root)
         arr = _as_numpy(buf, "buf")       # any dtype: broadcast copies bytes
         if not arr.flags.c_contiguous:
@@ -571,13 +565,15 @@ class Communicator:
         """Every rank's ``buf`` (the same size on all ranks), concatenated in rank order into ``out``
         (size * buf.size elements; default a new array concatenated along the first axis, shape
         (size * len(buf),) + buf.shape[1:], as torch's all_gather_into_tensor)."""
+        if _is_cuda(buf, out):
+            return _cuda().allgather(self, buf, out)
         return self._iallgather(buf, out, True).wait()
 
     def iallgather(self, buf, out=None):
+        self._no_cuda("iallgather", buf, out)
         return self._iallgather(buf, out, False)
 
     def _iallgather(self, buf, out, blocking):
-        self._no_cuda("allgather", buf, out)
         arr = _as_numpy(buf, "buf")
         if not arr.flags.c_contiguous:
             raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
@@ -612,13 +608,16 @@ class Communicator:
     def reduce_scatter(self, buf, out=None, op="sum", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks; rank i receives segment i of
         ``segment_bounds(len(buf))`` into ``out`` (default a new 1-D array). Returns ``out``."""
+        if _is_cuda(buf, out):
+            _check_op(op)
+            return _cuda().reduce_scatter(self, buf, out, op, dtype)
         return self._ireduce_scatter(buf, out, op, dtype, True).wait()
 
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
+        self._no_cuda("ireduce_scatter", buf, out)
         return self._ireduce_scatter(buf, out, op, dtype, False)
 
     def _ireduce_scatter(self, buf, out, op, dtype, blocking):
-        self._no_cuda("reduce_scatter", buf, out)
         _check_op(op)
         src = _Operand(buf, "buf", writable=False, dtype=dtype)
         bounds = segment_bounds(src.count, self.size)

@@ -24,6 +24,8 @@ DEVICE_TYPE_NAMES = {DL_CPU: "cpu", DL_CUDA: "cuda", DL_CUDA_HOST: "cuda_host", 
 # DLDataTypeCode values
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT, _DL_COMPLEX, _DL_BOOL = 0, 1, 2, 4, 5, 6
 _DL_FLAG_READ_ONLY = 1
+# dtypes numpy lacks, by the numpy dtype that holds their bits (collectives move and stage those)
+BIT_TWINS = {"bfloat16": np.dtype(np.uint16)}
 
 
 class _DLDevice(ctypes.Structure):
@@ -184,7 +186,9 @@ def parse_dlpack_capsule(capsule):
 def _cuda_array_interface(obj):
     try:
         return obj.__cuda_array_interface__
-    except AttributeError:   # e.g. a PyTorch CPU tensor raises AttributeError from the property
+    except (AttributeError, TypeError):
+        # a PyTorch CPU tensor raises AttributeError from the property, a bfloat16 CUDA one TypeError
+        # (the protocol has no typestr for it): DLPack describes both
         return None
 
 
@@ -210,15 +214,17 @@ def is_cuda_array(obj):
     return dev is not None and dev[0] in (DL_CUDA, DL_CUDA_MANAGED)
 
 
-def device_buffer(obj, require_cuda=True):
+def device_buffer(obj, require_cuda=True, allow_empty=False):
     """Describe the memory of ``obj`` through ``__cuda_array_interface__`` (preferred) or DLPack.
 
     With ``require_cuda`` (the default) anything not in CUDA device or managed memory is a UsageError;
-    so are non-contiguous and empty arrays. A DLPack exporter that also reports its device has it
+    so are non-contiguous arrays, and empty ones unless ``allow_empty``. A DLPack exporter that also reports its device has it
     checked before the capsule is made.
     """
     cai = _cuda_array_interface(obj)
-    if cai is not None:
+    # __cuda_array_interface__ has no typestr for bfloat16 (PyTorch says "|V2"): DLPack knows the type
+    if cai is not None and not (str(cai.get("typestr", "")).lstrip("<>|=").startswith("V")
+                                and hasattr(obj, "__dlpack__")):
         buf = _parse_cuda_array_interface(cai)
     elif hasattr(obj, "__dlpack__"):
         dev = dlpack_device(obj)
@@ -230,7 +236,7 @@ def device_buffer(obj, require_cuda=True):
                          f"pass a CuPy array or another CUDA array object")
     if require_cuda and buf.device_type not in ("cuda", "cuda_managed"):
         _not_cuda(obj, buf.device_type)
-    if buf.nbytes == 0:
+    if buf.nbytes == 0 and not allow_empty:
         raise UsageError("the GPU array is empty")
     return buf
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from pyrdma.errors import UsageError
 from pyrdma.cuda._driver import import_cupy
-from pyrdma.cuda.buffers import device_buffer
+from pyrdma.cuda.buffers import BIT_TWINS, device_buffer
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_DEPTH = 3
@@ -160,7 +160,8 @@ class HostStagingPipeline:
         buf = device_buffer(array)
         if buf.readonly:
             raise UsageError("the GPU array is read-only; host staging writes the result back into it")
-        if buf.dtype is None:
+        dtype = buf.dtype if buf.dtype is not None else BIT_TWINS.get(buf.dtype_name)
+        if dtype is None:
             raise UsageError(f"host staging needs a dtype numpy knows; {buf.dtype_name} is not one")
         spans = chunk_spans(buf.nbytes, self.chunk_bytes, buf.itemsize)
         backend = self.backend
@@ -169,12 +170,13 @@ class HostStagingPipeline:
             res = self._resources.get(device_id)
             if res is None:
                 res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
-            self._run(backend, res, buf, spans, host_op, backend.user_stream(stream))
+            self._run(backend, res, buf, dtype, spans, host_op, backend.user_stream(stream))
         return array
 
-    def _run(self, backend, res, buf, spans, host_op, user):
+    def _run(self, backend, res, buf, dtype, spans, host_op, user):
+        """host_op sees each chunk as ``dtype`` (bfloat16 as its uint16 bits)."""
         depth = len(res.slots)
-        ptr, dtype = buf.ptr, buf.dtype
+        ptr = buf.ptr
 
         def issue_d2h(i):
             slot = i % depth
@@ -246,8 +248,9 @@ def default_pipeline():
         return _default_pipeline
 
 
-def staged_allreduce(comm, array, op="sum", stream=None, pipeline=None):
-    """Allreduce a CUDA array in place through host staging: ``comm.allreduce(chunk, op=op)`` per chunk.
+def staged_allreduce(comm, array, op="sum", stream=None, pipeline=None, **options):
+    """Allreduce a CUDA array in place through host staging: ``comm.allreduce(chunk, op=op, **options)``
+    per chunk (options: algorithm=, dtype=).
 
     ``comm`` is anything with an in-place host ``allreduce(ndarray, op=...)`` (the Communicator of
     pyrdma.collectives). All ranks must call it with arrays of the same size and the same pipeline
@@ -260,4 +263,4 @@ def staged_allreduce(comm, array, op="sum", stream=None, pipeline=None):
             return pyrdma.cuda.staged_allreduce(self, buf, op)
     """
     pipeline = pipeline or default_pipeline()
-    return pipeline.run(array, lambda chunk: comm.allreduce(chunk, op=op), stream)
+    return pipeline.run(array, lambda chunk: comm.allreduce(chunk, op=op, **options), stream)

@@ -1,0 +1,195 @@
+"""Collectives on CUDA arrays (CuPy, or any __cuda_array_interface__/DLPack CUDA object) through the host.
+
+A host Communicator hands CUDA arrays here (``Communicator.allreduce(cupy_array)`` and the others).
+Without GPUDirect RDMA the data crosses the host:
+
+- allreduce, reduce and broadcast keep their shape, so they run through HostStagingPipeline: chunk k
+  is copied device -> pinned host, the host collective runs on it, and it is copied back, while the
+  copies of chunks k-1 and k+1 are in flight. The pinned slots are reused across calls, so the host
+  collective registers them for RDMA once.
+- allgather and reduce_scatter change the size, so they copy the whole input to pinned host memory,
+  run the host collective and copy the result up (not pipelined).
+
+The arithmetic is the host collective's (pyrdma._reduce), so results are bit for bit those of the
+numpy path. bfloat16 CUDA tensors (DLPack) travel as their 16-bit patterns and reduce as bfloat16.
+Calls are stream-ordered on the current CuPy stream (or ``stream=``): they wait for work already
+enqueued there, and work enqueued after them sees the result.
+"""
+import numpy as np
+
+from pyrdma.errors import UsageError
+from pyrdma.cuda._driver import import_cupy
+from pyrdma.cuda.buffers import BIT_TWINS, device_buffer, is_cuda_array
+from pyrdma.cuda.staging import default_pipeline, staged_allreduce
+
+def _describe(obj, what, allow_empty=False):
+    """(DeviceBuffer, numpy dtype holding its elements, dtype name for the host collectives or None)."""
+    buf = device_buffer(obj, allow_empty=allow_empty)
+    if buf.dtype is not None:
+        return buf, buf.dtype, None
+    twin = BIT_TWINS.get(buf.dtype_name)
+    if twin is None:
+        raise UsageError(f"{what} has dtype {buf.dtype_name}, which the collectives do not support")
+    return buf, twin, buf.dtype_name
+
+
+def _cupy_view(cp, obj, buf, dtype):
+    """A flat CuPy array over ``obj``'s memory (no copy), typed ``dtype`` (bfloat16 as uint16)."""
+    mem = cp.cuda.UnownedMemory(buf.ptr, buf.nbytes, obj, device_id=_device_id(cp, buf))
+    return cp.ndarray((buf.nbytes // dtype.itemsize,), dtype, cp.cuda.MemoryPointer(mem, 0))
+
+
+def _device_id(cp, buf):
+    if buf.device_id is not None:
+        return buf.device_id
+    return int(cp.cuda.runtime.pointerGetAttributes(buf.ptr).device)
+
+
+def _check_cuda_pair(buf, out, what):
+    if out is not None and is_cuda_array(buf) != is_cuda_array(out):
+        raise UsageError(f"{what}: buf and out must both be CUDA arrays or both host arrays")
+
+
+def _copy_into(cp, dst_obj, src_obj, what):
+    """dst = src on the GPU (same bytes, same dtype), on the current stream."""
+    dbuf, dtype, _ = _describe(dst_obj, "out")
+    sbuf, stype, _ = _describe(src_obj, "buf")
+    if (dbuf.dtype_name, dbuf.nbytes) != (sbuf.dtype_name, sbuf.nbytes):
+        raise UsageError(f"{what}: out must match buf ({sbuf.nbytes} bytes of {sbuf.dtype_name}); "
+                         f"it has {dbuf.nbytes} bytes of {dbuf.dtype_name}")
+    if dbuf.readonly:
+        raise UsageError(f"{what}: out is read-only")
+    if dbuf.ptr != sbuf.ptr:
+        _cupy_view(cp, dst_obj, dbuf, dtype)[...] = _cupy_view(cp, src_obj, sbuf, stype)
+
+
+def _staged(comm, array, host_op, stream, pipeline):
+    return (pipeline or default_pipeline()).run(array, host_op, stream)
+
+
+def allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, stream=None, pipeline=None):
+    """``comm.allreduce`` of a CUDA array, in place or into CUDA ``out``. Returns the result array."""
+    _check_cuda_pair(buf, out, "allreduce")
+    cp = import_cupy("allreduce of a CUDA array")
+    _, _, twin = _describe(buf, "buf")
+    dtype = _host_dtype(dtype, twin)
+    result = buf if out is None else out
+    with _on(cp, stream):
+        if out is not None:
+            _copy_into(cp, out, buf, "allreduce")
+        return staged_allreduce(comm, result, op, stream, pipeline, algorithm=algorithm, dtype=dtype)
+
+
+def reduce(comm, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None, stream=None, pipeline=None):
+    """``comm.reduce`` of a CUDA array: the result on root (in place or in ``out``), None elsewhere."""
+    _check_cuda_pair(buf, out, "reduce")
+    cp = import_cupy("reduce of a CUDA array")
+    _, _, twin = _describe(buf, "buf")
+    dtype = _host_dtype(dtype, twin)
+    is_root = comm.rank == root
+    result = buf if out is None or not is_root else out
+    with _on(cp, stream):
+        if result is not buf:
+            _copy_into(cp, out, buf, "reduce")
+        # off root the host reduce leaves each chunk as it was, so copying it back changes nothing
+        _staged(comm, result, lambda c: comm.reduce(c, op=op, root=root, algorithm=algorithm, dtype=dtype),
+                stream, pipeline)
+    return result if is_root else None
+
+
+def broadcast(comm, buf, root=0, algorithm="auto", stream=None, pipeline=None):
+    """``comm.broadcast`` of a CUDA array (root's contents into every rank's ``buf``). Returns buf."""
+    cp = import_cupy("broadcast of a CUDA array")
+    _describe(buf, "buf")
+    with _on(cp, stream):
+        return _staged(comm, buf, lambda c: comm.broadcast(c, root=root, algorithm=algorithm), stream, pipeline)
+
+
+def allgather(comm, buf, out=None, stream=None):
+    """``comm.allgather`` of a CUDA array into CUDA ``out`` (default: a new CuPy array of
+    size x buf's first dimension, like the host version). Returns out."""
+    _check_cuda_pair(buf, out, "allgather")
+    cp = import_cupy("allgather of a CUDA array")
+    sbuf, dtype, _ = _describe(buf, "buf")
+    with _on(cp, stream):
+        src = _cupy_view(cp, buf, sbuf, dtype)
+        if out is None:
+            shape = (comm.size * sbuf.shape[0],) + tuple(sbuf.shape[1:]) if sbuf.shape else (comm.size,)
+            if sbuf.dtype is None:
+                raise UsageError(f"allgather of a {sbuf.dtype_name} CUDA array needs out=")
+            out = cp.empty(shape, dtype)
+        obuf, odtype, _ = _describe(out, "out")
+        if odtype != dtype or obuf.nbytes != sbuf.nbytes * comm.size or obuf.readonly:
+            raise UsageError(f"out must be a writable CUDA array of {comm.size} x {sbuf.nbytes} bytes of "
+                             f"{sbuf.dtype_name}; it has {obuf.nbytes} bytes of {obuf.dtype_name}")
+        host_in = _pinned_copy(cp, src)
+        host_out = _pinned(cp, obuf.nbytes // dtype.itemsize, dtype)
+        comm.allgather(host_in, out=host_out)
+        _upload(cp, _cupy_view(cp, out, obuf, odtype), host_out)
+    return out
+
+
+def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
+    """``comm.reduce_scatter`` of a CUDA array: this rank's segment (segment_bounds) into CUDA ``out``
+    (default a new 1-D CuPy array). Returns out."""
+    _check_cuda_pair(buf, out, "reduce_scatter")
+    cp = import_cupy("reduce_scatter of a CUDA array")
+    sbuf, sdtype, twin = _describe(buf, "buf")
+    dtype = _host_dtype(dtype, twin)
+    with _on(cp, stream):
+        host_in = _pinned_copy(cp, _cupy_view(cp, buf, sbuf, sdtype))
+        from pyrdma.collectives.pieces import segment_bounds
+        bounds = segment_bounds(host_in.size, comm.size)
+        mine = bounds[comm.rank + 1] - bounds[comm.rank]
+        if out is None:
+            if sbuf.dtype is None:
+                raise UsageError(f"reduce_scatter of a {sbuf.dtype_name} CUDA array needs out=")
+            out = cp.empty(mine, sdtype)
+        # with fewer elements than ranks some segments are empty: those ranks take part all the same
+        obuf, odtype, _ = _describe(out, "out", allow_empty=True)
+        if odtype != sdtype or obuf.nbytes != mine * sdtype.itemsize or obuf.readonly:
+            raise UsageError(f"out must be a writable CUDA array of this rank's {mine} elements of "
+                             f"{sbuf.dtype_name}; it has {obuf.nbytes} bytes of {obuf.dtype_name}")
+        host_out = _pinned(cp, mine, sdtype)
+        comm.reduce_scatter(host_in, out=host_out, op=op, dtype=dtype)
+        if mine:
+            _upload(cp, _cupy_view(cp, out, obuf, odtype), host_out)
+    return out
+
+
+def _host_dtype(dtype, twin):
+    if dtype is not None and twin is not None and str(dtype) != twin:
+        raise UsageError(f"dtype={dtype!r} does not match the array's {twin}")
+    return dtype if dtype is not None else twin
+
+
+class _on:
+    """``with cp.cuda.Stream``-like context for an optional stream (None: the current one)."""
+
+    def __init__(self, cp, stream):
+        from pyrdma.cuda.reduce import as_stream
+        self._stream = as_stream(cp, stream)
+
+    def __enter__(self):
+        self._stream.__enter__()
+        return self._stream
+
+    def __exit__(self, *exc):
+        return self._stream.__exit__(*exc)
+
+
+def _pinned(cp, count, dtype):
+    mem = cp.cuda.alloc_pinned_memory(max(1, count * dtype.itemsize))
+    return np.frombuffer(mem, dtype, count)
+
+
+def _upload(cp, dst, host):
+    dst.set(host)
+    # the pinned array is dropped when we return: the copy out of it must be over by then
+    cp.cuda.get_current_stream().synchronize()
+
+
+def _pinned_copy(cp, arr):
+    host = _pinned(cp, arr.size, arr.dtype)
+    arr.get(out=host)     # waits for the stream, then for the copy
+    return host

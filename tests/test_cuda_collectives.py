@@ -1,0 +1,131 @@
+"""Collectives on CUDA arrays (marker ``gpu``): every collective, op and dtype on CuPy arrays (and
+bfloat16 PyTorch CUDA tensors) gives bit for bit what the same Communicator gives on numpy arrays.
+
+Three rank processes share the machine's GPU and talk over TCP (a GPU machine here has no RDMA NIC);
+the staging code is the same whatever the transport. The inputs are test_collectives_comm's.
+"""
+import numpy as np
+import pytest
+
+from test_collectives_comm import DTYPES, OPS, make_input
+from test_collectives_world import World
+
+pytestmark = pytest.mark.gpu
+TIMEOUT = 60.0
+
+
+@pytest.fixture(scope="module")
+def world():
+    w = World(3, "tcp", timeout=TIMEOUT, start_timeout=300.0)
+    yield w
+    w.close()
+
+
+class _Cupy:
+    """numpy bits <-> a CUDA array: CuPy, or a PyTorch tensor for bfloat16 (CuPy has no bfloat16)."""
+
+    def __init__(self, dtype):
+        import cupy
+        self.cp, self.bf16 = cupy, dtype == "bfloat16"
+        if self.bf16:
+            import torch
+            self.torch = torch
+
+    def up(self, x):
+        if self.bf16:
+            return self.torch.from_numpy(x.view(np.int16).copy()).cuda().view(self.torch.bfloat16)
+        return self.cp.asarray(x)
+
+    def empty(self, n):
+        if self.bf16:
+            return self.torch.empty(n, dtype=self.torch.bfloat16, device="cuda")
+        return None      # let the collective allocate
+
+    def down(self, g):
+        if self.bf16:
+            return g.view(self.torch.int16).cpu().numpy().view(np.uint16)
+        return self.cp.asnumpy(g)
+
+
+def _host_and_gpu(comm, cases):
+    """For each case, the host results and the GPU results of every collective, as bytes."""
+    out = []
+    root = comm.size - 1
+    for count, dtype, op in cases:
+        x = make_input(comm.rank, count, dtype, op)
+        dt = "bfloat16" if dtype == "bfloat16" else None
+        host, gpu = {}, {}
+        h = x.copy()
+        comm.allreduce(h, op=op, dtype=dt)
+        host["allreduce"] = host["allreduce_out"] = h
+        h = x.copy()
+        comm.reduce(h, op=op, root=root, dtype=dt)
+        host["reduce"] = h
+        h = x.copy()
+        comm.broadcast(h, root=root)
+        host["broadcast"] = h
+        host["allgather"] = comm.allgather(x)
+        host["reduce_scatter"] = comm.reduce_scatter(x, op=op, dtype=dt)
+
+        c = _Cupy(dtype)
+        g = c.up(x)
+        assert comm.allreduce(g, op=op) is g
+        gpu["allreduce"] = c.down(g)
+        g, o = c.up(x), c.up(np.zeros_like(x))
+        assert comm.allreduce(g, out=o, op=op) is o
+        assert c.down(g).tobytes() == x.tobytes(), "out-of-place allreduce changed its input"
+        gpu["allreduce_out"] = c.down(o)
+        g = c.up(x)
+        assert (comm.reduce(g, op=op, root=root) is g) == (comm.rank == root)
+        gpu["reduce"] = c.down(g)
+        g = c.up(x)
+        assert comm.broadcast(g, root=root) is g
+        gpu["broadcast"] = c.down(g)
+        gpu["allgather"] = c.down(comm.allgather(c.up(x), out=c.empty(count * comm.size)))
+        gpu["reduce_scatter"] = c.down(comm.reduce_scatter(c.up(x), op=op, out=c.empty(len(host["reduce_scatter"]))))
+        out.append({k: (host[k].tobytes(), gpu[k].tobytes()) for k in host})
+    return out
+
+
+def _check(world, cases):
+    results = world.run(_host_and_gpu, cases, timeout=600)
+    for r, per_rank in enumerate(results):
+        for (count, dtype, op), got in zip(cases, per_rank):
+            for name, (host, gpu) in got.items():
+                assert gpu == host, f"rank {r}: {name} of {count} x {dtype} ({op}) differs from the numpy path"
+
+
+def test_every_collective_op_and_dtype_matches_the_numpy_path(world):
+    # fewer elements than ranks, not divisible by 3, and more than one staging chunk (4 MiB)
+    cases = [(c, d, o) for c in (1, 1003) for d in DTYPES for o in OPS] + [(1_500_001, "float32", "sum")]
+    _check(world, cases)
+
+
+def _usage_errors(comm):
+    import cupy as cp
+    import pyrdma
+    calls = {"out_size": lambda: comm.allreduce(cp.zeros(4), out=cp.zeros(5)),
+             "out_dtype": lambda: comm.allreduce(cp.zeros(4), out=cp.zeros(4, cp.float32)),
+             "noncontiguous": lambda: comm.allreduce(cp.zeros((4, 4))[:, 0]),
+             "allgather_out": lambda: comm.allgather(cp.zeros(4), out=cp.zeros(4)),
+             "complex": lambda: comm.allreduce(cp.zeros(4, cp.complex64))}
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except pyrdma.UsageError as exc:
+            errors[name] = str(exc)
+    x = cp.ones(3)
+    comm.allreduce(x)
+    errors["still_works"] = float(x.sum())
+    return errors
+
+
+def test_bad_cuda_input_is_a_usage_error(world):
+    expected = {"out_size": "out must match", "out_dtype": "out must match", "noncontiguous": "C-contiguous",
+                "allgather_out": "out must be", "complex": "unsupported dtype"}
+    for errors in world.run(_usage_errors):
+        assert errors.pop("still_works") == 9.0
+        for name, text in expected.items():
+            assert errors[name] is not None and text in errors[name], (name, errors[name])
