@@ -14,8 +14,8 @@ Three tables, then all rows as one JSON document:
    overlapped) against the unpipelined ``cudaMemcpy`` round trip of the same bytes (one D2H into
    pinned memory, the same host_op on all of it, one H2D). Bandwidth is bytes / time;
    ``vs_memcpy`` > 1 means the pipeline wins.
-3. collective: ``Communicator.allreduce`` of a CuPy array (staged) against a numpy array of the same
-   bytes, --ranks processes on this GPU (TCP unless an RDMA device is up): what staging adds.
+3. collective: ``Communicator.allreduce`` of a CuPy array, staged and direct (gpu_path), against a
+   numpy array of the same bytes, --ranks processes on this GPU (TCP unless an RDMA device is up).
 
 Times are medians over --iters runs after --warmup runs (CUDA events for kernels, wall time with a
 final stream synchronize for the staging path, since it involves the host).
@@ -161,7 +161,9 @@ def _collective_rank(rank, size, port, transport, sizes, iters, warmup, results)
             host = np.ones(max(1, nbytes // 4), np.float32)
             dev = cp.ones(host.size, cp.float32)
             row = {"table": "collective", "bytes": host.nbytes, "ranks": size, "transport": comm.transport_name}
-            for name, buf, sync in (("numpy", host, lambda: None), ("cupy", dev, cp.cuda.Device().synchronize)):
+            sync = cp.cuda.Device().synchronize
+            for name, buf, path in (("numpy", host, "auto"), ("cupy", dev, "staged"), ("direct", dev, "direct")):
+                comm.gpu_path = path
                 times = []
                 for i in range(warmup + iters):
                     comm.barrier()
@@ -171,6 +173,7 @@ def _collective_rank(rank, size, port, transport, sizes, iters, warmup, results)
                     times.append(time.perf_counter() - t0)
                 row[f"{name}_us"] = statistics.median(times[warmup:]) * 1e6
             row["cupy_vs_numpy"] = row["numpy_us"] / row["cupy_us"]
+            row["direct_vs_numpy"] = row["numpy_us"] / row["direct_us"]
             rows.append(row)
         if rank == 0:
             results.put(rows)
@@ -204,11 +207,14 @@ def bench_collective(args):
 def print_collective(rows):
     if not rows:
         return
-    print(f"# allreduce float32 sum, {rows[0]['ranks']} ranks over {rows[0]['transport']}: CuPy array (host "
-          f"staging) vs numpy array, same Communicator; cupy/numpy = numpy time / CuPy time")
-    print(f"{'size':>10} {'numpy(us)':>11} {'cupy(us)':>11} {'cupy/numpy':>11}")
+    print(f"# allreduce float32 sum, {rows[0]['ranks']} ranks over {rows[0]['transport']}, same Communicator: "
+          f"numpy array; CuPy array staged (gpu_path='staged'); CuPy array in GPU memory with CUDA reductions "
+          f"(gpu_path='direct'); x/numpy = numpy time / x time")
+    print(f"{'size':>10} {'numpy(us)':>11} {'staged(us)':>11} {'direct(us)':>11} {'staged/numpy':>13} "
+          f"{'direct/numpy':>13}")
     for r in rows:
-        print(f"{r['bytes']:>10} {r['numpy_us']:>11.1f} {r['cupy_us']:>11.1f} {r['cupy_vs_numpy']:>11.2f}")
+        print(f"{r['bytes']:>10} {r['numpy_us']:>11.1f} {r['cupy_us']:>11.1f} {r['direct_us']:>11.1f} "
+              f"{r['cupy_vs_numpy']:>13.2f} {r['direct_vs_numpy']:>13.2f}")
 
 
 def print_reduce(rows, repeat, target_bytes):

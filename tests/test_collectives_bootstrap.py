@@ -357,6 +357,34 @@ def test_cuda_arrays_take_the_staging_hook_or_get_a_clear_error():
                     call(FakeCuda())
 
 
+def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
+    # gpu_path "direct" runs the algorithms in place with reductions passed in (CUDA kernels on a
+    # GPU); here the same machinery on host memory with the host reductions
+    from pyrdma import _reduce
+    port = free_port()
+    code = _reduce.dtype_code(np.int32)
+
+    def rank_fn(rank):
+        with Communicator(rank, 3, f"127.0.0.1:{port}", transport="tcp", max_message=256, timeout=20) as comm:
+            x = np.arange(1001, dtype=np.int32) * (rank + 1)
+            reduce = comm._reducer(code, "avg")
+            divided = []
+
+            def divide(work, n):
+                divided.append(n)
+                _reduce.divide_bytes(work, code, n)
+            for algorithm in ("ring", "recursive_doubling"):     # the latter runs as halving-doubling
+                y = x.copy()
+                comm._allreduce_in_place(y.view(np.uint8), y.size, 4, code, "avg", algorithm, reduce, divide)
+                assert (y == np.arange(1001) * 2).all() and divided[-1] == 3   # (1 + 2 + 3) / 3
+            b = np.arange(300, dtype=np.float64) if rank == 1 else np.zeros(300)
+            comm._broadcast_in_place(b.view(np.uint8), "float64", 1, "auto")
+            return bool((b == np.arange(300)).all())
+    assert in_threads(3, rank_fn) == [True, True, True]
+    with pytest.raises(pyrdma.UsageError, match="unknown gpu_path"):
+        Communicator(0, 1, "127.0.0.1:0", transport="tcp", gpu_path="gpudirect")
+
+
 def test_ranks_must_agree_on_the_message_size():
     port = free_port()
 

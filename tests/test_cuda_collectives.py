@@ -21,6 +21,15 @@ def world():
     w.close()
 
 
+@pytest.fixture(scope="module")
+def direct_world():
+    """gpu_path "direct": the algorithms run in GPU memory with CUDA-kernel reductions (over TCP here,
+    where the transport copies each message out of and into GPU memory; over RDMA the NIC would)."""
+    w = World(3, "tcp", timeout=TIMEOUT, start_timeout=300.0, max_message=4096, gpu_path="direct")
+    yield w
+    w.close()
+
+
 class _Cupy:
     """numpy bits <-> a CUDA array: CuPy, or a PyTorch tensor for bfloat16 (CuPy has no bfloat16)."""
 
@@ -129,3 +138,42 @@ def test_bad_cuda_input_is_a_usage_error(world):
         assert errors.pop("still_works") == 9.0
         for name, text in expected.items():
             assert errors[name] is not None and text in errors[name], (name, errors[name])
+
+
+def _direct_cases(comm, cases):
+    """allreduce (in place and into out=) and broadcast of each case on the direct path, with the
+    numpy path's results alongside, and whether the staging pipeline was ever used."""
+    import pyrdma.cuda as gpu
+    out = []
+    root = 1
+    for count, dtype, op, algorithm in cases:
+        x = make_input(comm.rank, count, dtype, op)
+        h = x.copy()
+        comm.allreduce(h, op=op, algorithm=algorithm, dtype="bfloat16" if dtype == "bfloat16" else None)
+        b = x.copy()
+        comm.broadcast(b, root=root)
+        c = _Cupy(dtype)
+        g = c.up(x)
+        assert comm.allreduce(g, op=op, algorithm=algorithm) is g
+        g2, o = c.up(x), c.up(np.zeros_like(x))
+        assert comm.allreduce(g2, out=o, op=op, algorithm=algorithm) is o
+        assert c.down(g2).tobytes() == x.tobytes(), "out-of-place allreduce changed its input"
+        gb = c.up(x)
+        assert comm.broadcast(gb, root=root) is gb
+        out.append((h.tobytes(), c.down(g).tobytes(), c.down(o).tobytes(), b.tobytes(), c.down(gb).tobytes()))
+    return out, gpu.default_pipeline().host_slots(0) != []
+
+
+def test_direct_path_matches_the_numpy_path(direct_world):
+    # several 4 KiB messages per step, every op and dtype, both in-place algorithms
+    cases = [(c, d, o, a) for c in (1, 5003) for d in DTYPES if d != "bfloat16" for o in OPS
+             for a in ("ring", "halving_doubling")]
+    for r, (per_rank, staged) in enumerate(direct_world.run(_direct_cases, cases, timeout=600)):
+        assert not staged, f"rank {r}: the direct path went through host staging"
+        for (count, dtype, op, algorithm), (host, gpu, gpu_out, host_b, gpu_b) in zip(cases, per_rank):
+            what = f"rank {r}: {count} x {dtype} ({op}, {algorithm})"
+            assert gpu == host and gpu_out == host, f"{what}: allreduce differs from the numpy path"
+            assert gpu_b == host_b, f"{what}: broadcast differs from the numpy path"
+    # bfloat16 has no GPU kernel: the direct path stages it, with the same results
+    per_rank, staged = direct_world.run(_direct_cases, [(1003, "bfloat16", "sum", "ring")])[0]
+    assert staged and per_rank[0][0] == per_rank[0][1] == per_rank[0][2]

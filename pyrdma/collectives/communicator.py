@@ -46,10 +46,12 @@ from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, Wi
 OPS = ("sum", "prod", "min", "max", "avg")
 ALGORITHMS = ("auto",) + ALLREDUCE_ALGORITHMS + tuple(ALIASES)
 TRANSPORTS = ("auto", "rdma", "tcp")
+GPU_PATHS = ("auto", "staged", "direct")
 DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
-_KINDS = {"allreduce": 1, "reduce": 2, "broadcast": 3, "allgather": 4, "reduce_scatter": 5, "barrier": 6}
+_KINDS = {"allreduce": 1, "reduce": 2, "broadcast": 3, "allgather": 4, "reduce_scatter": 5, "barrier": 6,
+          "allreduce-direct": 7, "broadcast-direct": 8}
 
 
 class Handle:
@@ -190,13 +192,17 @@ class Communicator:
     broadcast and allgather (with ``out`` given) of at least this many bytes work in place on the
     result's own memory instead of copying it into and out of the transport's buffer; over RDMA
     that memory is registered on first use and kept registered, and alive, among the transport's
-    USER_MR_CACHE most recent buffers (0 turns this off).
+    USER_MR_CACHE most recent buffers (0 turns this off). ``gpu_path``: how allreduce and
+    broadcast move CUDA arrays: "direct" (the transport sends straight from GPU memory, over RDMA
+    registered by GPUDirect; reductions run as CUDA kernels), "staged" (through pinned host memory,
+    reductions on the CPU), or "auto" (direct when every rank's RDMA device and GPU can do GPUDirect
+    RDMA, agreed on at the first CUDA collective; else staged).
     """
 
     def __init__(self, rank=None, size=None, master=None, *, transport="auto", timeout=60.0, exchange=None,
                  device=None, max_message=None, slots=None, cost_model=None, tcp_host=None,
                  max_work_bytes=DEFAULT_MAX_WORK_BYTES, spin=None, slot_bytes=None,
-                 zero_copy_bytes=DEFAULT_ZERO_COPY_BYTES):
+                 zero_copy_bytes=DEFAULT_ZERO_COPY_BYTES, gpu_path="auto"):
         if transport not in TRANSPORTS:
             raise UsageError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
         if timeout is None or timeout <= 0:
@@ -212,6 +218,10 @@ class Communicator:
         self.rank, self.size, self.timeout = rank, size, float(timeout)
         self.max_work_bytes = int(max_work_bytes)
         self.zero_copy_bytes = int(zero_copy_bytes) if zero_copy_bytes else 0
+        if gpu_path not in GPU_PATHS:
+            raise UsageError(f"unknown gpu_path {gpu_path!r}; use one of {', '.join(GPU_PATHS)}")
+        self.gpu_path = gpu_path
+        self._gpudirect_agreed = {}      # GPU ordinal -> whether every rank can do GPUDirect RDMA
         self._closed = False
         self._broken = None
         self._seq = 0
@@ -389,7 +399,10 @@ class Communicator:
         Returns the result buffer."""
         if _is_cuda(buf, out):
             _check_op(op)
-            return _cuda().allreduce(self, buf, out, op, self._check_algorithm(algorithm), dtype)
+            algorithm = self._check_algorithm(algorithm)
+            if self._gpu_direct(buf):
+                return _cuda().direct_allreduce(self, buf, out, op, algorithm, dtype)
+            return _cuda().allreduce(self, buf, out, op, algorithm, dtype)
         return self._iallreduce(buf, out, op, algorithm, dtype, blocking=True).wait()
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
@@ -457,6 +470,76 @@ class Communicator:
                     dst.bytes[a:b] = work[:nbytes]
         return dst.obj
 
+    # ---- CUDA arrays in place (gpu_path "direct") -----------------------------------------------
+
+    def _gpu_direct(self, buf):
+        """Whether this CUDA collective takes the direct path (the same answer on every rank)."""
+        if self.gpu_path != "auto":
+            return self.gpu_path == "direct"
+        if self.transport_name != "rdma":     # all ranks agreed on the transport: no GPUDirect anywhere
+            return False
+        device_id = _cuda().device_of(buf)
+        agreed = self._gpudirect_agreed.get(device_id)
+        if agreed is None:
+            from pyrdma.cuda import gpudirect_status
+            mine = int(gpudirect_status(self.transport.pd, device_id).method is not None)
+            # every rank is in this same collective, so a one-element allreduce settles it
+            flag = np.array([mine], np.int32)
+            self.allreduce(flag, op="min")
+            agreed = self._gpudirect_agreed[device_id] = bool(flag[0])
+        return agreed
+
+    def _allreduce_in_place(self, work, count, itemsize, code, op, algorithm, reduce, divide):
+        """allreduce of ``count`` elements in place on ``work`` (a flat uint8 array, GPU memory
+        included, that the transport sends from directly), with the given reduction callables."""
+        plan = []
+        for lo, hi in self._pieces(count, itemsize):
+            algo = algorithm
+            if algo == "auto":
+                algo = self.cost_model.choose_allreduce((hi - lo) * itemsize, self.size, self.transport.max_message)
+                algo = ALIASES.get(algo, algo)
+            if algo == "recursive_doubling":      # needs a second copy of the buffer: not in place
+                algo = "halving_doubling"
+            plan.append((lo, hi, algo, self._tag("allreduce-direct", op, code, count, lo, hi, algo)))
+        return self._submit(True, self._run_allreduce_in_place, work, itemsize, op, plan, reduce, divide).wait()
+
+    def _run_allreduce_in_place(self, work, itemsize, op, plan, reduce, divide):
+        t = self.transport
+        for lo, hi, algo, tag in plan:
+            a, b = lo * itemsize, hi * itemsize
+            t.use_buffer(work, a, b)
+            try:
+                t.set_tag(tag)
+                if algo == "ring":
+                    ring.ring_allreduce(t, hi - lo, itemsize, reduce)
+                else:
+                    tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
+            finally:
+                t.use_buffer(None)
+            if op == "avg":
+                divide(work[a:b], self.size)
+
+    def _broadcast_in_place(self, work, dtype_name, root, algorithm):
+        """broadcast of ``work`` (flat uint8, GPU memory included) from root, sent from directly."""
+        plan = []
+        for lo, hi in self._pieces(work.nbytes, 1):
+            algo = self._rooted_algorithm(algorithm, hi - lo)
+            plan.append((lo, hi, algo, self._tag("broadcast-direct", dtype_name, work.nbytes, root, lo, hi, algo)))
+        return self._submit(True, self._run_broadcast_in_place, work, root, plan).wait()
+
+    def _run_broadcast_in_place(self, work, root, plan):
+        t = self.transport
+        for lo, hi, algo, tag in plan:
+            t.use_buffer(work, lo, hi)
+            try:
+                t.set_tag(tag)
+                if algo == "chain":
+                    ring.chain_broadcast(t, hi - lo, 1, root)
+                else:
+                    tree.binomial_broadcast(t, hi - lo, 1, root)
+            finally:
+                t.use_buffer(None)
+
     # ---- reduce, broadcast ----------------------------------------------------------------------
 
     def _rooted_algorithm(self, algorithm, nbytes):
@@ -522,7 +605,10 @@ class Communicator:
     def broadcast(self, buf, root=0, algorithm="auto"):
         """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
         if _is_cuda(buf):
-            return _cuda().broadcast(self, buf, self._check_root(root), algorithm)
+            root = self._check_root(root)
+            if self._gpu_direct(buf):
+                return _cuda().direct_broadcast(self, buf, root, algorithm)
+            return _cuda().broadcast(self, buf, root, algorithm)
         return self._ibroadcast(buf, root, algorithm, True).wait()
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):

@@ -1,5 +1,6 @@
 """How buffers are cut: segments (one per rank) and chunks (one per message), and the pipelined
 step every algorithm is built from. Pure arithmetic plus calls to the transport interface."""
+import numpy as np
 
 
 def segment_bounds(count, parts):
@@ -81,8 +82,17 @@ def reducer(reduce, work):
     return consume
 
 
+def store(work, off, data):
+    """work[off:off + len(data)] = data; into a GPU work area (CuPy) a host chunk is copied up."""
+    dst = work[off:off + data.nbytes]
+    if isinstance(work, np.ndarray) or not isinstance(data, np.ndarray):
+        dst[...] = data
+    else:
+        dst.set(data)
+
+
 def copier(work):
     """consume() that stores a received chunk into the work buffer."""
     def consume(k, off, data):
-        work[off:off + data.nbytes] = data
+        store(work, off, data)
     return consume

@@ -13,7 +13,7 @@ send of chunk k+1 is posted before chunk k is reduced (pieces.pipelined_step).
 - chain_broadcast / chain_reduce: a pipelined chain along the ring from / to ``root``; for large
   messages (each link carries the data once; n-1 + chunks - 1 steps).
 """
-from pyrdma.collectives.pieces import Segments, chunk_ranges, copier, nchunks_for, pipelined_step, reducer
+from pyrdma.collectives.pieces import Segments, chunk_ranges, copier, nchunks_for, pipelined_step, reducer, store
 
 
 def _reduce_scatter(t, segs, reduce, last_seg):
@@ -77,7 +77,7 @@ def chain_broadcast(t, count, itemsize, root):
     work = t.buffer(0)
     for off, nb in chunks:
         if pos > 0:
-            work[off:off + nb] = t.recv(left, nb)
+            store(work, off, t.recv(left, nb))
             t.release(left)
         if pos < n - 1:
             t.send(right, off, nb)

@@ -167,6 +167,12 @@ _TAG_BITS = 7
 _LEN_MASK = (1 << 23) - 1
 
 
+def _current_stream():
+    """The CuPy stream current now (the one a GPU collective runs its copies and kernels on)."""
+    import cupy
+    return cupy.cuda.get_current_stream()
+
+
 def _imm_data(tag, nbytes):
     return (_KIND_DATA << 30) | ((tag & ((1 << _TAG_BITS) - 1)) << 23) | nbytes
 
@@ -255,6 +261,7 @@ class RdmaTransport(_Waits):
         self._work_mr = self._work = None
         self._work_offset = 0          # where the work area starts in _work_mr
         self._lent = False
+        self._gpu_sync = None          # set while the work area is GPU memory
         # Callers' buffers registered by use_buffer, most recent last. Each MR keeps its buffer
         # alive, so its address range cannot be freed and handed to other memory while cached.
         self._user_mrs = collections.OrderedDict()
@@ -297,28 +304,38 @@ class RdmaTransport(_Waits):
         return self._work
 
     def use_buffer(self, whole, start=0, stop=None):
-        """Work in place on ``whole[start:stop]`` (a C-contiguous uint8 array): sends go straight
-        from it. ``whole`` is registered on first use and stays registered (and alive) among the
-        USER_MR_CACHE most recent, so calls on the same buffer pay nothing."""
+        """Work in place on ``whole[start:stop]`` (a C-contiguous uint8 array, numpy or CuPy):
+        sends go straight from it. ``whole`` is registered on first use (GPU memory through
+        GPUDirect RDMA) and stays registered (and alive) among the USER_MR_CACHE most recent, so
+        calls on the same buffer pay nothing."""
         if whole is None:
             self._lent = False
+            self._gpu_sync = None
             self.buffer(0)
             return
         self.wait_sends()
-        addr, nbytes = whole.ctypes.data, whole.nbytes
-        for key, mr in self._user_mrs.items():
-            if key[0] <= addr and addr + nbytes <= key[0] + key[1]:
-                self._user_mrs.move_to_end(key)
-                base = addr - key[0]
+        on_gpu = not isinstance(whole, np.ndarray)
+        addr, nbytes = (whole.data.ptr if on_gpu else whole.ctypes.data), whole.nbytes
+        for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
+            if key_addr <= addr and addr + nbytes <= key_addr + key_len:
+                self._user_mrs.move_to_end((key_addr, key_len))
+                base = key_offset + addr - key_addr
                 break
         else:
-            mr = self.rd.MemoryRegion(self.pd, whole, 0)   # local read: it is only sent from
-            self._user_mrs[(addr, nbytes)] = mr
+            if on_gpu:
+                # a dma-buf registration covers whole pages: the array starts part way in
+                from pyrdma.cuda import gpu_array_offset, register_gpu_array
+                mr = register_gpu_array(self.pd, whole, 0)
+                base = gpu_array_offset(mr, whole)
+            else:
+                mr, base = self.rd.MemoryRegion(self.pd, whole, 0), 0   # local read: only sent from
+            self._user_mrs[(addr, nbytes)] = (mr, base)
             while len(self._user_mrs) > USER_MR_CACHE:
-                self._user_mrs.popitem(last=False)[1].close()
-            base = 0
+                self._user_mrs.popitem(last=False)[1][0].close()
         self._work = whole[start:stop]
         self._work_mr, self._work_offset, self._lent = mr, base + start, True
+        # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
+        self._gpu_sync = _current_stream().synchronize if on_gpu else None
 
     def set_tag(self, tag):
         self.tag = tag & ((1 << _TAG_BITS) - 1)
@@ -329,6 +346,8 @@ class RdmaTransport(_Waits):
     def send(self, peer, offset, nbytes):
         if nbytes > self.max_message:
             raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
+        if self._gpu_sync is not None:
+            self._gpu_sync()
         if self.credits[peer] == 0 or self.outstanding[peer] >= self.sq_depth:
             self._wait(lambda: self.credits[peer] > 0 and self.outstanding[peer] < self.sq_depth, peer,
                        "a free receive slot (a credit)")
@@ -580,11 +599,14 @@ class TcpTransport(_Waits):
         if self.failure is not None:
             raise self.failure
         header = _FRAME.pack(_KIND_DATA, self.tag, nbytes)
+        chunk = self._work[offset:offset + nbytes]
+        if not isinstance(chunk, np.ndarray):
+            chunk = chunk.get()          # a GPU work area (CuPy): copied out in stream order
         if nbytes <= 65536:
-            self._send_bytes(peer, header + self._work[offset:offset + nbytes].tobytes())
+            self._send_bytes(peer, header + chunk.tobytes())
         else:
             self._send_bytes(peer, header)
-            self._send_bytes(peer, memoryview(self._work)[offset:offset + nbytes])
+            self._send_bytes(peer, memoryview(chunk))
 
     def recv(self, peer, nbytes):
         inbox = self.inbox[peer]

@@ -14,7 +14,7 @@ data into rank r - p, sit out the power-of-two algorithm, and get the result bac
 - binomial_broadcast / binomial_reduce: binomial tree from / to ``root``, pipelined per chunk.
 - dissemination_barrier: ceil(log2 n) rounds of zero-byte messages, any n.
 """
-from pyrdma.collectives.pieces import (chunk_ranges, copier, nchunks_for, pipelined_step, reducer,
+from pyrdma.collectives.pieces import (chunk_ranges, copier, nchunks_for, pipelined_step, reducer, store,
                                        segment_bounds)
 
 
@@ -152,7 +152,7 @@ def binomial_broadcast(t, count, itemsize, root):
     work = t.buffer(0)
     for off, nb in chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize):
         if parent is not None:
-            work[off:off + nb] = t.recv(parent, nb)
+            store(work, off, t.recv(parent, nb))
             t.release(parent)
         for c in children:
             t.send(c, off, nb)

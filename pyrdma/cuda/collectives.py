@@ -157,6 +157,86 @@ def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
     return out
 
 
+# ---- gpu_path "direct": the transport sends from GPU memory, CUDA kernels reduce ----------------
+
+def device_of(obj):
+    """The GPU ordinal holding a CUDA array."""
+    buf = device_buffer(obj)
+    if buf.device_id is not None:
+        return buf.device_id
+    return _device_id(import_cupy("a CUDA collective"), buf)
+
+
+class GpuReducer:
+    """The ``reduce(dst, a, b)`` of the collective algorithms (dst = op(a, b) on uint8 views), for a
+    GPU work area: a received chunk (host memory when it landed in the transport's receive slots)
+    is copied up into a scratch buffer, reduced into the work area by reduce_into's kernel, and the
+    stream is synchronised, since the next message may be sent from the result."""
+
+    def __init__(self, cp, dtype, op):
+        from pyrdma.cuda.reduce import check_dtype
+        self.cp, self.dtype, self.op = cp, check_dtype(dtype), op
+        self._scratch = None
+
+    def __call__(self, dst, a, b):
+        from pyrdma.cuda.reduce import reduce_into
+        cp = self.cp
+        if not isinstance(b, cp.ndarray):
+            if self._scratch is None or self._scratch.nbytes < b.nbytes:
+                self._scratch = cp.empty(max(b.nbytes, 1 << 16), cp.uint8)
+            up = self._scratch[:b.nbytes]
+            up.set(np.asarray(b))
+            b = up
+        if a is not dst:
+            dst[...] = a
+        reduce_into(dst.view(self.dtype), b.view(self.dtype), self.op)
+        cp.cuda.get_current_stream().synchronize()
+
+
+def _gpu_divide(dtype):
+    from pyrdma.cuda.reduce import finalize_avg
+
+    def divide(work, nranks):
+        finalize_avg(work.view(dtype), nranks)
+    return divide
+
+
+def direct_allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, stream=None):
+    """``comm.allreduce`` of a CUDA array in place on GPU memory (gpu_path "direct"). bfloat16, which
+    the GPU kernels lack, goes the staged way."""
+    _check_cuda_pair(buf, out, "allreduce")
+    cp = import_cupy("allreduce of a CUDA array")
+    sbuf, sdtype, twin = _describe(buf, "buf")
+    if twin is not None:
+        return allreduce(comm, buf, out, op, algorithm, dtype, stream)
+    if dtype is not None and np.dtype(dtype) != sdtype:
+        raise UsageError(f"dtype={dtype!r} does not match the array's {sdtype}")
+    from pyrdma import _reduce
+    code = _reduce.dtype_code(sdtype)           # the same dtype check (and message) as the host path
+    result = buf if out is None else out
+    with _on(cp, stream):
+        if out is not None:
+            _copy_into(cp, out, buf, "allreduce")
+        rbuf = device_buffer(result)
+        work = _cupy_view(cp, result, rbuf, np.dtype(np.uint8))
+        comm._allreduce_in_place(work, rbuf.nbytes // sdtype.itemsize, sdtype.itemsize, code, op, algorithm,
+                                 GpuReducer(cp, sdtype, op), _gpu_divide(sdtype))
+    return result
+
+
+def direct_broadcast(comm, buf, root=0, algorithm="auto", stream=None):
+    """``comm.broadcast`` of a CUDA array sent from and received into GPU memory (gpu_path "direct")."""
+    cp = import_cupy("broadcast of a CUDA array")
+    sbuf, _, _ = _describe(buf, "buf")
+    if sbuf.readonly and comm.rank != root:
+        raise UsageError("buf is read-only; on a rank other than root it receives the data")
+    with _on(cp, stream):
+        work = _cupy_view(cp, buf, sbuf, np.dtype(np.uint8))
+        comm._broadcast_in_place(work, sbuf.dtype_name, root, algorithm)
+        cp.cuda.get_current_stream().synchronize()     # received chunks were copied up in stream order
+    return buf
+
+
 def _host_dtype(dtype, twin):
     if dtype is not None and twin is not None and str(dtype) != twin:
         raise UsageError(f"dtype={dtype!r} does not match the array's {twin}")

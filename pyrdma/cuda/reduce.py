@@ -50,7 +50,6 @@ __device__ __forceinline__ T store(C v) { %(store)s }
 __device__ __forceinline__ T combine(T yt, T xt) {
     C y = load(yt), x = load(xt);
     %(body)s;
-    return store(y);
 }
 // y[i] = op(y[i], x[i]) for i < n; the first nvec * (16 / sizeof(T)) elements as 16-byte vectors
 extern "C" __global__ void %(name)s(T* __restrict__ y, const T* __restrict__ x,
@@ -116,6 +115,11 @@ def vector_kernel_source(op, dtype):
     storage, compute = _CTYPES[dt.name]
     name = f"pyrdma_reduce_{op}_{dt.name}"
     body = _BODIES[op][0 if dt.kind in _INT_KINDS else 1].replace("isnan((double)x)", "(x != x)")
+    if op in ("min", "max"):
+        # "y = (cond) ? x : y": pick an operand's own bits (a NaN's payload too), computing nothing
+        body = "return " + body[len("y = "):].replace("? x : y", "? xt : yt")
+    else:
+        body += "; return store(y)"
     half = compute is not None
     src = _VECTOR_SOURCE % {"storage": storage, "compute": compute or storage, "name": name, "body": body,
                             "load": _HALF_LOAD if half else "return v;",
