@@ -1219,3 +1219,49 @@ def test_gpu_register_cupy_array():
         assert mr.is_device_memory and mr.buffer is x
         assert mr.addr <= x.data.ptr and gpu.gpu_array_offset(mr, x) + x.nbytes <= mr.length
         mr.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# gpu_path "direct" over RDMA: the transport's GPU work area (registration and stream sync), faked
+# --------------------------------------------------------------------------------------------------
+
+class FakeGpuBytes:
+    """A flat uint8 CuPy-like array: an address and a length, sliceable."""
+
+    def __init__(self, ptr, nbytes):
+        self.data = type("MemoryPointer", (), {"ptr": ptr})()
+        self.nbytes = nbytes
+
+    def __getitem__(self, key):
+        start, stop, _ = key.indices(self.nbytes)
+        return FakeGpuBytes(self.data.ptr + start, stop - start)
+
+
+def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(monkeypatch):
+    from pyrdma.collectives import transport as tr
+    registered, synced, closed = [], [], []
+
+    class FakeMR:
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setattr(gpu, "register_gpu_array", lambda pd, arr, access: registered.append((pd, arr, access)) or FakeMR())
+    monkeypatch.setattr(gpu, "gpu_array_offset", lambda mr, arr: 96)     # dma-buf MRs start at a page
+    monkeypatch.setattr(tr, "_current_stream", lambda: type("S", (), {"synchronize": lambda s: synced.append(1)})())
+    t = object.__new__(tr.RdmaTransport)       # just the state use_buffer touches
+    t.pd, t._user_mrs, t._gpu_sync = "pd", collections.OrderedDict(), None
+    t.wait_sends = lambda peer=None: None
+    t.buffer = lambda nbytes: None
+    whole = FakeGpuBytes(0x7f0000010000, 8192)
+    t.use_buffer(whole, 100, 300)
+    assert registered == [("pd", whole, 0)]              # local read only: it is sent from
+    assert t._work_offset == 96 + 100 and t._work.nbytes == 200 and t._lent
+    t._gpu_sync()
+    assert synced == [1]
+    t.use_buffer(None)
+    assert t._gpu_sync is None and not t._lent
+    t.use_buffer(whole[1024:2048], 8, 16)                # inside the cached registration: no new one
+    assert len(registered) == 1 and t._work_offset == 96 + 1024 + 8
+    for i in range(tr.USER_MR_CACHE):                    # the cache keeps the most recent few
+        t.use_buffer(FakeGpuBytes(0x7f1000000000 + i * 65536, 4096))
+    assert len(registered) == 1 + tr.USER_MR_CACHE and len(closed) == 1
