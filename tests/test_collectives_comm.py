@@ -372,9 +372,20 @@ def test_any_buffer(worlds, transport, size):
         assert out["scalar"] == sum(range(1, size + 1))
 
 
-def _usage_errors(comm):
+def collect_usage_errors(calls):
+    """{name: the text of the UsageError the call raised, or None if it went through}."""
     import pyrdma
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except pyrdma.UsageError as exc:
+            errors[name] = str(exc)
+    return errors
 
+
+def _usage_errors(comm):
     class FakeCuda:
         __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False), "version": 3}
     calls = {
@@ -394,13 +405,7 @@ def _usage_errors(comm):
         "allgather_out": lambda: comm.allgather(np.zeros(4), out=np.zeros(4)),
         "reduce_scatter_out": lambda: comm.reduce_scatter(np.zeros(9), out=np.zeros(9)),
     }
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except pyrdma.UsageError as exc:
-            errors[name] = str(exc)
+    errors = collect_usage_errors(calls)
     # nothing was sent: the communicator still works
     x = np.ones(3)
     comm.allreduce(x)

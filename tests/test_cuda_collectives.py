@@ -7,7 +7,7 @@ the staging code is the same whatever the transport. The inputs are test_collect
 import numpy as np
 import pytest
 
-from test_collectives_comm import DTYPES, OPS, make_input
+from test_collectives_comm import DTYPES, OPS, collect_usage_errors, make_input
 from test_collectives_world import World
 
 pytestmark = pytest.mark.gpu
@@ -112,19 +112,12 @@ def test_every_collective_op_and_dtype_matches_the_numpy_path(world):
 
 def _usage_errors(comm):
     import cupy as cp
-    import pyrdma
     calls = {"out_size": lambda: comm.allreduce(cp.zeros(4), out=cp.zeros(5)),
              "out_dtype": lambda: comm.allreduce(cp.zeros(4), out=cp.zeros(4, cp.float32)),
              "noncontiguous": lambda: comm.allreduce(cp.zeros((4, 4))[:, 0]),
              "allgather_out": lambda: comm.allgather(cp.zeros(4), out=cp.zeros(4)),
              "complex": lambda: comm.allreduce(cp.zeros(4, cp.complex64))}
-    errors = {}
-    for name, call in calls.items():
-        try:
-            call()
-            errors[name] = None
-        except pyrdma.UsageError as exc:
-            errors[name] = str(exc)
+    errors = collect_usage_errors(calls)
     x = cp.ones(3)
     comm.allreduce(x)
     errors["still_works"] = float(x.sum())
