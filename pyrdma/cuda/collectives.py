@@ -1,7 +1,13 @@
-"""Collectives on CUDA arrays (CuPy, or any __cuda_array_interface__/DLPack CUDA object) through the host.
+"""Collectives on CUDA arrays (CuPy, or any __cuda_array_interface__/DLPack CUDA object).
 
-A host Communicator hands CUDA arrays here (``Communicator.allreduce(cupy_array)`` and the others).
-Without GPUDirect RDMA the data crosses the host:
+A host Communicator hands CUDA arrays here (``Communicator.allreduce(cupy_array)`` and the others),
+on one of two paths (the Communicator's ``gpu_path``):
+
+direct (allreduce, broadcast): the algorithms run in place in the array's GPU memory. The transport
+sends from it (over RDMA the NIC reads it through a GPUDirect registration; over TCP each message is
+copied out), received chunks are copied up and reduced by reduce_into's CUDA kernels (GpuReducer).
+
+staged (every collective; the only path without GPUDirect RDMA): the data crosses the host:
 
 - allreduce, reduce and broadcast keep their shape, so they run through HostStagingPipeline: chunk k
   is copied device -> pinned host, the host collective runs on it, and it is copied back, while the
@@ -10,8 +16,10 @@ Without GPUDirect RDMA the data crosses the host:
 - allgather and reduce_scatter change the size, so they copy the whole input to pinned host memory,
   run the host collective and copy the result up (not pipelined).
 
-The arithmetic is the host collective's (pyrdma._reduce), so results are bit for bit those of the
-numpy path. bfloat16 CUDA tensors (DLPack) travel as their 16-bit patterns and reduce as bfloat16.
+Staged, the arithmetic is the host collective's (pyrdma._reduce); direct, the GPU kernels compute
+what it computes (float16 in float32, rounded once; min/max pick an operand's bits). Either way the
+results are bit for bit those of the numpy path. bfloat16 CUDA tensors (DLPack), which the GPU
+kernels lack, always stage: they travel as their 16-bit patterns and reduce as bfloat16.
 Calls are stream-ordered on the current CuPy stream (or ``stream=``): they wait for work already
 enqueued there, and work enqueued after them sees the result.
 """
@@ -21,6 +29,7 @@ from pyrdma.errors import UsageError
 from pyrdma.cuda._driver import import_cupy
 from pyrdma.cuda.buffers import BIT_TWINS, device_buffer, is_cuda_array
 from pyrdma.cuda.staging import default_pipeline, staged_allreduce
+
 
 def _describe(obj, what, allow_empty=False):
     """(DeviceBuffer, numpy dtype holding its elements, dtype name for the host collectives or None)."""
