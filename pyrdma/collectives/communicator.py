@@ -400,9 +400,10 @@ class Communicator:
         if _is_cuda(buf, out):
             _check_op(op)
             algorithm = self._check_algorithm(algorithm)
-            if self._gpu_direct(buf):
-                return _cuda().direct_allreduce(self, buf, out, op, algorithm, dtype)
-            return _cuda().allreduce(self, buf, out, op, algorithm, dtype)
+            gc = _cuda()
+            gc.check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
+            fn = gc.direct_allreduce if self._gpu_direct(buf) else gc.allreduce
+            return fn(self, buf, out, op, algorithm, dtype)
         return self._iallreduce(buf, out, op, algorithm, dtype, blocking=True).wait()
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):

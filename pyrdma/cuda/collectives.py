@@ -54,7 +54,8 @@ def _device_id(cp, buf):
     return int(cp.cuda.runtime.pointerGetAttributes(buf.ptr).device)
 
 
-def _check_cuda_pair(buf, out, what):
+def check_pair(buf, out, what):
+    """UsageError unless buf and out (if given) are both CUDA arrays."""
     if out is not None and is_cuda_array(buf) != is_cuda_array(out):
         raise UsageError(f"{what}: buf and out must both be CUDA arrays or both host arrays")
 
@@ -78,7 +79,7 @@ def _staged(comm, array, host_op, stream, pipeline):
 
 def allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, stream=None, pipeline=None):
     """``comm.allreduce`` of a CUDA array, in place or into CUDA ``out``. Returns the result array."""
-    _check_cuda_pair(buf, out, "allreduce")
+    check_pair(buf, out, "allreduce")
     cp = import_cupy("allreduce of a CUDA array")
     _, _, twin = _describe(buf, "buf")
     dtype = _host_dtype(dtype, twin)
@@ -91,7 +92,7 @@ def allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, strea
 
 def reduce(comm, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None, stream=None, pipeline=None):
     """``comm.reduce`` of a CUDA array: the result on root (in place or in ``out``), None elsewhere."""
-    _check_cuda_pair(buf, out, "reduce")
+    check_pair(buf, out, "reduce")
     cp = import_cupy("reduce of a CUDA array")
     _, _, twin = _describe(buf, "buf")
     dtype = _host_dtype(dtype, twin)
@@ -117,7 +118,7 @@ def broadcast(comm, buf, root=0, algorithm="auto", stream=None, pipeline=None):
 def allgather(comm, buf, out=None, stream=None):
     """``comm.allgather`` of a CUDA array into CUDA ``out`` (default: a new CuPy array of
     size x buf's first dimension, like the host version). Returns out."""
-    _check_cuda_pair(buf, out, "allgather")
+    check_pair(buf, out, "allgather")
     cp = import_cupy("allgather of a CUDA array")
     sbuf, dtype, _ = _describe(buf, "buf")
     with _on(cp, stream):
@@ -141,7 +142,7 @@ def allgather(comm, buf, out=None, stream=None):
 def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
     """``comm.reduce_scatter`` of a CUDA array: this rank's segment (segment_bounds) into CUDA ``out``
     (default a new 1-D CuPy array). Returns out."""
-    _check_cuda_pair(buf, out, "reduce_scatter")
+    check_pair(buf, out, "reduce_scatter")
     cp = import_cupy("reduce_scatter of a CUDA array")
     sbuf, sdtype, twin = _describe(buf, "buf")
     dtype = _host_dtype(dtype, twin)
@@ -213,7 +214,7 @@ def _gpu_divide(dtype):
 def direct_allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, stream=None):
     """``comm.allreduce`` of a CUDA array in place on GPU memory (gpu_path "direct"). bfloat16, which
     the GPU kernels lack, goes the staged way."""
-    _check_cuda_pair(buf, out, "allreduce")
+    check_pair(buf, out, "allreduce")
     cp = import_cupy("allreduce of a CUDA array")
     sbuf, sdtype, twin = _describe(buf, "buf")
     if twin is not None:
