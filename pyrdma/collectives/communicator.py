@@ -11,9 +11,10 @@ barrier, each with a non-blocking ``i*`` form returning a Handle. Ops: sum, prod
 int8, uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arrays, or
 ``dtype="bfloat16"`` with uint16 arrays holding the bits). Buffers: numpy arrays, anything with
 the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
-than ranks). CUDA arrays (CuPy, DLPack CUDA tensors, bfloat16 ones too): the blocking collectives
-stage them through pinned host memory (pyrdma.cuda.collectives), pipelined in chunks for allreduce,
-reduce and broadcast; the non-blocking forms raise UsageError for them.
+than ranks). CUDA arrays (CuPy, DLPack CUDA tensors, bfloat16 ones too) go to the blocking
+collectives of pyrdma.cuda.collectives: in place in GPU memory with CUDA-kernel reductions
+(``gpu_path="direct"``: allreduce, broadcast) or staged through pinned host memory; the
+non-blocking forms raise UsageError for them.
 
 How it runs: the input is copied into the transport's registered work buffer (registered once,
 reused; grown when needed), the algorithm runs there, the result is copied out. One collective
