@@ -81,8 +81,10 @@ def _mpi_configs(dev, port):
     """(label, mpirun arguments) to try in order. The anchor the issue asks for is UCX on the RDMA
     device: rc_verbs for data, ud_verbs because UCX will not wire rc_verbs up without it ("no
     auxiliary transport"). On Soft-RoCE in the emulated VM UCX's UD wire-up times out ("UD endpoint
-    ... unhandled timeout error") and openib offers only its UD-based udcm, so the fallback is
-    OpenMPI's TCP BTL over lo: not RDMA, but the MPI a user would get there."""
+    ... unhandled timeout error"; the same with rxe bound to a veth pair instead of lo, and with
+    UCX_UD_TIMEOUT=600s it hangs), openib offers only its UD-based udcm, and libfabric's verbs
+    provider (mtl/btl ofi) cannot resolve addresses on rxe over lo (rdma_resolve_addr: EINVAL), so
+    the fallback is OpenMPI's TCP BTL over lo: not RDMA, but the MPI a user would get there."""
     return [
         (f"OpenMPI+UCX rc_verbs on {dev}", ["--mca", "pml", "ucx", "--mca", "btl", "self",
                                             "-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", f"UCX_NET_DEVICES={dev}:{port}"]),
