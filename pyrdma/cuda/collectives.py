@@ -28,6 +28,7 @@ import numpy as np
 from pyrdma.errors import UsageError
 from pyrdma.cuda._driver import import_cupy
 from pyrdma.cuda.buffers import BIT_TWINS, device_buffer, is_cuda_array
+from pyrdma.cuda.reduce import check_dtype, finalize_avg, reduce_into
 from pyrdma.cuda.staging import default_pipeline, staged_allreduce
 
 
@@ -148,9 +149,8 @@ def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
     dtype = _host_dtype(dtype, twin)
     with _on(cp, stream):
         host_in = _pinned_copy(cp, _cupy_view(cp, buf, sbuf, sdtype))
-        from pyrdma.collectives.pieces import segment_bounds
-        bounds = segment_bounds(host_in.size, comm.size)
-        mine = bounds[comm.rank + 1] - bounds[comm.rank]
+        start, stop = comm.segment_bounds(host_in.size)[comm.rank]
+        mine = stop - start
         if out is None:
             if sbuf.dtype is None:
                 raise UsageError(f"reduce_scatter of a {sbuf.dtype_name} CUDA array needs out=")
@@ -184,12 +184,10 @@ class GpuReducer:
     stream is synchronised, since the next message may be sent from the result."""
 
     def __init__(self, cp, dtype, op):
-        from pyrdma.cuda.reduce import check_dtype
         self.cp, self.dtype, self.op = cp, check_dtype(dtype), op
         self._scratch = None
 
     def __call__(self, dst, a, b):
-        from pyrdma.cuda.reduce import reduce_into
         cp = self.cp
         if not isinstance(b, cp.ndarray):
             if self._scratch is None or self._scratch.nbytes < b.nbytes:
@@ -204,8 +202,6 @@ class GpuReducer:
 
 
 def _gpu_divide(dtype):
-    from pyrdma.cuda.reduce import finalize_avg
-
     def divide(work, nranks):
         finalize_avg(work.view(dtype), nranks)
     return divide
