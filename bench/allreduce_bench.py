@@ -9,6 +9,10 @@ algbw = bytes / time and busbw = algbw * 2(n-1)/n (GB/s, GB = 1e9), as nccl-test
 ib_write_bw's average at 8 MiB is the physical limit, MPI_Allreduce through OpenMPI's UCX pml
 forced onto the device (UCX_TLS=rc_verbs,ud_verbs,self: UCX needs ud_verbs to wire up rc_verbs;
 bench/mpi_allreduce.py) the software anchor.
+On a real NIC the two directions of a link do not compete, so ib_write_bw is the limit busbw is
+held to. On Soft-RoCE both directions are CPU work on the same cores, and a 2-rank allreduce moves
+the whole buffer each way at once, so there the reachable limit is ib_write_bw -b's per-direction
+share (column "vs -b/2").
 Writes allreduce.json and allreduce.png.
 """
 import argparse

@@ -98,7 +98,7 @@ def test_allreduce_rank_counts(transport, size):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_allreduce_large(transport):
-    # 16 MiB float32 and 24 MiB int64 through the default 256 KiB slots.
+    # 16 MiB float32 and 24 MiB int64 through 256 KiB slots: many chunks per segment.
     check_matrix(2, transport, [(4 << 20, "float32", "sum", "ring"), (3 << 20, "int64", "sum", "ring"),
                                 (3 << 20, "int64", "max", "auto")], slot_bytes=256 * 1024)
 
