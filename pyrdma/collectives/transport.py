@@ -46,8 +46,9 @@ import numpy as np
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
 # 4 MiB of receive slots per peer, as NCCL's default buffer. Each message costs a post, a completion
-# and a Python step, so large chunks matter once messages are big: measured in the Soft-RoCE VM,
-# an 8 MiB 2-rank allreduce took ~14% less time in 1 MiB messages than in 256 KiB ones.
+# and a Python step, so large chunks matter once messages are big. Measured in the Soft-RoCE VM
+# (2 ranks, one boot), 1 MiB against 256 KiB messages: a 1 MiB allreduce 51/41 ms (ring/tree)
+# against 76/66, an 8 MiB one 443/470 against 548/476.
 DEFAULT_RDMA_MESSAGE = 1024 * 1024
 DEFAULT_TCP_MESSAGE = 1024 * 1024
 DEFAULT_SLOTS = 4
