@@ -73,3 +73,35 @@ def test_listening_reads_proc():
         assert not tcp_listening(port)
         s.listen(1)
         assert tcp_listening(port)
+
+
+_LAT_HEADER = (" #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]"
+               "   99% percentile[usec]   99.9% percentile[usec]\n")
+_LAT_GOOD = _LAT_HEADER + " 2       500          30.50          516.95       41.60    54.16    61.32    480.39    516.95\n"
+# what ib_send_lat printed in the emulated VM when its TSC calibration failed
+_LAT_UNCALIBRATED = ("Correlation coefficient r^2: 0.755485 < 0.9\n" + _LAT_HEADER +
+                     " 2       500          inf            inf          inf      inf     -nan     inf     inf\n")
+
+
+@pytest.mark.parametrize("outputs, runs, failure", [
+    ([_LAT_UNCALIBRATED, _LAT_GOOD], 2, None),
+    ([_LAT_UNCALIBRATED] * 3, 3, "clock calibration failed 3 times"),
+    (["ib_send_lat: some other error\n", _LAT_GOOD], 1, "0 rows"),
+])
+def test_perftest_runs_again_when_its_clock_calibration_failed(sbs, tmp_path, monkeypatch, outputs, runs, failure):
+    b = _bench(sbs, tmp_path)
+    b.rows.clear()
+    calls = []
+
+    def run_pair(server, client, port, timeout, log):
+        calls.append(port)
+        return 0, "", 0, outputs[len(calls) - 1]
+
+    monkeypatch.setattr(sbs, "run_pair", run_pair)
+    monkeypatch.setattr(sbs.shutil, "which", lambda name: "/usr/bin/" + name)
+    b.perftest("send_lat", 2)
+    assert len(calls) == runs and len(set(calls)) == runs      # a fresh port for each run
+    if failure is None:
+        assert b.failures == [] and [r["report"]["t_typical"] for r in b.rows] == [41.6]
+    else:
+        assert len(b.failures) == 1 and failure in b.failures[0] and b.rows == []
