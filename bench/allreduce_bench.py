@@ -5,7 +5,8 @@ as anchors, all in one run (one VM boot):
         bench/allreduce_bench.py --out build/bench
 
 Per size and algorithm: time (us; per iteration the slowest rank, median over iterations),
-algbw = bytes / time and busbw = algbw * 2(n-1)/n (GB/s, GB = 1e9), as nccl-tests prints them;
+algbw = bytes / time and busbw = algbw * 2(n-1)/n (GB/s, GB = 1e9), as nccl-tests prints them,
+and the busiest rank's CPU time per iteration, user / kernel;
 ib_write_bw's average at 8 MiB is the physical limit, MPI_Allreduce through OpenMPI's UCX pml
 forced onto the device (UCX_TLS=rc_verbs,ud_verbs,self: UCX needs ud_verbs to wire up rc_verbs;
 bench/mpi_allreduce.py) the software anchor.
@@ -32,6 +33,7 @@ sys.path.insert(0, ROOT)
 
 
 def _rank(rank, size, master, sizes, algorithms, iters, results, options):
+    import resource
     from pyrdma.collectives import Communicator
     options = dict(options)
     dtype = options.pop("dtype", "float32")
@@ -42,6 +44,7 @@ def _rank(rank, size, master, sizes, algorithms, iters, results, options):
             for alg in algorithms:
                 comm.allreduce(x, algorithm=alg)            # warm-up (registration, connections)
                 times = []
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 for _ in range(iters):
                     x[:] = 1
                     comm.barrier()
@@ -50,13 +53,17 @@ def _rank(rank, size, master, sizes, algorithms, iters, results, options):
                     times.append(time.perf_counter() - t0)
                     if x.size and x[0] != size:
                         raise SystemExit(f"rank {rank}: allreduce gave {x[0]}, expected {size}")
-                rows.append((nbytes, alg, times))
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = ((after.ru_utime - before.ru_utime) / iters, (after.ru_stime - before.ru_stime) / iters)
+                rows.append((nbytes, alg, times, cpu))
         results.put((rank, rows))
 
 
 def sweep(size, sizes, algorithms, iters, options=None):
-    """[(bytes, algorithm, seconds)]: per iteration the slowest rank's time, median over iterations
-    (a collective ends when its slowest rank does; mpi_allreduce.py measures the same way)."""
+    """[(bytes, algorithm, seconds, (user, sys))]: per iteration the slowest rank's time, median
+    over iterations (a collective ends when its slowest rank does; mpi_allreduce.py measures the
+    same way), and the CPU seconds per iteration of the busiest rank, user and kernel (barrier
+    included). On Soft-RoCE the kernel part is rxe's packet work, done inside the ranks' posts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -75,9 +82,10 @@ def sweep(size, sizes, algorithms, iters, options=None):
             if p.is_alive():
                 p.kill()
     out = []
-    for i, (nbytes, alg, _) in enumerate(got[0]):
+    for i, (nbytes, alg, _, _) in enumerate(got[0]):
         slowest = [max(got[r][i][2][k] for r in range(size)) for k in range(iters)]
-        out.append((nbytes, alg, float(np.median(slowest))))
+        busiest = max((got[r][i][3] for r in range(size)), key=sum)
+        out.append((nbytes, alg, float(np.median(slowest)), busiest))
     return out
 
 
@@ -178,9 +186,10 @@ def main(argv=None):
           f"ib_write_bw -b 8 MiB: {'n/a' if bidir is None else f'{bidir:.4f}'} GB/s (both directions); "
           f"MPI: {mpi_note}")
     print(f"{'size(B)':>10} {'algo':>5} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
-          f"{'vs ib_write_bw':>15} {'vs -b/2':>8} {'MPI time(us)':>13} {'MPI busbw':>10} {'vs MPI':>7}")
+          f"{'vs ib_write_bw':>15} {'vs -b/2':>8} {'MPI time(us)':>13} {'MPI busbw':>10} {'vs MPI':>7} "
+          f"{'cpu usr/sys(ms)':>16}")
     table = []
-    for nbytes, alg, t in rows:
+    for nbytes, alg, t, (user, kernel) in rows:
         algbw = nbytes / t / 1e9
         busbw = algbw * factor
         ratio = busbw / anchor if anchor else None
@@ -190,12 +199,13 @@ def main(argv=None):
         vs_mpi = busbw / mpi_busbw if mpi_busbw else None
         table.append(dict(bytes=nbytes, algorithm=alg, time_us=t * 1e6, algbw=algbw, busbw=busbw,
                           vs_ib_write_bw=ratio, vs_bidir_per_direction=vs_dir, mpi_time_us=mpi_t and mpi_t * 1e6, mpi_busbw=mpi_busbw,
-                          vs_mpi=vs_mpi))
+                          vs_mpi=vs_mpi, cpu_user_ms=user * 1e3, cpu_sys_ms=kernel * 1e3))
 
         def f(v, fmt):
             return "" if v is None else format(v, fmt)
         print(f"{nbytes:>10} {alg:>5} {t * 1e6:>10.1f} {algbw:>12.4f} {busbw:>12.4f} {f(ratio, '.3f'):>15} {f(vs_dir, '.3f'):>8} "
-              f"{f(mpi_t and mpi_t * 1e6, '.1f'):>13} {f(mpi_busbw, '.4f'):>10} {f(vs_mpi, '.2f'):>7}")
+              f"{f(mpi_t and mpi_t * 1e6, '.1f'):>13} {f(mpi_busbw, '.4f'):>10} {f(vs_mpi, '.2f'):>7} "
+              f"{f'{user * 1e3:.1f}/{kernel * 1e3:.1f}':>16}")
     with open(os.path.join(args.out, "allreduce.json"), "w") as fh:
         json.dump(dict(ranks=args.ranks, device=args.dev, iters=args.iters, ib_write_bw_gbps=anchor,
                        ib_write_bw_bidir_gbps=bidir,
