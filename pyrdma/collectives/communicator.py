@@ -187,8 +187,8 @@ class Communicator:
     ``transport``: "rdma" (one RC QP per peer), "tcp" (sockets), or "auto" (rdma when every rank
     has an RDMA device, else tcp). ``timeout``: seconds any wait may take before the peer is
     declared dead. ``max_message``: bytes per message (the pipelining chunk; RDMA slot size;
-    default 1 MiB over both transports); ``slots``: receive slots per peer (RDMA; default 4, so
-    4 MiB registered per peer). ``cost_model``: a CostModel choosing algorithms for
+    default 1 MiB over both transports); ``slots``: receive slots per peer (RDMA; default 8, so
+    8 MiB registered per peer). ``cost_model``: a CostModel choosing algorithms for
     ``algorithm="auto"``. ``max_work_bytes``: allreduce, reduce and broadcast of larger buffers run
     in pieces of this size, bounding the registered work buffer. ``zero_copy_bytes``: allreduce,
     broadcast and allgather (with ``out`` given) of at least this many bytes work in place on the

@@ -45,13 +45,14 @@ import numpy as np
 
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
-# 4 MiB of receive slots per peer, as NCCL's default buffer. Each message costs a post, a completion
-# and a Python step, so large chunks matter once messages are big. Measured in the Soft-RoCE VM
-# (2 ranks, one boot), 1 MiB against 256 KiB messages: a 1 MiB allreduce 51/41 ms (ring/tree)
-# against 76/66, an 8 MiB one 443/470 against 548/476.
+# Each message costs a post, a completion and a Python step, so large chunks matter once messages
+# are big. Measured in the Soft-RoCE VM (2 ranks, one boot), 1 MiB against 256 KiB messages: a
+# 1 MiB allreduce 67/61 ms (ring/tree) against 76/66, an 8 MiB one 452/433 against 548/476.
+# Credits go back every slots/2 messages, so fewer slots would add credit messages to every stream
+# of small chunks.
 DEFAULT_RDMA_MESSAGE = 1024 * 1024
 DEFAULT_TCP_MESSAGE = 1024 * 1024
-DEFAULT_SLOTS = 4
+DEFAULT_SLOTS = 8
 MAX_RDMA_MESSAGE = 4 * 1024 * 1024   # the immediate carries a 23-bit length
 MAX_RANKS = 0xFFFE                   # a REPORT carries a 16-bit rank
 USER_MR_CACHE = 8                    # registrations of callers' buffers kept for reuse
