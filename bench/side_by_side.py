@@ -154,11 +154,11 @@ class Bench:
         if exe is None:
             self.failures.append(f"perftest binary ib_{test} not found")
             return
-        port = self.next_port()
-        base = [exe, "-d", a.dev, "-x", str(a.gid), "-n", str(self.iters_for(test)), "-p", str(port), "-F"]
-        if not test.startswith("atomic"):
-            base += ["-s", str(size)]
         for attempt in range(PERFTEST_ATTEMPTS):
+            port = self.next_port()
+            base = [exe, "-d", a.dev, "-x", str(a.gid), "-n", str(self.iters_for(test)), "-p", str(port), "-F"]
+            if not test.startswith("atomic"):
+                base += ["-s", str(size)]
             rc_s, out_s, rc_c, out_c = run_pair(base, base + [a.host], port, a.timeout, self.log)
             self._save(f"perftest_{test}_{size}", out_s, out_c)
             rows = parse_output(out_c).rows_for(None)
@@ -166,7 +166,6 @@ class Bench:
             # 0.9"): it then divides by a 0 MHz clock and prints inf for every latency. Run again.
             if (rc_c == 0 and rows) or CLOCK_CALIBRATION_FAILED not in out_c:
                 break
-            port = self.next_port()
         if rc_c != 0 or not rows:
             why = (f", its clock calibration failed {PERFTEST_ATTEMPTS} times" if CLOCK_CALIBRATION_FAILED in out_c
                    else "")

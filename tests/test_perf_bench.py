@@ -94,6 +94,7 @@ def test_perftest_runs_again_when_its_clock_calibration_failed(sbs, tmp_path, mo
     calls = []
 
     def run_pair(server, client, port, timeout, log):
+        assert server[server.index("-p") + 1] == client[client.index("-p") + 1] == str(port)
         calls.append(port)
         return 0, "", 0, outputs[len(calls) - 1]
 
