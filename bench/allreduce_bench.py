@@ -94,9 +94,11 @@ def _mpi_configs(dev, port):
     device: rc_verbs for data, ud_verbs because UCX will not wire rc_verbs up without it ("no
     auxiliary transport"). On Soft-RoCE in the emulated VM UCX's UD wire-up times out ("UD endpoint
     ... unhandled timeout error"; the same with rxe bound to a veth pair instead of lo, and with
-    UCX_UD_TIMEOUT=600s it hangs), openib offers only its UD-based udcm, and libfabric's verbs
-    provider (mtl/btl ofi) cannot resolve addresses on rxe over lo (rdma_resolve_addr: EINVAL), so
-    the fallback is OpenMPI's TCP BTL over lo: not RDMA, but the MPI a user would get there."""
+    UCX_UD_TIMEOUT=600s it hangs, and with UCX_IB_GID_INDEX=1; UCX 1.13 will not take tcp as the
+    auxiliary transport: "no auxiliary transport"), openib offers only its UD-based udcm, and
+    libfabric's verbs provider (mtl/btl ofi) cannot resolve addresses on rxe over lo
+    (rdma_resolve_addr: EINVAL), so the fallback is OpenMPI's TCP BTL over lo: not RDMA, but the MPI
+    a user would get there."""
     return [
         (f"OpenMPI+UCX rc_verbs on {dev}", ["--mca", "pml", "ucx", "--mca", "btl", "self",
                                             "-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", f"UCX_NET_DEVICES={dev}:{port}"]),
@@ -127,6 +129,18 @@ def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
         why = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if re.search(r"Fatal|ERROR|Error", ln)]
         failures.append(f"{label} failed (exit {proc.returncode}): {why[0] if why else 'no output'}")
     return None, "; ".join(failures)
+
+
+def rc_resends(dev, port=1):
+    """Soft-RoCE's counters of RC retransmission (``completer_retry_err``: ACK timeouts, each
+    resending everything unacknowledged; ``duplicate_request``: packets the responder had already
+    seen), or None where the device has no such counters. Resends cost time and CPU, so a sweep
+    that caused many measured the timeout, not the transport."""
+    base = f"/sys/class/infiniband/{dev}/ports/{port}/hw_counters"
+    try:
+        return {name: int(open(os.path.join(base, name)).read()) for name in ("completer_retry_err", "duplicate_request")}
+    except (OSError, ValueError):
+        return None
 
 
 def ib_write_bw(dev, gid, nbytes, port=23000, bidirectional=False):
@@ -161,6 +175,8 @@ def main(argv=None):
     p.add_argument("--slots", type=int, default=None, help="Communicator receive slots per peer")
     p.add_argument("--spin", type=float, default=None,
                    help="Communicator spin: seconds of busy polling before sleeping on the completion channel")
+    p.add_argument("--qp-timeout", type=int, default=None,
+                   help="Communicator qp_timeout: RC ACK timeout exponent, 4.096 us * 2^n (default 20)")
     p.add_argument("--zero-copy-bytes", type=int, default=None,
                    help="Communicator zero_copy_bytes: in place on the caller's buffer from this size (0: never)")
     args = p.parse_args(argv)
@@ -170,10 +186,13 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     algorithms = ["ring", "tree"]
     options = {k: v for k, v in (("max_message", args.max_message), ("slots", args.slots),
-                                                 ("spin", args.spin),
+                                                 ("spin", args.spin), ("qp_timeout", args.qp_timeout),
                                                  ("zero_copy_bytes", args.zero_copy_bytes)) if v is not None}
     options["dtype"] = args.dtype
+    before = rc_resends(args.dev)
     rows = sweep(args.ranks, sizes, algorithms, args.iters, options)
+    after = rc_resends(args.dev)
+    resends = {k: after[k] - before[k] for k in after} if before and after else None
     mpi, mpi_note = (None, "skipped") if args.no_mpi else mpi_sweep(args.ranks, sizes, args.iters, args.dev)
     anchor = ib_write_bw(args.dev, args.gid, 8 << 20)
     # Every rank of an allreduce sends and receives at once. On a real NIC the directions do not
@@ -185,6 +204,8 @@ def main(argv=None):
     print(f"# ib_write_bw 8 MiB: {'n/a' if anchor is None else f'{anchor:.4f}'} GB/s; "
           f"ib_write_bw -b 8 MiB: {'n/a' if bidir is None else f'{bidir:.4f}'} GB/s (both directions); "
           f"MPI: {mpi_note}")
+    if resends:
+        print(f"# RC resends during the sweep ({args.dev}'s counters): " + ", ".join(f"{k} {v}" for k, v in resends.items()))
     print(f"{'size(B)':>10} {'algo':>5} {'time(us)':>10} {'algbw(GB/s)':>12} {'busbw(GB/s)':>12} "
           f"{'vs ib_write_bw':>15} {'vs -b/2':>8} {'MPI time(us)':>13} {'MPI busbw':>10} {'vs MPI':>7} "
           f"{'cpu usr/sys(ms)':>16}")
@@ -208,7 +229,7 @@ def main(argv=None):
               f"{f'{user * 1e3:.1f}/{kernel * 1e3:.1f}':>16}")
     with open(os.path.join(args.out, "allreduce.json"), "w") as fh:
         json.dump(dict(ranks=args.ranks, device=args.dev, iters=args.iters, ib_write_bw_gbps=anchor,
-                       ib_write_bw_bidir_gbps=bidir,
+                       ib_write_bw_bidir_gbps=bidir, rc_resends=resends,
                        mpi=mpi_note, rows=table), fh, indent=1)
     try:
         import matplotlib

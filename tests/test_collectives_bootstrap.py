@@ -385,6 +385,14 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
         Communicator(0, 1, "127.0.0.1:0", transport="tcp", gpu_path="gpudirect")
 
 
+@pytest.mark.parametrize("bad", [0, 32, -1])
+def test_rdma_transport_rejects_an_ack_timeout_out_of_range(bad):
+    from pyrdma.collectives.transport import RdmaTransport
+    # checked before any device or peer is touched: exchange=None is never used
+    with pytest.raises(pyrdma.UsageError, match=r"qp_timeout must be within 1\.\.31"):
+        RdmaTransport(0, 2, None, qp_timeout=bad)
+
+
 def test_ranks_must_agree_on_the_message_size():
     port = free_port()
 

@@ -608,6 +608,25 @@ def test_collectives_in_place_on_the_callers_memory(worlds, transport, size):
             assert after == USER_MR_CACHE
 
 
+def _ack_timeouts(comm, port):
+    from pyrdma.collectives.transport import DEFAULT_QP_TIMEOUT
+    default = {p: qp.query().timeout for p, qp in comm.transport.qp.items()}
+    with fresh_comm(comm, port, qp_timeout=17) as c:
+        x = np.full(10, c.rank + 1.0)
+        c.allreduce(x)
+        given = {p: qp.query().timeout for p, qp in c.transport.qp.items()}
+    return DEFAULT_QP_TIMEOUT, default, given, x.tolist()
+
+
+@pytest.mark.parametrize("transport, size", _world_params([], [2]))
+def test_rdma_qps_use_the_ack_timeout_asked_for(worlds, transport, size):
+    for r, (default_value, default, given, x) in enumerate(worlds(transport, size).run(_ack_timeouts, free_port())):
+        assert default_value == 20
+        assert default == {1 - r: 20}, (r, default)
+        assert given == {1 - r: 17}, (r, given)
+        assert x == [3.0] * 10
+
+
 def _tight(comm, port, counts):
     out = []
     # slots=1: every message waits for the previous one's credit (RDMA); tiny messages, many chunks

@@ -63,6 +63,15 @@ def test_flags():
     assert _cfg("write_bw", "--report-gbits", "--ib-dev", "mlx5_0", "--gid-index", "3").args.gid_index == 3
 
 
+def test_qp_timeout_like_perftest_u():
+    assert _cfg("write_bw").args.qp_timeout == 14
+    assert _cfg("write_bw", "-u", "20").args.qp_timeout == 20
+    assert _cfg("write_bw", "--qp-timeout", "18").args.qp_timeout == 18
+    for bad in ("0", "32"):
+        with pytest.raises(SystemExit, match="qp-timeout must be within 1..31"):
+            _cfg("write_bw", "-u", bad)
+
+
 def test_inline_default_follows_perftest():
     assert cli._default_inline(_cfg("write_lat"), 0x02C9) == 220
     assert cli._default_inline(_cfg("send_lat"), 0x02C9) == 236

@@ -2,6 +2,7 @@
 (pyrdma.testing.junit), the device fixtures (conftest) and the multi-process helper (mp).
 Host tests use fakes (a fake vng, a fake sysfs); device tests prove the device is real."""
 import os
+import signal
 import shutil
 import subprocess
 import sys
@@ -194,6 +195,45 @@ def test_run_in_vm_kills_the_vm_on_timeout(fake_vng):
     pid = int((fake_vng.log / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_sigterm_to_the_runner_stops_the_vm(fake_vng, tmp_path):
+    # what a CI job's timeout does: SIGTERM to the runner alone, not to its process group
+    driver = tmp_path / "driver.py"
+    driver.write_text("import sys\nfrom pyrdma.testing import vm\n"
+                      "vm.find_rxe_kernel = lambda: '/boot/vmlinuz-fake'\n"
+                      "sys.exit(vm.main(['--force-vm', '--timeout', '300', '--', 'true']))\n")
+    env = dict(os.environ, FAKE_VNG="hang", PYTHONPATH=REPO)
+    runner = subprocess.Popen([sys.executable, str(driver)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    pid = None
+    try:
+        pid_file = fake_vng.log / "pid"
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline, "the fake VM never started"
+            time.sleep(0.1)
+        pid = int(pid_file.read_text())
+        os.kill(pid, 0)                        # the VM runs
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 20
+        while True:                            # and is gone with the runner
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"fake VM {pid} outlived the runner"
+            time.sleep(0.1)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait(timeout=10)
+        if pid is not None:                    # the fake VM leads its own session
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_run_in_vm_without_a_kernel(monkeypatch):

@@ -184,27 +184,28 @@ class Communicator:
     ``Communicator.from_mpi(mpi4py_comm)``, or ``Communicator(exchange=...)`` with any object that
     has ``rank``, ``size`` and ``allgather(bytes) -> list[bytes]``.
 
-    ``transport``: "rdma" (one RC QP per peer), "tcp" (sockets), or "auto" (rdma when every rank
-    has an RDMA device, else tcp). ``timeout``: seconds any wait may take before the peer is
-    declared dead. ``max_message``: bytes per message (the pipelining chunk; RDMA slot size;
-    default 1 MiB over both transports); ``slots``: receive slots per peer (RDMA; default 8, so
-    8 MiB registered per peer). ``cost_model``: a CostModel choosing algorithms for
-    ``algorithm="auto"``. ``max_work_bytes``: allreduce, reduce and broadcast of larger buffers run
-    in pieces of this size, bounding the registered work buffer. ``zero_copy_bytes``: allreduce,
-    broadcast and allgather (with ``out`` given) of at least this many bytes work in place on the
-    result's own memory instead of copying it into and out of the transport's buffer; over RDMA
-    that memory is registered on first use and kept registered, and alive, among the transport's
-    USER_MR_CACHE most recent buffers (0 turns this off). ``gpu_path``: how allreduce and
-    broadcast move CUDA arrays: "direct" (the transport sends straight from GPU memory, over RDMA
-    registered by GPUDirect; reductions run as CUDA kernels), "staged" (through pinned host memory,
-    reductions on the CPU), or "auto" (direct when every rank's RDMA device and GPU can do GPUDirect
-    RDMA, agreed on at the first CUDA collective; else staged).
+    ``transport``: "rdma" (one RC QP per peer), "tcp" (sockets), or "auto" (rdma when every rank has
+    an RDMA device, else tcp). ``timeout``: seconds any wait may take before the peer is declared
+    dead. ``max_message``: bytes per message (the pipelining chunk; RDMA slot size; default 1 MiB
+    over both transports); ``slots``: receive slots per peer (RDMA; default 8, so 8 MiB registered
+    per peer); ``qp_timeout``: the RC QPs' ACK timeout, 4.096 us * 2^qp_timeout before a resend
+    (RDMA; default 20, about 4 s, as NCCL_IB_TIMEOUT). ``cost_model``: a CostModel choosing
+    algorithms for ``algorithm="auto"``. ``max_work_bytes``: allreduce, reduce and broadcast of
+    larger buffers run in pieces of this size, bounding the registered work buffer.
+    ``zero_copy_bytes``: allreduce, broadcast and allgather (with ``out`` given) of at least this
+    many bytes work in place on the result's own memory instead of copying it into and out of the
+    transport's buffer; over RDMA that memory is registered on first use and kept registered, and
+    alive, among the transport's USER_MR_CACHE most recent buffers (0 turns this off). ``gpu_path``:
+    how allreduce and broadcast move CUDA arrays: "direct" (the transport sends straight from GPU
+    memory, over RDMA registered by GPUDirect; reductions run as CUDA kernels), "staged" (through
+    pinned host memory, reductions on the CPU), or "auto" (direct when every rank's RDMA device and
+    GPU can do GPUDirect RDMA, agreed on at the first CUDA collective; else staged).
     """
 
     def __init__(self, rank=None, size=None, master=None, *, transport="auto", timeout=60.0, exchange=None,
                  device=None, max_message=None, slots=None, cost_model=None, tcp_host=None,
                  max_work_bytes=DEFAULT_MAX_WORK_BYTES, spin=None, slot_bytes=None,
-                 zero_copy_bytes=DEFAULT_ZERO_COPY_BYTES, gpu_path="auto"):
+                 zero_copy_bytes=DEFAULT_ZERO_COPY_BYTES, gpu_path="auto", qp_timeout=None):
         if transport not in TRANSPORTS:
             raise UsageError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
         if timeout is None or timeout <= 0:
@@ -244,6 +245,8 @@ class Communicator:
                     kwargs["slots"] = slots
                 if spin is not None:
                     kwargs["spin"] = spin
+                if qp_timeout is not None:
+                    kwargs["qp_timeout"] = qp_timeout
                 self.transport = RdmaTransport(rank, size, exchange, self.timeout, device, **kwargs)
             else:
                 from pyrdma.collectives.transport import TcpTransport

@@ -53,6 +53,13 @@ from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 DEFAULT_RDMA_MESSAGE = 1024 * 1024
 DEFAULT_TCP_MESSAGE = 1024 * 1024
 DEFAULT_SLOTS = 8
+# RC's local ACK timeout, 4.096 us * 2^n, before the sender resends everything not yet acknowledged.
+# perftest's 14 (67 ms) is short where the responder's work is software: on Soft-RoCE in the
+# emulated VM the ACKs of a busy stream came late and every 8 MiB allreduce resent data (about 10
+# retries per call). 2 ranks, 14 against 20 interleaved in one boot, 3 runs each: ring 440 against
+# 406 ms, tree 465 against 388 ms, no retries with 20. NCCL_IB_TIMEOUT defaults to 20 too; a dead
+# peer is found by the collective's own timeout anyway.
+DEFAULT_QP_TIMEOUT = 20
 MAX_RDMA_MESSAGE = 4 * 1024 * 1024   # the immediate carries a 23-bit length
 MAX_RANKS = 0xFFFE                   # a REPORT carries a 16-bit rank
 USER_MR_CACHE = 8                    # registrations of callers' buffers kept for reuse
@@ -199,12 +206,12 @@ class RdmaTransport(_Waits):
 
     ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
     busy polling precede sleeping on the completion channel (cheap on an idle core, polite on a
-    busy one)."""
+    busy one); ``qp_timeout`` is the QPs' local ACK timeout exponent (1..31, as NCCL_IB_TIMEOUT)."""
 
     name = "rdma"
 
     def __init__(self, rank, size, exchange, timeout=60.0, device=None, max_message=DEFAULT_RDMA_MESSAGE,
-                 slots=DEFAULT_SLOTS, spin=50e-6, port=1, gid_index=None):
+                 slots=DEFAULT_SLOTS, spin=50e-6, port=1, gid_index=None, qp_timeout=DEFAULT_QP_TIMEOUT):
         import pyrdma as rd
         from pyrdma.endpoint import Endpoint, WIRE_SIZE
 
@@ -212,10 +219,13 @@ class RdmaTransport(_Waits):
             raise UsageError(f"max_message must be within 1..{MAX_RDMA_MESSAGE}, got {max_message}")
         if slots < 1 or slots > 0xFFFF:
             raise UsageError(f"slots must be within 1..65535, got {slots}")
+        if not 1 <= qp_timeout <= 31:
+            raise UsageError(f"qp_timeout must be within 1..31 (4.096 us * 2^qp_timeout), got {qp_timeout}")
         self.rd = rd
         self.rank, self.size = rank, size
         self._init_waits(timeout)
         self.max_message, self.slots, self.spin = int(max_message), int(slots), spin
+        self.qp_timeout = int(qp_timeout)
         self.slot_stride = (self.max_message + 63) & ~63
         self.peers = [p for p in range(size) if p != rank]
         self._closed = False
@@ -285,7 +295,7 @@ class RdmaTransport(_Waits):
                 raise UsageError(f"rank {p} registered {ep.length} bytes of receive slots, rank {self.rank} "
                                  f"{self.slot_mr.length}: the ranks were given different max_message or slots")
             self.qp[p].to_rtr(ep)
-            self.qp[p].to_rts()
+            self.qp[p].to_rts(timeout=self.qp_timeout)
             # our slots in the peer's region: it orders its peers by rank, skipping itself
             their_index = self.rank if self.rank < p else self.rank - 1
             self.remote[p] = (ep.addr + their_index * self.slots * self.slot_stride, ep.rkey)

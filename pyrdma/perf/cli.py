@@ -80,6 +80,8 @@ def build_parser():
                         "known vendors, 0 otherwise)")
     p.add_argument("-A", "--atomic-type", "--atomic_type", dest="atomic_type", default="FETCH_AND_ADD",
                    choices=["FETCH_AND_ADD", "CMP_AND_SWAP"])
+    p.add_argument("-u", "--qp-timeout", "--qp_timeout", dest="qp_timeout", type=int, default=14,
+                   help="RC ACK timeout: 4.096 us * 2^timeout before a resend (perftest's -u; default 14)")
     p.add_argument("-p", "--port", type=int, default=18515, help="TCP port of the out-of-band exchange")
     p.add_argument("-b", "--bidirectional", action="store_true", help="both sides send (BW tests)")
     p.add_argument("-N", "--noPeak", "--no-peak", dest="no_peak", action="store_true", help="skip the peak BW")
@@ -148,6 +150,8 @@ class Config:
                 self.margin = int(self.duration // 4)
             if not self.duration > 2 * self.margin:
                 raise SystemExit("pyrdma-perf: duration must be more than twice the margin")
+        if not 1 <= args.qp_timeout <= 31:
+            raise SystemExit(f"pyrdma-perf: -u/--qp-timeout must be within 1..31, got {args.qp_timeout}")
         self.num_qps = args.num_qps if self.kind == "bw" else 1
         self.bidir = args.bidirectional and self.kind == "bw"
         if self.bidir and self.verb == "send":
@@ -318,7 +322,7 @@ class Side:
         if len(remotes) != len(local):
             raise SystemExit(f"pyrdma-perf: peer has {len(remotes)} QPs, we have {len(local)}")
         for qp, remote in zip(qps, remotes):
-            qp.connect(remote)
+            qp.connect(remote, timeout=self.cfg.args.qp_timeout)
         self.res.remotes = remotes
         self.local = local
         self.mtu_bytes = min(self.port_attr.active_mtu_bytes, rd.mtu_to_bytes(remotes[0].mtu))

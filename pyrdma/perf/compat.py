@@ -80,7 +80,7 @@ class PerftestSide(Side):
 
         for qp, d in zip(res.qps, theirs):
             qp.to_rtr(endpoint(d), path_mtu=mtu, max_dest_rd_atomic=self.out_reads)
-            qp.to_rts(max_rd_atomic=max(1, d.out_reads))
+            qp.to_rts(timeout=self.cfg.args.qp_timeout, max_rd_atomic=max(1, d.out_reads))
         # perftest swaps the records again to print the remote side, then once more after RTR
         for d in self.mine:
             self.conv.keys(d, self.with_gid)

@@ -305,9 +305,20 @@ def main(argv=None):
         env = _parse_env(args.env)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
-    code, _ = run_with_device(cmd, args.rwdir, args.timeout, env, force_vm=args.force_vm,
-                              memory=args.memory, cpus=args.cpus, kvm=args.kvm)
+    # SIGTERM (a CI job's timeout, kill) ends Python without unwinding; as SystemExit it reaches
+    # the cleanup that stops the VM, instead of leaving qemu running on the machine.
+    previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        code, _ = run_with_device(cmd, args.rwdir, args.timeout, env, force_vm=args.force_vm,
+                                  memory=args.memory, cpus=args.cpus, kvm=args.kvm)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return code
+
+
+def _exit_on_signal(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":
