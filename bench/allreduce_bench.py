@@ -31,6 +31,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from pyrdma.testing import rc_resends  # noqa: E402
+
 
 def _rank(rank, size, master, sizes, algorithms, iters, results, options):
     import resource
@@ -129,18 +131,6 @@ def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
         why = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if re.search(r"Fatal|ERROR|Error", ln)]
         failures.append(f"{label} failed (exit {proc.returncode}): {why[0] if why else 'no output'}")
     return None, "; ".join(failures)
-
-
-def rc_resends(dev, port=1):
-    """Soft-RoCE's counters of RC retransmission (``completer_retry_err``: ACK timeouts, each
-    resending everything unacknowledged; ``duplicate_request``: packets the responder had already
-    seen), or None where the device has no such counters. Resends cost time and CPU, so a sweep
-    that caused many measured the timeout, not the transport."""
-    base = f"/sys/class/infiniband/{dev}/ports/{port}/hw_counters"
-    try:
-        return {name: int(open(os.path.join(base, name)).read()) for name in ("completer_retry_err", "duplicate_request")}
-    except (OSError, ValueError):
-        return None
 
 
 def ib_write_bw(dev, gid, nbytes, port=23000, bidirectional=False):

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from pyrdma.perf.parse import parse_output  # noqa: E402
-from pyrdma.testing import tcp_listening  # noqa: E402
+from pyrdma.testing import rc_resends, tcp_listening  # noqa: E402
 
 BW_TESTS = ["write_bw", "read_bw", "send_bw", "atomic_bw"]
 LAT_TESTS = ["write_lat", "read_lat", "send_lat", "atomic_lat"]
@@ -129,6 +129,7 @@ class Bench:
         self.args = args
         self.port = args.port_base
         self.rows = []          # dict(test, size, tool, mode, report)
+        self.resends = []       # dict(tool, test, sizes, <counter>: count) per run, where the device counts them
         self.failures = []
         os.makedirs(args.out, exist_ok=True)
         self.log = os.path.join(args.out, "commands.log")
@@ -226,11 +227,25 @@ class Bench:
         for test in self.args.tests:
             sizes = self.sizes_for(test)
             print(f"== {test}: sizes {sizes}", flush=True)
-            self.ours(test, sizes)
+            self.counting_resends("pyrdma", test, sizes, self.ours, test, sizes)
             for size in sizes:
-                self.perftest(test, size)
+                self.counting_resends("perftest", test, [size], self.perftest, test, size)
             if self.args.interop and test in INTEROP_TESTS:
-                self.interop(test, sizes)
+                self.counting_resends(INTEROP, test, sizes, self.interop, test, sizes)
+            runs = [r for r in self.resends if r["test"] == test and r["completer_retry_err"]]
+            if runs:
+                print("   RC retries (ACK timeouts; they slow the run that has them): " +
+                      ", ".join(f"{r['tool']} {','.join(map(str, r['sizes']))}B: {r['completer_retry_err']}"
+                                for r in runs), flush=True)
+
+    def counting_resends(self, tool, test, sizes, run, *args):
+        """run(*args), noting the device's RC resend counters over it (both sides share the device)."""
+        before = rc_resends(self.args.dev)
+        run(*args)
+        after = rc_resends(self.args.dev)
+        if before is not None and after is not None:
+            self.resends.append(dict(tool=tool, test=test, sizes=list(sizes),
+                                     **{k: after[k] - before[k] for k in after}))
 
     # -- analysis --------------------------------------------------------------------------------
     def find(self, test, size, tool, mode):
@@ -391,7 +406,7 @@ def main(argv=None):
                         gid_index=args.gid, perftest=perftest_version, cpus=os.cpu_count(),
                         seconds=round(time.time() - t0, 1)),
                params=dict(vars(args)), rows=bench.rows, comparisons=comps, targets=targets,
-               failures=bench.failures, plots=plots)
+               failures=bench.failures, plots=plots, rc_resends=bench.resends)
     with open(os.path.join(args.out, "side_by_side.json"), "w") as fh:
         json.dump(doc, fh, indent=1, default=str)
     if bench.failures:

@@ -106,3 +106,22 @@ def test_perftest_runs_again_when_its_clock_calibration_failed(sbs, tmp_path, mo
         assert b.failures == [] and [r["report"]["t_typical"] for r in b.rows] == [41.6]
     else:
         assert len(b.failures) == 1 and failure in b.failures[0] and b.rows == []
+
+
+def test_resend_counters_are_taken_around_every_run(sbs, tmp_path, monkeypatch, capsys):
+    b = _bench(sbs, tmp_path)
+    b.args.tests, b.args.interop = ["write_bw"], True
+    readings = iter([{"completer_retry_err": n, "duplicate_request": 10 * n} for n in (0, 3, 3, 3, 3, 5, 5, 5)])
+    monkeypatch.setattr(sbs, "rc_resends", lambda dev: next(readings))
+    for name in ("ours", "perftest", "interop"):
+        monkeypatch.setattr(b, name, lambda *a: None)
+    b.run()
+    assert [(r["tool"], r["sizes"], r["completer_retry_err"], r["duplicate_request"]) for r in b.resends] == [
+        ("pyrdma", [64, 65536], 3, 30), ("perftest", [64], 0, 0), ("perftest", [65536], 2, 20),
+        ("interop", [64, 65536], 0, 0)]
+    assert "RC retries (ACK timeouts; they slow the run that has them): pyrdma 64,65536B: 3, " \
+           "perftest 65536B: 2" in capsys.readouterr().out
+    monkeypatch.setattr(sbs, "rc_resends", lambda dev: None)           # a device without the counters
+    b.resends.clear()
+    b.run()
+    assert b.resends == []

@@ -68,6 +68,18 @@ def test_active_rdma_devices_reads_sysfs(tmp_path):
     assert not vm.host_has_active_rdma_port(str(tmp_path / "none"))
 
 
+def test_rc_resends_reads_soft_roce_counters(tmp_path):
+    from pyrdma.testing import rc_resends
+    counters = tmp_path / "rxe0" / "ports" / "1" / "hw_counters"
+    counters.mkdir(parents=True)
+    (counters / "completer_retry_err").write_text("44\n")
+    (counters / "duplicate_request").write_text("1577\n")
+    assert rc_resends("rxe0", sysfs=str(tmp_path)) == {"completer_retry_err": 44, "duplicate_request": 1577}
+    assert rc_resends("mlx5_0", sysfs=str(tmp_path)) is None         # a device without these counters
+    (counters / "duplicate_request").write_text("n/a\n")
+    assert rc_resends("rxe0", sysfs=str(tmp_path)) is None
+
+
 def test_sysfs_best_gid_index(tmp_path):
     port = tmp_path / "rxe0" / "ports" / "1"
     (port / "gids").mkdir(parents=True)

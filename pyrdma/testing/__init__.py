@@ -1,4 +1,9 @@
 """Helpers for tests and benchmarks that run pyrdma against real devices and other programs."""
+import os
+
+# Soft-RoCE's counters of RC retransmission: ACK timeouts (each resends everything not yet
+# acknowledged) and packets the responder had already received.
+RESEND_COUNTERS = ("completer_retry_err", "duplicate_request")
 
 
 def tcp_listening(port):
@@ -16,3 +21,18 @@ def tcp_listening(port):
         except OSError:
             pass
     return False
+
+
+def rc_resends(dev, port=1, sysfs="/sys/class/infiniband"):
+    """{counter: value} of RESEND_COUNTERS for ``dev``'s ``port``, or None where the device has no
+    such counters (only rxe names them so). Resends cost time and CPU: a benchmark run that caused
+    many measured the ACK timeout more than the code under test."""
+    base = os.path.join(sysfs, dev, "ports", str(port), "hw_counters")
+    try:
+        values = {}
+        for name in RESEND_COUNTERS:
+            with open(os.path.join(base, name)) as fh:
+                values[name] = int(fh.read())
+        return values
+    except (OSError, ValueError):
+        return None
