@@ -31,7 +31,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pyrdma.testing import rc_resends  # noqa: E402
+from pyrdma.testing import counting_rc_resends  # noqa: E402
 
 
 def _rank(rank, size, master, sizes, algorithms, iters, results, options):
@@ -179,10 +179,8 @@ def main(argv=None):
                                                  ("spin", args.spin), ("qp_timeout", args.qp_timeout),
                                                  ("zero_copy_bytes", args.zero_copy_bytes)) if v is not None}
     options["dtype"] = args.dtype
-    before = rc_resends(args.dev)
-    rows = sweep(args.ranks, sizes, algorithms, args.iters, options)
-    after = rc_resends(args.dev)
-    resends = {k: after[k] - before[k] for k in after} if before and after else None
+    with counting_rc_resends(args.dev) as resends:
+        rows = sweep(args.ranks, sizes, algorithms, args.iters, options)
     mpi, mpi_note = (None, "skipped") if args.no_mpi else mpi_sweep(args.ranks, sizes, args.iters, args.dev)
     anchor = ib_write_bw(args.dev, args.gid, 8 << 20)
     # Every rank of an allreduce sends and receives at once. On a real NIC the directions do not
@@ -219,7 +217,7 @@ def main(argv=None):
               f"{f'{user * 1e3:.1f}/{kernel * 1e3:.1f}':>16}")
     with open(os.path.join(args.out, "allreduce.json"), "w") as fh:
         json.dump(dict(ranks=args.ranks, device=args.dev, iters=args.iters, ib_write_bw_gbps=anchor,
-                       ib_write_bw_bidir_gbps=bidir, rc_resends=resends,
+                       ib_write_bw_bidir_gbps=bidir, rc_resends=resends or None,
                        mpi=mpi_note, rows=table), fh, indent=1)
     try:
         import matplotlib

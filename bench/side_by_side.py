@@ -34,7 +34,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from pyrdma.perf.parse import parse_output  # noqa: E402
-from pyrdma.testing import rc_resends, tcp_listening  # noqa: E402
+from pyrdma.testing import counting_rc_resends, tcp_listening  # noqa: E402
 
 BW_TESTS = ["write_bw", "read_bw", "send_bw", "atomic_bw"]
 LAT_TESTS = ["write_lat", "read_lat", "send_lat", "atomic_lat"]
@@ -240,12 +240,10 @@ class Bench:
 
     def counting_resends(self, tool, test, sizes, run, *args):
         """run(*args), noting the device's RC resend counters over it (both sides share the device)."""
-        before = rc_resends(self.args.dev)
-        run(*args)
-        after = rc_resends(self.args.dev)
-        if before is not None and after is not None:
-            self.resends.append(dict(tool=tool, test=test, sizes=list(sizes),
-                                     **{k: after[k] - before[k] for k in after}))
+        with counting_rc_resends(self.args.dev) as resends:
+            run(*args)
+        if resends:
+            self.resends.append(dict(tool=tool, test=test, sizes=list(sizes), **resends))
 
     # -- analysis --------------------------------------------------------------------------------
     def find(self, test, size, tool, mode):

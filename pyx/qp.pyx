@@ -34,6 +34,12 @@ cdef inline uint32_t htonl(uint32_t x) noexcept nogil:
     return ((x & 0xff) << 24) | ((x & 0xff00) << 8) | ((x >> 8) & 0xff00) | (x >> 24)
 
 
+cdef _check_field(name, int value, int hi):
+    # ibv_qp_attr keeps these in narrow bit fields: a larger value would be cut, not refused
+    if not 0 <= value <= hi:
+        raise UsageError(f"{name} must be within 0..{hi}, got {value}")
+
+
 def qp_state_name(int state):
     return _STATE_NAMES.get(state, f"STATE_{state}")
 
@@ -169,6 +175,10 @@ cdef class QueuePair(VerbsObject):
         cdef int mask = IBV_QP_STATE, i
         if self._state != IBV_QPS_INIT:
             raise UsageError(f"to_rtr needs a QP in INIT, this one is in {self.state_name}", obj=repr(self))
+        _check_field("min_rnr_timer", min_rnr_timer, 31)
+        _check_field("hop_limit", hop_limit, 255)
+        _check_field("traffic_class", traffic_class, 255)
+        _check_field("sl", sl, 15)
         memset(&attr, 0, sizeof(attr))
         attr.qp_state = IBV_QPS_RTR
         if self.qp_type != IBV_QPT_UD:
@@ -207,6 +217,9 @@ cdef class QueuePair(VerbsObject):
         cdef int mask = IBV_QP_STATE | IBV_QP_SQ_PSN
         if self._state != IBV_QPS_RTR:
             raise UsageError(f"to_rts needs a QP in RTR, this one is in {self.state_name}", obj=repr(self))
+        _check_field("timeout", timeout, 31)
+        _check_field("retry_cnt", retry_cnt, 7)
+        _check_field("rnr_retry", rnr_retry, 7)
         memset(&attr, 0, sizeof(attr))
         attr.qp_state = IBV_QPS_RTS
         attr.sq_psn = self.psn if sq_psn is None else sq_psn

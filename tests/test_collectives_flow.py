@@ -24,10 +24,12 @@ class _World:
 class CreditTransport:
     """Messages are copied on send; a slot is returned (a credit) on release."""
 
-    def __init__(self, world, rank, max_message):
+    def __init__(self, world, rank, max_message, send_window=1):
         self.w, self.rank, self.size, self.max_message = world, rank, world.size, max_message
+        self.send_window = send_window
         self.work = np.zeros(0, np.uint8)
         self.held = {}
+        self.events = []         # "send" and "release", in order
 
     def buffer(self, nbytes):
         if self.work.nbytes < nbytes:
@@ -53,6 +55,7 @@ class CreditTransport:
             self.w.credits[key] -= 1
             self.w.queues[key].append(self.work[offset:offset + nbytes].copy())
             self.w.cond.notify_all()
+        self.events.append("send")
 
     def recv(self, peer, nbytes):
         q = self.w.queues[(peer, self.rank)]
@@ -64,6 +67,7 @@ class CreditTransport:
         return data
 
     def release(self, peer):
+        self.events.append("release")
         del self.held[peer]
         with self.w.cond:
             self.w.credits[(peer, self.rank)] += 1
@@ -77,17 +81,19 @@ def _add(dst, a, b):
     np.add(a.view(np.int64), b.view(np.int64), out=dst.view(np.int64))
 
 
-def _run(size, slots, max_message, count, body):
+def _run(size, slots, max_message, count, body, send_window=1, events=None):
     world = _World(size, slots)
     results, errors = [None] * size, []
 
     def rank_main(r):
-        t = CreditTransport(world, r, max_message)
+        t = CreditTransport(world, r, max_message, send_window)
         work = t.buffer(2 * count * 8)
         work[:count * 8] = (np.arange(count, dtype=np.int64) * (r + 1)).view(np.uint8)
         try:
             body(t, count)
             results[r] = t.buffer(0)[:count * 8].view(np.int64).copy()
+            if events is not None:
+                events[r] = t.events
         except Exception as exc:   # noqa: BLE001 - reported below with the rank
             errors.append((r, exc))
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(size)]
@@ -108,14 +114,28 @@ ALLREDUCES = {
 
 
 @pytest.mark.parametrize("algorithm", sorted(ALLREDUCES))
-@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("slots,window", [(1, 1), (2, 1), (3, 1), (3, 3), (8, 8)])
 @pytest.mark.parametrize("size", [2, 3, 4, 5])
-def test_allreduce_flows_with_few_receive_slots(algorithm, slots, size):
+def test_allreduce_flows_with_few_receive_slots(algorithm, slots, window, size):
+    # A send copies the chunk when posted: one that ran ahead of a reduction it depends on would
+    # carry stale data and show here as a wrong sum.
     count = 1001                       # 64-byte messages: many chunks per step
-    results = _run(size, slots, 64, count, ALLREDUCES[algorithm])
+    results = _run(size, slots, 64, count, ALLREDUCES[algorithm], send_window=window)
     expected = np.arange(count, dtype=np.int64) * (size * (size + 1) // 2)
     for r, got in enumerate(results):
-        assert np.array_equal(got, expected), (algorithm, slots, size, r)
+        assert np.array_equal(got, expected), (algorithm, slots, window, size, r)
+
+
+@pytest.mark.parametrize("window,ahead", [(1, 2), (2, 3), (4, 4), (8, 4)])
+def test_sends_run_ahead_of_the_reduction_up_to_the_window(window, ahead):
+    # 2 ranks, 4 chunks per segment, 4 credits: before its first reduction a rank has posted
+    # chunk 0 and up to ``window`` more of the 4 it has to send
+    events = [None, None]
+    count = 64                          # 2 x 32 elements = 256 bytes per segment, 64-byte messages
+    _run(2, 4, 64, count, ALLREDUCES["ring"], send_window=window, events=events)
+    for ev in events:
+        assert ev.index("release") == ahead, ev
+        assert ev.count("send") == 8 and ev.count("release") == 8
 
 
 @pytest.mark.parametrize("slots", [1, 2])

@@ -5,6 +5,8 @@ import socket
 
 import pytest
 
+import pyrdma.testing
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -112,7 +114,7 @@ def test_resend_counters_are_taken_around_every_run(sbs, tmp_path, monkeypatch, 
     b = _bench(sbs, tmp_path)
     b.args.tests, b.args.interop = ["write_bw"], True
     readings = iter([{"completer_retry_err": n, "duplicate_request": 10 * n} for n in (0, 3, 3, 3, 3, 5, 5, 5)])
-    monkeypatch.setattr(sbs, "rc_resends", lambda dev: next(readings))
+    monkeypatch.setattr(pyrdma.testing, "rc_resends", lambda dev, port, sysfs: next(readings))
     for name in ("ours", "perftest", "interop"):
         monkeypatch.setattr(b, name, lambda *a: None)
     b.run()
@@ -121,7 +123,7 @@ def test_resend_counters_are_taken_around_every_run(sbs, tmp_path, monkeypatch, 
         ("interop", [64, 65536], 0, 0)]
     assert "RC retries (ACK timeouts; they slow the run that has them): pyrdma 64,65536B: 3, " \
            "perftest 65536B: 2" in capsys.readouterr().out
-    monkeypatch.setattr(sbs, "rc_resends", lambda dev: None)           # a device without the counters
+    monkeypatch.setattr(pyrdma.testing, "rc_resends", lambda dev, port, sysfs: None)   # a device without them
     b.resends.clear()
     b.run()
     assert b.resends == []

@@ -80,6 +80,27 @@ def test_rc_resends_reads_soft_roce_counters(tmp_path):
     assert rc_resends("rxe0", sysfs=str(tmp_path)) is None
 
 
+def test_counting_rc_resends_gives_the_increase_over_the_block(tmp_path):
+    from pyrdma.testing import counting_rc_resends
+    counters = tmp_path / "rxe0" / "ports" / "1" / "hw_counters"
+    counters.mkdir(parents=True)
+    (counters / "completer_retry_err").write_text("44\n")
+    (counters / "duplicate_request").write_text("1577\n")
+    with counting_rc_resends("rxe0", sysfs=str(tmp_path)) as resends:
+        assert resends == {}
+        (counters / "completer_retry_err").write_text("47\n")
+        (counters / "duplicate_request").write_text("1677\n")
+    assert resends == {"completer_retry_err": 3, "duplicate_request": 100}
+    with pytest.raises(KeyError):         # taken even when the block fails
+        with counting_rc_resends("rxe0", sysfs=str(tmp_path)) as resends:
+            (counters / "completer_retry_err").write_text("48\n")
+            raise KeyError("x")
+    assert resends == {"completer_retry_err": 1, "duplicate_request": 0}
+    with counting_rc_resends("mlx5_0", sysfs=str(tmp_path)) as resends:
+        pass
+    assert resends == {}                  # no such counters: nothing to report
+
+
 def test_sysfs_best_gid_index(tmp_path):
     port = tmp_path / "rxe0" / "ports" / "1"
     (port / "gids").mkdir(parents=True)

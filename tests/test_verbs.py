@@ -1,5 +1,4 @@
 """Verbs binding on a real device (rxe0 in the Soft-RoCE VM): every opcode, data checked byte for byte."""
-import os
 import select
 
 import numpy as np
@@ -258,8 +257,19 @@ def test_state_machine_and_usage_errors(ctx):
         qp.post_recv_buf(mr, 0, 8)       # receives may be posted from INIT
         with pytest.raises(rd.UsageError, match="Endpoint"):
             qp.to_rtr(None)
+        with pytest.raises(rd.UsageError, match=r"min_rnr_timer must be within 0\.\.31, got 32"):
+            qp.to_rtr(qp.endpoint(), min_rnr_timer=32)
         qp.to_rtr(qp.endpoint())         # loop back to itself
-        qp.to_rts()
+        # attribute bit fields: out-of-range values are refused, not cut, and the QP stays in RTR
+        for bad, match in (({"timeout": 32}, r"timeout must be within 0\.\.31, got 32"),
+                           ({"timeout": -1}, r"timeout must be within 0\.\.31, got -1"),
+                           ({"retry_cnt": 8}, r"retry_cnt must be within 0\.\.7"),
+                           ({"rnr_retry": 9}, r"rnr_retry must be within 0\.\.7")):
+            with pytest.raises(rd.UsageError, match=match):
+                qp.to_rts(**bad)
+        assert qp.query().state_name == "RTR"
+        qp.to_rts(timeout=20)
+        assert qp.query().timeout == 20
         assert qp.query().state_name == "RTS"
         qp.to_reset()
         assert qp.query().state_name == "RESET"

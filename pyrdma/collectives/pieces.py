@@ -45,33 +45,42 @@ class Segments:
 def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
     """Send ``send_chunks`` to send_peer while receiving as many chunks from recv_peer.
 
-    The send of chunk k+1 is posted before chunk k is consumed (reduced or copied), so the transfer
-    of one chunk overlaps the reduction of the previous one, but only when the transport can take
-    it at once: a send that would wait for a credit goes after chunk k is released. Otherwise,
-    with one receive slot per peer, every rank of a ring (or both sides of an exchange) would wait
-    for a credit that its neighbour only returns after its own blocked send. Either peer may be
+    Sends run ahead of the consumption (reduction or copy) of received chunks, so that transfers
+    overlap it: while chunk k is awaited and consumed, chunks up to k + ``t.send_window`` go out, as
+    many as the transport takes without waiting for a credit. Chunk k+1 is always out before chunk
+    k+1 is awaited, but when it has to wait for a credit it goes only after chunk k is released.
+    Otherwise, with one receive slot per peer, every rank of a ring (or both sides of an exchange)
+    would wait for a credit that its neighbour only returns after its own blocked send. A step's
+    send chunks must not depend on its received ones (they may leave first). Either peer may be
     None (send only or receive only). ``consume(k, offset, data)`` handles received chunk k,
     destined for ``offset``."""
     nsend = len(send_chunks) if send_peer is not None else 0
     nrecv = len(recv_chunks) if recv_peer is not None else 0
-    if nsend:
-        off, n = send_chunks[0]
+    sent = 0
+
+    def send_next():
+        nonlocal sent
+        off, n = send_chunks[sent]
         t.send(send_peer, off, n)
+        sent += 1
+
+    def send_ahead(k):
+        # chunks k+1 .. k+window, while the transport can take them without waiting
+        while sent < nsend and sent <= k + t.send_window and t.can_send(send_peer):
+            send_next()
+
+    if nsend:
+        send_next()
     for k in range(max(nsend, nrecv)):
+        send_ahead(k)
         if k < nrecv:
             off, n = recv_chunks[k]
             data = t.recv(recv_peer, n)
-        pending = k + 1 < nsend
-        if pending and (k >= nrecv or t.can_send(send_peer)):
-            soff, sn = send_chunks[k + 1]
-            t.send(send_peer, soff, sn)
-            pending = False
-        if k < nrecv:
+            send_ahead(k)
             consume(k, off, data)
             t.release(recv_peer)
-        if pending:
-            soff, sn = send_chunks[k + 1]
-            t.send(send_peer, soff, sn)
+        if sent < min(nsend, k + 2):
+            send_next()
 
 
 def reducer(reduce, work):

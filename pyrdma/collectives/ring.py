@@ -2,8 +2,8 @@
 
 Every function works in place on the transport's work buffer ``t.buffer()``, which holds ``count``
 elements of ``itemsize`` bytes from offset 0. ``reduce(dst, a, b)`` computes dst = op(a, b) on
-uint8 views. Messages are cut into chunks of at most ``t.max_message`` bytes and pipelined: the
-send of chunk k+1 is posted before chunk k is reduced (pieces.pipelined_step).
+uint8 views. Messages are cut into chunks of at most ``t.max_message`` bytes and pipelined: sends
+run up to the transport's send window ahead of the reductions (pieces.pipelined_step).
 
 - ring_allreduce: reduce-scatter then allgather around the ring, 2(n-1) steps, each rank sends
   2(n-1)/n of the buffer. Every element's reduction is done by one rank and then copied, so every

@@ -9,6 +9,8 @@ The algorithms see only this interface; a transport never knows the algorithm.
     t.set_tag(tag)                       stamp of the collective now running (checked on receive)
     t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
     t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
+    t.send_window                        how many messages a step may send to a peer ahead of the
+                                         one it is consuming (when they post without waiting)
     t.recv(peer, nbytes) -> uint8 view   wait for the next message from peer (messages arrive in
                                          the order they were sent); valid until release(peer)
     t.release(peer)                      that view has been consumed (its slot may be reused)
@@ -248,6 +250,8 @@ class RdmaTransport(_Waits):
         cqe = max(16, min(max_cqe, npeers * (self.sq_depth + self.rq_depth) + 16))
         self.cq = rd.CompletionQueue(self.ctx, cqe, channel=self.channel)
         self.credit_batch = max(1, self.slots // 2)
+        # credits bound what is in flight; every free slot may take a message ahead
+        self.send_window = self.slots
         # Receive slots of every peer in one registration; peer p owns [slot_base[p], + per_peer).
         per_peer = self.slots * self.slot_stride
         self.slot_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * per_peer,
@@ -513,6 +517,8 @@ class TcpTransport(_Waits):
         self.rank, self.size = rank, size
         self._init_waits(timeout)
         self.max_message = int(max_message)
+        # a send blocks in sendall(): one ahead keeps the reductions overlapping the transfers
+        self.send_window = 1
         if self.max_message < 1:
             raise UsageError(f"max_message must be >= 1, got {max_message}")
         self.peers = [p for p in range(size) if p != rank]

@@ -1,6 +1,8 @@
 """Helpers for tests and benchmarks that run pyrdma against real devices and other programs."""
+import contextlib
 import os
 
+SYSFS_INFINIBAND = "/sys/class/infiniband"
 # Soft-RoCE's counters of RC retransmission: ACK timeouts (each resends everything not yet
 # acknowledged) and packets the responder had already received.
 RESEND_COUNTERS = ("completer_retry_err", "duplicate_request")
@@ -23,7 +25,7 @@ def tcp_listening(port):
     return False
 
 
-def rc_resends(dev, port=1, sysfs="/sys/class/infiniband"):
+def rc_resends(dev, port=1, sysfs=SYSFS_INFINIBAND):
     """{counter: value} of RESEND_COUNTERS for ``dev``'s ``port``, or None where the device has no
     such counters (only rxe names them so). Resends cost time and CPU: a benchmark run that caused
     many measured the ACK timeout more than the code under test."""
@@ -36,3 +38,17 @@ def rc_resends(dev, port=1, sysfs="/sys/class/infiniband"):
         return values
     except (OSError, ValueError):
         return None
+
+
+@contextlib.contextmanager
+def counting_rc_resends(dev, port=1, sysfs=SYSFS_INFINIBAND):
+    """``with counting_rc_resends("rxe0") as resends:`` afterwards ``resends`` holds how much each of
+    RESEND_COUNTERS grew over the block; it stays empty where the device has no such counters."""
+    resends = {}
+    before = rc_resends(dev, port, sysfs)
+    try:
+        yield resends
+    finally:
+        after = rc_resends(dev, port, sysfs)
+        if before is not None and after is not None:
+            resends.update((k, after[k] - before[k]) for k in RESEND_COUNTERS)

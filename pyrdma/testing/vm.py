@@ -25,10 +25,11 @@ import sys
 import tempfile
 import threading
 
+from pyrdma.testing import SYSFS_INFINIBAND
+
 VM_FAILED = 125
 TIMED_OUT = 124
 DEFAULT_TIMEOUT = 3600
-SYSFS_INFINIBAND = "/sys/class/infiniband"
 # Host environment variables the guest gets (it starts with a clean environment), plus every PYRDMA_*.
 PASSED_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTEST_ADDOPTS", "HOME", "LANG",
               "LC_ALL", "TERM", "COLUMNS", "MPLBACKEND", "CI")
