@@ -234,6 +234,11 @@ cdef class QueuePair(VerbsObject):
     def connect(self, remote=None, access=None, path_mtu=None, int timeout=14, int retry_cnt=7,
                 int rnr_retry=7, int min_rnr_timer=12):
         """RESET -> INIT -> RTR -> RTS in one call (UD needs no remote)."""
+        # checked before the first transition, so a bad value leaves the QP where it was
+        _check_field("timeout", timeout, 31)
+        _check_field("retry_cnt", retry_cnt, 7)
+        _check_field("rnr_retry", rnr_retry, 7)
+        _check_field("min_rnr_timer", min_rnr_timer, 31)
         if self._state == IBV_QPS_RESET:
             self.to_init(access=access)
         self.to_rtr(remote, path_mtu=path_mtu, min_rnr_timer=min_rnr_timer)

@@ -273,6 +273,9 @@ def test_state_machine_and_usage_errors(ctx):
         assert qp.query().state_name == "RTS"
         qp.to_reset()
         assert qp.query().state_name == "RESET"
+        with pytest.raises(rd.UsageError, match=r"retry_cnt must be within 0\.\.7, got 8"):
+            qp.connect(qp.endpoint(), retry_cnt=8)
+        assert qp.query().state_name == "RESET"         # refused before the first transition
         qp.connect(qp.endpoint())
         assert qp.state == rd.QPS_RTS
         with pytest.raises(rd.UsageError, match="outside"):
