@@ -34,8 +34,13 @@ cdef inline uint32_t htonl(uint32_t x) noexcept nogil:
     return ((x & 0xff) << 24) | ((x & 0xff00) << 8) | ((x >> 8) & 0xff00) | (x >> 24)
 
 
-cdef _check_field(name, int value, int hi):
-    # ibv_qp_attr keeps these in narrow bit fields: a larger value would be cut, not refused
+# ibv_qp_attr keeps these in narrow bit fields: a larger value would be cut, not refused
+_FIELD_MAX = {"min_rnr_timer": 31, "hop_limit": 255, "traffic_class": 255, "sl": 15, "timeout": 31,
+              "retry_cnt": 7, "rnr_retry": 7}
+
+
+cdef _check_field(name, int value):
+    hi = _FIELD_MAX[name]
     if not 0 <= value <= hi:
         raise UsageError(f"{name} must be within 0..{hi}, got {value}")
 
@@ -175,10 +180,10 @@ cdef class QueuePair(VerbsObject):
         cdef int mask = IBV_QP_STATE, i
         if self._state != IBV_QPS_INIT:
             raise UsageError(f"to_rtr needs a QP in INIT, this one is in {self.state_name}", obj=repr(self))
-        _check_field("min_rnr_timer", min_rnr_timer, 31)
-        _check_field("hop_limit", hop_limit, 255)
-        _check_field("traffic_class", traffic_class, 255)
-        _check_field("sl", sl, 15)
+        _check_field("min_rnr_timer", min_rnr_timer)
+        _check_field("hop_limit", hop_limit)
+        _check_field("traffic_class", traffic_class)
+        _check_field("sl", sl)
         memset(&attr, 0, sizeof(attr))
         attr.qp_state = IBV_QPS_RTR
         if self.qp_type != IBV_QPT_UD:
@@ -217,9 +222,9 @@ cdef class QueuePair(VerbsObject):
         cdef int mask = IBV_QP_STATE | IBV_QP_SQ_PSN
         if self._state != IBV_QPS_RTR:
             raise UsageError(f"to_rts needs a QP in RTR, this one is in {self.state_name}", obj=repr(self))
-        _check_field("timeout", timeout, 31)
-        _check_field("retry_cnt", retry_cnt, 7)
-        _check_field("rnr_retry", rnr_retry, 7)
+        _check_field("timeout", timeout)
+        _check_field("retry_cnt", retry_cnt)
+        _check_field("rnr_retry", rnr_retry)
         memset(&attr, 0, sizeof(attr))
         attr.qp_state = IBV_QPS_RTS
         attr.sq_psn = self.psn if sq_psn is None else sq_psn
@@ -235,10 +240,10 @@ cdef class QueuePair(VerbsObject):
                 int rnr_retry=7, int min_rnr_timer=12):
         """RESET -> INIT -> RTR -> RTS in one call (UD needs no remote)."""
         # checked before the first transition, so a bad value leaves the QP where it was
-        _check_field("timeout", timeout, 31)
-        _check_field("retry_cnt", retry_cnt, 7)
-        _check_field("rnr_retry", rnr_retry, 7)
-        _check_field("min_rnr_timer", min_rnr_timer, 31)
+        _check_field("timeout", timeout)
+        _check_field("retry_cnt", retry_cnt)
+        _check_field("rnr_retry", rnr_retry)
+        _check_field("min_rnr_timer", min_rnr_timer)
         if self._state == IBV_QPS_RESET:
             self.to_init(access=access)
         self.to_rtr(remote, path_mtu=path_mtu, min_rnr_timer=min_rnr_timer)
