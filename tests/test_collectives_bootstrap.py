@@ -317,6 +317,16 @@ def test_cost_model_choices_and_overrides(monkeypatch):
     assert m.choose_allreduce(64 << 20, 8, 256 * 1024) == "halving_doubling"
 
 
+def test_cost_model_choices_follow_changed_constants():
+    # choices are remembered per size, but a model whose constants change answers anew
+    m = CostModel(alpha=5e-6, beta=1e-10)
+    assert m.choose_allreduce(256 << 10, 8, 256 * 1024) == "halving_doubling"
+    m.alpha = 0.0                     # messages are free: the ring's bandwidth wins at every size
+    assert m.choose_allreduce(256 << 10, 8, 256 * 1024) == "ring"
+    m.alpha = 1.0                     # messages are all that counts: fewest steps
+    assert m.choose_allreduce(256 << 10, 8, 256 * 1024) == "recursive_doubling"
+
+
 class _AlwaysRing(CostModel):
     def choose_allreduce(self, nbytes, n, max_message):
         self.calls = getattr(self, "calls", 0) + 1

@@ -155,3 +155,15 @@ def test_rooted_and_barrier_flow_with_one_slot(slots):
     # rank 1's data (2x) goes to all, two reductions of 4 copies each make it 2 * 4 * 4
     for got in results:
         assert np.array_equal(got, np.arange(count, dtype=np.int64) * 32)
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALLREDUCES))
+@pytest.mark.parametrize("size", [3, 4])
+def test_repeated_sizes_reuse_the_cached_steps_correctly(algorithm, size):
+    # Chunks and steps are computed once per (size, count, max_message) and reused: alternating
+    # shapes, each seen again later, must still give every rank the exact sum.
+    for count, max_message in [(1001, 64), (1001, 128), (3, 64), (1001, 64), (40, 8), (3, 64), (1001, 128)]:
+        results = _run(size, 2, max_message, count, ALLREDUCES[algorithm], send_window=2)
+        expected = np.arange(count, dtype=np.int64) * (size * (size + 1) // 2)
+        for r, got in enumerate(results):
+            assert np.array_equal(got, expected), (algorithm, size, count, max_message, r)

@@ -36,6 +36,7 @@ class CostModel:
         self.alpha = a if alpha is None else alpha
         self.beta = b if beta is None else beta
         self.gamma = g if gamma is None else gamma
+        self._chosen = {}      # the allreduce choices made so far: the same sizes come back every step
 
     def __repr__(self):
         return f"CostModel(alpha={self.alpha:g}, beta={self.beta:g}, gamma={self.gamma:g})"
@@ -75,6 +76,15 @@ class CostModel:
         forced = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM")
         if forced:
             return ALIASES.get(forced, forced)
+        key = (nbytes, n, max_message, self.alpha, self.beta, self.gamma)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            if len(self._chosen) >= 4096:
+                self._chosen.clear()
+            chosen = self._chosen[key] = self._cheapest_allreduce(nbytes, n, max_message)
+        return chosen
+
+    def _cheapest_allreduce(self, nbytes, n, max_message):
         if n <= 1:
             return "ring"
         costs = self.allreduce_costs(nbytes, n, max_message)

@@ -1,5 +1,7 @@
 """How buffers are cut: segments (one per rank) and chunks (one per message), and the pipelined
 step every algorithm is built from. Pure arithmetic plus calls to the transport interface."""
+import functools
+
 import numpy as np
 
 
@@ -17,10 +19,11 @@ def nchunks_for(nelems, itemsize, max_message):
     return max(1, -(-nelems // per))
 
 
+@functools.lru_cache(maxsize=1024)     # the same few calls repeat every step of every collective
 def chunk_ranges(start, stop, nchunks, itemsize):
     """(byte offset, byte length) of each of ``nchunks`` near-equal chunks of elements [start, stop)."""
     b = segment_bounds(stop - start, nchunks)
-    return [((start + b[k]) * itemsize, (b[k + 1] - b[k]) * itemsize) for k in range(nchunks)]
+    return tuple(((start + b[k]) * itemsize, (b[k + 1] - b[k]) * itemsize) for k in range(nchunks))
 
 
 class Segments:
@@ -32,14 +35,9 @@ class Segments:
         self.bounds = bounds if bounds is not None else segment_bounds(count, parts)
         longest = max(self.bounds[i + 1] - self.bounds[i] for i in range(parts))
         self.nchunks = nchunks_for(longest, itemsize, max_message)
-        self._cache = {}
 
     def chunks(self, seg):
-        got = self._cache.get(seg)
-        if got is None:
-            got = self._cache[seg] = chunk_ranges(self.bounds[seg], self.bounds[seg + 1], self.nchunks,
-                                                  self.itemsize)
-        return got
+        return chunk_ranges(self.bounds[seg], self.bounds[seg + 1], self.nchunks, self.itemsize)
 
 
 def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
@@ -56,6 +54,14 @@ def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
     destined for ``offset``."""
     nsend = len(send_chunks) if send_peer is not None else 0
     nrecv = len(recv_chunks) if recv_peer is not None else 0
+    if nsend == 1 and nrecv == 1:
+        # one message each way (every small collective): the loop below, unrolled
+        off, n = send_chunks[0]
+        t.send(send_peer, off, n)
+        off, n = recv_chunks[0]
+        consume(0, off, t.recv(recv_peer, n))
+        t.release(recv_peer)
+        return
     sent = 0
 
     def send_next():

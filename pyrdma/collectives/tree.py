@@ -14,20 +14,14 @@ data into rank r - p, sit out the power-of-two algorithm, and get the result bac
 - binomial_broadcast / binomial_reduce: binomial tree from / to ``root``, pipelined per chunk.
 - dissemination_barrier: ceil(log2 n) rounds of zero-byte messages, any n.
 """
+import functools
+
 from pyrdma.collectives.pieces import (chunk_ranges, copier, nchunks_for, pipelined_step, reducer, store,
                                        segment_bounds)
 
 
 def _pow2_floor(n):
     return 1 << (n.bit_length() - 1)
-
-
-def _exchange(t, peer, itemsize, send_range, recv_range, consume):
-    """Swap element ranges with ``peer``: ours [send_range) goes out while theirs arrives for
-    [recv_range) and is consumed. Both sides cut both ranges into the same number of chunks."""
-    k = nchunks_for(max(send_range[1] - send_range[0], recv_range[1] - recv_range[0]), itemsize, t.max_message)
-    pipelined_step(t, peer, chunk_ranges(send_range[0], send_range[1], k, itemsize),
-                   peer, chunk_ranges(recv_range[0], recv_range[1], k, itemsize), consume)
 
 
 def _send_all(t, peer, count, itemsize, offset=0):
@@ -56,6 +50,35 @@ def _fold_in(t, p, count, itemsize, reduce, work):
     return False
 
 
+@functools.lru_cache(maxsize=256)      # every call of the same size on the same rank has the same steps
+def _halving_doubling_steps(count, itemsize, p, r, max_message):
+    """(halving, doubling): the (peer, send chunks, receive chunks) of each step of rank r < p."""
+    bounds = segment_bounds(count, p)            # block b belongs to rank b at the end of halving
+
+    def step(peer, send_blocks, recv_blocks):
+        send = (bounds[send_blocks[0]], bounds[send_blocks[1]])
+        recv = (bounds[recv_blocks[0]], bounds[recv_blocks[1]])
+        k = nchunks_for(max(send[1] - send[0], recv[1] - recv[0]), itemsize, max_message)
+        return peer, chunk_ranges(send[0], send[1], k, itemsize), chunk_ranges(recv[0], recv[1], k, itemsize)
+
+    halving, doubling = [], []
+    lo, hi = 0, p                                # the blocks this rank still reduces
+    mask = p >> 1
+    while mask:
+        mid = (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if r & mask else ((lo, mid), (mid, hi))
+        halving.append(step(r ^ mask, give, keep))
+        lo, hi = keep
+        mask >>= 1
+    mask = 1
+    while mask < p:
+        other = (lo - mask, lo) if r & mask else (hi, hi + mask)
+        doubling.append(step(r ^ mask, (lo, hi), other))
+        lo, hi = min(lo, other[0]), max(hi, other[1])
+        mask <<= 1
+    return tuple(halving), tuple(doubling)
+
+
 def halving_doubling_allreduce(t, count, itemsize, reduce):
     n, r = t.size, t.rank
     if n == 1:
@@ -64,25 +87,14 @@ def halving_doubling_allreduce(t, count, itemsize, reduce):
     work = t.buffer(0)
     if _fold_in(t, p, count, itemsize, reduce, work):
         return
-    bounds = segment_bounds(count, p)            # block b belongs to rank b at the end of halving
+    halving, doubling = _halving_doubling_steps(count, itemsize, p, r, t.max_message)
     consume = reducer(reduce, work)
-    lo, hi = 0, p                                # the blocks this rank still reduces
-    mask = p >> 1
-    while mask:
-        mid = (lo + hi) // 2
-        keep, give = ((mid, hi), (lo, mid)) if r & mask else ((lo, mid), (mid, hi))
-        _exchange(t, r ^ mask, itemsize, (bounds[give[0]], bounds[give[1]]),
-                  (bounds[keep[0]], bounds[keep[1]]), consume)
-        lo, hi = keep
-        mask >>= 1
+    for peer, send_chunks, recv_chunks in halving:
+        pipelined_step(t, peer, send_chunks, peer, recv_chunks, consume)
     t.wait_sends()                               # the given halves are about to be overwritten
     consume = copier(work)
-    mask = 1
-    while mask < p:
-        other = (lo - mask, lo) if r & mask else (hi, hi + mask)
-        _exchange(t, r ^ mask, itemsize, (bounds[lo], bounds[hi]), (bounds[other[0]], bounds[other[1]]), consume)
-        lo, hi = min(lo, other[0]), max(hi, other[1])
-        mask <<= 1
+    for peer, send_chunks, recv_chunks in doubling:
+        pipelined_step(t, peer, send_chunks, peer, recv_chunks, consume)
     if r + p < n:
         _send_all(t, r + p, count, itemsize)
     t.wait_sends()
