@@ -10,6 +10,9 @@ algorithms, not predict time exactly.
 Override: pass ``algorithm=`` to a collective; give the Communicator ``cost_model=CostModel(...)``
 with measured constants, or a subclass with another ``choose_*``; or set the environment variable
 PYRDMA_ALLREDUCE_ALGORITHM (ring, halving_doubling, recursive_doubling) for every allreduce.
+
+choose_allreduce remembers its answer per (bytes, ranks, max_message, alpha, beta, gamma), so a
+subclass whose estimates depend on anything else overrides choose_allreduce itself.
 """
 import math
 import os
