@@ -9,7 +9,8 @@ algbw = bytes / time and busbw = algbw * 2(n-1)/n (GB/s, GB = 1e9), as nccl-test
 and the busiest rank's CPU time per iteration, user / kernel;
 ib_write_bw's average at 8 MiB is the physical limit, MPI_Allreduce through OpenMPI's UCX pml
 forced onto the device (UCX_TLS=rc_verbs,ud_verbs,self: UCX needs ud_verbs to wire up rc_verbs;
-bench/mpi_allreduce.py) the software anchor.
+on Soft-RoCE also UCX_UD_VERBS_ETH_DGID_CHECK=n, see _mpi_configs; bench/mpi_allreduce.py) the
+software anchor.
 On a real NIC the two directions of a link do not compete, so ib_write_bw is the limit busbw is
 held to. On Soft-RoCE both directions are CPU work on the same cores, and a 2-rank allreduce moves
 the whole buffer each way at once, so there the reachable limit is ib_write_bw -b's per-direction
@@ -94,16 +95,21 @@ def sweep(size, sizes, algorithms, iters, options=None):
 def _mpi_configs(dev, port):
     """(label, mpirun arguments) to try in order. The anchor the issue asks for is UCX on the RDMA
     device: rc_verbs for data, ud_verbs because UCX will not wire rc_verbs up without it ("no
-    auxiliary transport"). On Soft-RoCE in the emulated VM UCX's UD wire-up times out ("UD endpoint
-    ... unhandled timeout error"; the same with rxe bound to a veth pair instead of lo, and with
-    UCX_UD_TIMEOUT=600s it hangs, and with UCX_IB_GID_INDEX=1; UCX 1.13 will not take tcp as the
-    auxiliary transport: "no auxiliary transport"), openib offers only its UD-based udcm, and
-    libfabric's verbs provider (mtl/btl ofi) cannot resolve addresses on rxe over lo
-    (rdma_resolve_addr: EINVAL), so the fallback is OpenMPI's TCP BTL over lo: not RDMA, but the MPI
-    a user would get there."""
+    auxiliary transport").
+
+    UCX_UD_VERBS_ETH_DGID_CHECK=n is what makes UD work on Soft-RoCE. UCX (1.13) checks the
+    destination GID of every UD packet on Ethernet and silently drops those that do not match. It
+    learns whether the packet is IPv4 or IPv6 RoCE v2 from the completion's ``sl`` field, as
+    ConnectX reports it; rxe reports the real SL there (0), so UCX reads an IPv4 packet's header as
+    an IPv6 GRH, the GID does not match, and every wire-up packet is dropped: "UD endpoint ...
+    unhandled timeout error", while ibv_ud_pingpong and ib_send_bw -c UD work on the same device.
+    (Before that was found: tcp as UCX's auxiliary transport, openib's UD-based udcm and libfabric's
+    verbs provider, rdma_resolve_addr EINVAL on lo, all failed.) OpenMPI's TCP BTL over lo stays as
+    the fallback: not RDMA, but the MPI a user would get where UCX cannot run."""
     return [
         (f"OpenMPI+UCX rc_verbs on {dev}", ["--mca", "pml", "ucx", "--mca", "btl", "self",
-                                            "-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", f"UCX_NET_DEVICES={dev}:{port}"]),
+                                            "-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", f"UCX_NET_DEVICES={dev}:{port}",
+                                            "-x", "UCX_UD_VERBS_ETH_DGID_CHECK=n"]),
         ("OpenMPI ob1/TCP over lo (not RDMA)", ["--mca", "pml", "ob1", "--mca", "btl", "tcp,self",
                                                "--mca", "btl_tcp_if_include", "lo"]),
     ]
