@@ -26,6 +26,11 @@ def chunk_ranges(start, stop, nchunks, itemsize):
     return tuple(((start + b[k]) * itemsize, (b[k + 1] - b[k]) * itemsize) for k in range(nchunks))
 
 
+def whole_chunks(t, count, itemsize):
+    """The chunks (byte offset, length) of a whole buffer of ``count`` elements sent to one peer."""
+    return chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize)
+
+
 class Segments:
     """``count`` elements in ``parts`` segments, each cut into the same number of chunks (so that
     the chunk k of any segment is a message both sides agree on)."""

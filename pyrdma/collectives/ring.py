@@ -13,7 +13,7 @@ run up to the transport's send window ahead of the reductions (pieces.pipelined_
 - chain_broadcast / chain_reduce: a pipelined chain along the ring from / to ``root``; for large
   messages (each link carries the data once; n-1 + chunks - 1 steps).
 """
-from pyrdma.collectives.pieces import Segments, chunk_ranges, copier, nchunks_for, pipelined_step, reducer, store
+from pyrdma.collectives.pieces import Segments, copier, pipelined_step, reducer, store, whole_chunks
 
 
 def _reduce_scatter(t, segs, reduce, last_seg):
@@ -72,7 +72,7 @@ def chain_broadcast(t, count, itemsize, root):
     if n == 1:
         return
     pos = (r - root) % n
-    chunks = chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize)
+    chunks = whole_chunks(t, count, itemsize)
     right, left = (r + 1) % n, (r - 1) % n
     work = t.buffer(0)
     for off, nb in chunks:
@@ -91,7 +91,7 @@ def chain_reduce(t, count, itemsize, reduce, root):
     if n == 1:
         return
     pos = (r - root - 1) % n          # root+1 starts (pos 0), root ends (pos n-1)
-    chunks = chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize)
+    chunks = whole_chunks(t, count, itemsize)
     right, left = (r + 1) % n, (r - 1) % n
     work = t.buffer(0)
     consume = reducer(reduce, work)

@@ -17,7 +17,7 @@ data into rank r - p, sit out the power-of-two algorithm, and get the result bac
 import functools
 
 from pyrdma.collectives.pieces import (chunk_ranges, copier, nchunks_for, pipelined_step, reducer, store,
-                                       segment_bounds)
+                                       segment_bounds, whole_chunks)
 
 
 def _pow2_floor(n):
@@ -25,12 +25,12 @@ def _pow2_floor(n):
 
 
 def _send_all(t, peer, count, itemsize, offset=0):
-    for off, nb in chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize):
+    for off, nb in whole_chunks(t, count, itemsize):
         t.send(peer, offset + off, nb)
 
 
 def _recv_all(t, peer, count, itemsize, consume):
-    for k, (off, nb) in enumerate(chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize)):
+    for k, (off, nb) in enumerate(whole_chunks(t, count, itemsize)):
         data = t.recv(peer, nb)
         consume(k, off, data)
         t.release(peer)
@@ -124,8 +124,7 @@ def recursive_doubling_allreduce(t, count, itemsize, reduce):
                 reduce(dst, mine, data)
             else:
                 reduce(dst, data, mine)
-        k = nchunks_for(count, itemsize, t.max_message)
-        chunks = chunk_ranges(0, count, k, itemsize)
+        chunks = whole_chunks(t, count, itemsize)
         pipelined_step(t, peer, [(cur + off, nb) for off, nb in chunks], peer, chunks, consume)
         t.wait_sends(peer)                       # next step writes where these sends read
         cur, nxt = nxt, cur
@@ -162,7 +161,7 @@ def binomial_broadcast(t, count, itemsize, root):
     parent = None if parent is None else (parent + root) % n
     children = [(c + root) % n for c in children]
     work = t.buffer(0)
-    for off, nb in chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize):
+    for off, nb in whole_chunks(t, count, itemsize):
         if parent is not None:
             store(work, off, t.recv(parent, nb))
             t.release(parent)
@@ -180,7 +179,7 @@ def binomial_reduce(t, count, itemsize, reduce, root):
     parent = None if parent is None else (parent + root) % n
     children = [(c + root) % n for c in reversed(children)]   # smallest subtree first: ready first
     work = t.buffer(0)
-    for off, nb in chunk_ranges(0, count, nchunks_for(count, itemsize, t.max_message), itemsize):
+    for off, nb in whole_chunks(t, count, itemsize):
         dst = work[off:off + nb]
         for c in children:
             data = t.recv(c, nb)
