@@ -464,16 +464,17 @@ class Communicator:
                 if not in_place or src is not dst:
                     work[:nbytes] = src.bytes[a:b]
                 t.set_tag(tag)
+                at = 0                                   # where in work the result lies
                 if algo == "ring":
                     ring.ring_allreduce(t, hi - lo, itemsize, reduce)
                 elif algo == "halving_doubling":
                     tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
                 else:
-                    tree.recursive_doubling_allreduce(t, hi - lo, itemsize, reduce)
+                    at = tree.recursive_doubling_allreduce(t, hi - lo, itemsize, reduce)
                 if op == "avg":
-                    _reduce.divide_bytes(work[:nbytes], src.code, self.size)
+                    _reduce.divide_bytes(work[at:at + nbytes], src.code, self.size)
                 if not in_place:
-                    dst.bytes[a:b] = work[:nbytes]
+                    dst.bytes[a:b] = work[at:at + nbytes]
         return dst.obj
 
     # ---- CUDA arrays in place (gpu_path "direct") -----------------------------------------------

@@ -102,15 +102,17 @@ def halving_doubling_allreduce(t, count, itemsize, reduce):
 
 def recursive_doubling_allreduce(t, count, itemsize, reduce):
     """Needs t.buffer(2 * count * itemsize): the second half is the other side of a double buffer
-    (a step reads the current half while its sends may still be in flight)."""
+    (a step reads the current half while its sends may still be in flight). Returns the byte
+    offset in t.buffer() where the result lies (0 or count * itemsize): taking it from there saves
+    a copy of the whole buffer after an odd number of steps."""
     n, r = t.size, t.rank
     if n == 1:
-        return
+        return 0
     p = _pow2_floor(n)
     nbytes = count * itemsize
     work = t.buffer(2 * nbytes)
     if _fold_in(t, p, count, itemsize, reduce, work):
-        return
+        return 0
     cur, nxt = 0, nbytes
     mask = 1
     while mask < p:
@@ -129,11 +131,10 @@ def recursive_doubling_allreduce(t, count, itemsize, reduce):
         t.wait_sends(peer)                       # next step writes where these sends read
         cur, nxt = nxt, cur
         mask <<= 1
-    if cur:
-        work[:nbytes] = work[cur:cur + nbytes]
     if r + p < n:
-        _send_all(t, r + p, count, itemsize)
+        _send_all(t, r + p, count, itemsize, offset=cur)
     t.wait_sends()
+    return cur
 
 
 def _binomial(n, v):
