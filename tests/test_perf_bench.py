@@ -127,3 +127,51 @@ def test_resend_counters_are_taken_around_every_run(sbs, tmp_path, monkeypatch, 
     b.resends.clear()
     b.run()
     assert b.resends == []
+
+
+@pytest.fixture(scope="module")
+def arb():
+    spec = importlib.util.spec_from_file_location("allreduce_bench", os.path.join(ROOT, "bench", "allreduce_bench.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _round(ib, mpi_8m, ring_8m, rd_64k, mpi_64k):
+    # rows as sweep() gives them: (bytes, algorithm, seconds, (user s, sys s))
+    return dict(rows=[(65536, "ring", 2 * rd_64k, (1e-3, 1e-3)), (65536, "rd", rd_64k, (1e-3, 1e-3)),
+                      (8 << 20, "ring", ring_8m, (0.02, 0.2)), (8 << 20, "rd", 2 * ring_8m, (0.02, 0.2))],
+                mpi={65536: mpi_64k, 8 << 20: mpi_8m}, mpi_note="OpenMPI+UCX rc_verbs on rxe0", resends={},
+                ib_write_bw=ib, ib_write_bw_bidir=ib and 2 * ib)
+
+
+def test_allreduce_bench_takes_each_ratio_within_its_round(arb):
+    """A ratio compares figures of one round (the device drifts between rounds): round 2 is twice
+    as slow in everything, so every ratio is the same in both rounds, and the verdicts use the best
+    algorithm per size."""
+    size = (8 << 20) / 1e9
+    rounds = [_round(size / 0.2, 0.25, 0.2 / 0.95, 0.003, 0.0036),
+              _round(size / 0.4, 0.5, 0.4 / 0.95, 0.006, 0.0072)]
+    table = arb.summarize(rounds, ranks=2)
+    by = {(r["bytes"], r["algorithm"]): r for r in table}
+    ring8 = by[(8 << 20, "ring")]
+    assert ring8["vs_ib_write_bw"] == pytest.approx(0.95)
+    assert ring8["vs_ib_write_bw_range"] == pytest.approx([0.95, 0.95])
+    assert ring8["vs_mpi"] == pytest.approx(0.25 / (0.2 / 0.95))
+    assert ring8["time_us"] == pytest.approx((0.2 + 0.4) / 0.95 / 2 * 1e6)   # median of two rounds
+    assert by[(65536, "rd")]["vs_mpi"] == pytest.approx(1.2)
+    verdicts = {name: verdict for name, verdict, _ in arb.targets(table)}
+    assert verdicts == {"busbw >= 0.9x ib_write_bw at >= 8 MiB": "MET", "ahead of MPI at every size >= 64 KiB": "MET"}
+    # MPI faster at 64 KiB in one round only: the median of two ratios (1.2 and 0.6) is 0.9
+    rounds[1]["mpi"][65536] = 0.0036
+    verdicts = {name: (verdict, detail) for name, verdict, detail in arb.targets(arb.summarize(rounds, ranks=2))}
+    verdict, detail = verdicts["ahead of MPI at every size >= 64 KiB"]
+    assert verdict == "MISSED" and "65536 B rd 0.900 (rounds 0.600-1.200)" in detail
+
+
+def test_allreduce_bench_without_anchors_says_so(arb):
+    rounds = [_round(None, None, 0.2, 0.003, None)]
+    rounds[0]["mpi"] = {}
+    table = arb.summarize(rounds, ranks=2)
+    assert all(r["vs_mpi"] is None and r["vs_ib_write_bw"] is None for r in table)
+    assert [v for _, v, _ in arb.targets(table)] == ["n/a", "n/a"]
