@@ -10,12 +10,17 @@ import pyrdma.testing
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def sbs():
-    spec = importlib.util.spec_from_file_location("side_by_side", os.path.join(ROOT, "bench", "side_by_side.py"))
+def _load_bench(name):
+    """bench/<name>.py as a module (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", name + ".py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def sbs():
+    return _load_bench("side_by_side")
 
 
 def _bench(sbs, tmp_path):
@@ -131,10 +136,7 @@ def test_resend_counters_are_taken_around_every_run(sbs, tmp_path, monkeypatch, 
 
 @pytest.fixture(scope="module")
 def arb():
-    spec = importlib.util.spec_from_file_location("allreduce_bench", os.path.join(ROOT, "bench", "allreduce_bench.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_bench("allreduce_bench")
 
 
 def _round(ib, mpi_8m, ring_8m, rd_64k, mpi_64k):
