@@ -15,6 +15,7 @@ import pytest
 
 import pyrdma
 from pyrdma.collectives import Communicator, CostModel, MPIExchange, TCPStore, env_config, init_from_env
+from pyrdma import wire
 from pyrdma.collectives import bootstrap, segment_bounds
 
 
@@ -83,41 +84,54 @@ def test_store_on_any_free_port():
     store.close()
 
 
-def test_store_rejects_foreign_data():
-    store = TCPStore("127.0.0.1", 0, 0, 2, timeout=5)
+def test_store_drops_foreign_data_and_goes_on():
+    store = TCPStore("127.0.0.1", 0, 0, 2, timeout=10)
+    done = threading.Event()
 
-    def intruder():
+    def intruder_then_rank1():
         with socket.create_connection(("127.0.0.1", store.port), timeout=5) as s:
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(20))
-    threading.Thread(target=intruder, daemon=True).start()
-    with pytest.raises(pyrdma.WireFormatError, match="not a pyrdma rendezvous peer"):
-        store.allgather(b"rank0")
+            s.settimeout(5)
+            while s.recv(4096):      # rank 0 answers with its refusal and closes
+                pass
+        TCPStore("127.0.0.1", store.port, 1, 2, timeout=10).allgather(b"rank1")
+        done.set()
+    threading.Thread(target=intruder_then_rank1, daemon=True).start()
+    assert store.allgather(b"rank0") == [b"rank0", b"rank1"]
+    assert done.wait(10)
+    assert any("not a pyrdma rendezvous peer" in why for why in store.refused)
     store.close()
 
 
-def _fake_server(reply):
-    """A one-shot TCP server that reads a frame and answers ``reply``; returns its port."""
+def _fake_server(reply, greet=True):
+    """A one-shot TCP server that greets like rank 0, reads the join and answers ``reply``."""
     srv = socket.create_server(("127.0.0.1", 0))
 
     def serve():
         conn, _ = srv.accept()
         with conn:
-            conn.recv(4096)
+            if greet:
+                conn.sendall(wire.Session(bootstrap.FRAMING, b"L").greeting())
+                conn.recv(4096)
             conn.sendall(reply)
+            try:
+                conn.recv(4096)
+            except OSError:     # the client may reset the connection once it refused the reply
+                pass
         srv.close()
     threading.Thread(target=serve, daemon=True).start()
     return srv.getsockname()[1]
 
 
 def test_client_rejects_foreign_or_newer_rank0():
-    port = _fake_server(b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(64))
+    port = _fake_server(b"HTTP/1.1 400 Bad Request\r\n\r\n" + bytes(64), greet=False)
     with pytest.raises(pyrdma.WireFormatError, match="not a pyrdma rendezvous peer"):
         TCPStore("127.0.0.1", port, 1, 2, timeout=5).allgather(b"x")
-    newer = bootstrap._HEADER.pack(bootstrap.MAGIC, bootstrap.VERSION + 1, bootstrap.TABLE, 0, 2, 1, 0)
+    newer = bootstrap.FRAMING.header.pack(bootstrap.MAGIC, bootstrap.VERSION + 1, bootstrap.TABLE, 0, 2, 1, 0)
     port = _fake_server(newer)
-    with pytest.raises(pyrdma.WireFormatError, match="version 2"):
+    with pytest.raises(pyrdma.WireFormatError, match="version 3"):
         TCPStore("127.0.0.1", port, 1, 2, timeout=5).allgather(b"x")
-    truncated = bootstrap._pack(bootstrap.TABLE, 0, 2, 1, struct.pack("!Q", 100) + b"short")
+    truncated = bootstrap.FRAMING.pack(bootstrap.TABLE, struct.pack("!Q", 100) + b"short", (0, 2, 1))
     port = _fake_server(truncated)
     with pytest.raises(pyrdma.WireFormatError, match="truncated"):
         TCPStore("127.0.0.1", port, 1, 2, timeout=5).allgather(b"x")
@@ -128,14 +142,24 @@ def test_world_size_disagreement_and_duplicate_ranks():
 
     def rank_fn(rank):
         size = 3 if rank == 1 else 2
-        with TCPStore("127.0.0.1", port, rank, size, timeout=5) as store:
+        with TCPStore("127.0.0.1", port, rank, size, timeout=3) as store:
             return store.allgather(b"x")
     results = in_threads(2, rank_fn)
-    assert isinstance(results[0], pyrdma.UsageError) and "believes the world has 3 ranks" in str(results[0])
-    assert isinstance(results[1], pyrdma.RDMAError)
+    # without a secret the mismatched rank is refused (it might be a stranger) and named on timeout
+    assert isinstance(results[0], pyrdma.RDMATimeoutError) and "world of 3 ranks" in str(results[0])
+    assert isinstance(results[1], pyrdma.PeerError) and "rank 0 was told 2" in str(results[1])
+    # with a secret it is an authenticated member: a misconfigured job fails at once
     port = free_port()
-    results = in_threads(3, lambda r: TCPStore("127.0.0.1", port, min(r, 1), 3, timeout=5).allgather(b"x"))
-    assert any(isinstance(r, pyrdma.UsageError) and "two processes claim rank 1" in str(r) for r in results)
+
+    def rank_fn_secret(rank):
+        size = 3 if rank == 1 else 2
+        with TCPStore("127.0.0.1", port, rank, size, timeout=20, secret="s3") as store:
+            return store.allgather(b"x")
+    start = time.monotonic()
+    results = in_threads(2, rank_fn_secret)
+    assert time.monotonic() - start < 10
+    assert isinstance(results[0], pyrdma.UsageError) and "believes the world has 3 ranks" in str(results[0])
+    assert isinstance(results[1], pyrdma.PeerError)
 
 
 def test_rendezvous_timeout_names_the_missing_ranks_everywhere():

@@ -7,11 +7,12 @@ Three ways in, as launchers provide them:
 - explicit ``host:port`` of rank 0 plus rank and size (``TCPStore(host, port, rank, size)``).
 
 The TCP store is a small server on rank 0. ``allgather(record)`` sends this rank's record to it
-and returns everyone's, in rank order; ``barrier()`` is an allgather of nothing. Every frame has a
-magic, a version, its kind, the sender's rank and world size, the round number and the payload
-length, so a foreign or mismatched peer is rejected with WireFormatError (or UsageError for a
-disagreement about the world size). Every wait has a timeout; rank 0 names the ranks that never
-joined and tells the ranks that did why the rendezvous failed.
+and returns everyone's, in rank order; ``barrier()`` is an allgather of nothing. Frames are
+pyrdma.wire frames (magic, version, kind, the sender's rank and world size, the round number, a
+bounded length, an HMAC tag when the job has a secret), so a foreign, mismatched or unauthenticated
+peer is refused. Rank 0 serves joins concurrently and drops strangers without failing the job.
+Every wait has a timeout; rank 0 names the ranks that never joined (and the connections it
+refused) and tells the ranks that did why the rendezvous failed.
 """
 import os
 import socket
@@ -19,15 +20,21 @@ import struct
 import time
 
 from pyrdma.errors import PeerError, RDMATimeoutError, UsageError, WireFormatError
+from pyrdma.wire import Doorman, Framing, Session, job_secret, listen, send_all
 
 MAGIC = b"PYRDMARV"
-VERSION = 1
-# magic, version, kind, rank, world size, round, payload length
-_HEADER = struct.Struct("!8sBBxxiiIQ")
+VERSION = 2
 JOIN, TABLE, ERROR = 1, 2, 3
 MAX_PAYLOAD = 1 << 26
+MAX_ERROR = 4096
+# header fields after magic, version, kind: rank, world size, round
+FRAMING = Framing("pyrdma rendezvous", MAGIC, VERSION, {JOIN: "JOIN", TABLE: "TABLE", ERROR: "ERROR"}, fields="iiI",
+                  limits={JOIN: MAX_PAYLOAD, TABLE: 2 * MAX_PAYLOAD, ERROR: MAX_ERROR})
 # Clients wait this much longer than rank 0, so that rank 0's explanation (who is missing) wins.
 CLIENT_GRACE = 2.0
+# Connections that have not finished their join yet; past this the oldest is dropped (a flood of
+# silent connections cannot keep a member out).
+MAX_PENDING = 64
 
 
 def parse_address(address):
@@ -55,39 +62,9 @@ def env_config(environ=None):
     except ValueError as exc:
         raise UsageError(f"RANK, WORLD_SIZE and MASTER_PORT must be integers: {exc}") from None
     check_rank(rank, size)
+    if not 0 <= port < 65536:
+        raise UsageError(f"MASTER_PORT {port} is not a TCP port")
     return environ["MASTER_ADDR"], port, rank, size
-
-
-def _pack(kind, rank, size, rnd, payload=b""):
-    return _HEADER.pack(MAGIC, VERSION, kind, rank, size, rnd, len(payload)) + payload
-
-
-def _recv_exact(sock, n, who, deadline):
-    buf = bytearray()
-    while len(buf) < n:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise socket.timeout()
-        sock.settimeout(remaining)
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise PeerError(f"{who} closed the connection during the rendezvous", peer=who)
-        buf += chunk
-    return bytes(buf)
-
-
-def _recv_frame(sock, who, deadline):
-    """(kind, rank, size, round, payload) of one frame; WireFormatError for anything foreign."""
-    header = _recv_exact(sock, _HEADER.size, who, deadline)
-    magic, version, kind, rank, size, rnd, length = _HEADER.unpack(header)
-    if magic != MAGIC:
-        raise WireFormatError(f"{who} is not a pyrdma rendezvous peer (it sent {header[:8]!r})")
-    if version != VERSION:
-        raise WireFormatError(f"{who} speaks rendezvous version {version}, this pyrdma speaks {VERSION}")
-    if kind not in (JOIN, TABLE, ERROR) or length > MAX_PAYLOAD or size < 1 or not 0 <= rank < size:
-        raise WireFormatError(f"{who} sent a malformed rendezvous frame (kind {kind}, rank {rank}, "
-                              f"size {size}, {length} bytes)")
-    return kind, rank, size, rnd, _recv_exact(sock, length, who, deadline)
 
 
 def _encode_table(records):
@@ -95,6 +72,7 @@ def _encode_table(records):
 
 
 def _decode_table(table, size):
+    """``size`` records from a table; no length in it is trusted beyond the table's own bytes."""
     records, pos = [], 0
     try:
         for _ in range(size):
@@ -113,28 +91,40 @@ def _decode_table(table, size):
 class TCPStore:
     """All-gather of one bytes record per rank through a server on rank 0 at ``host:port``.
 
-    Rank 0 listens on ``port`` (0: any free port, see ``.port``). ``advertise_host`` is the address
-    other ranks can reach this one at (the local end of its connection to rank 0)."""
+    Rank 0 listens on ``port`` (0: any free port, see ``.port``) at the address ``host`` names
+    (``bind`` overrides it; "0.0.0.0" means every interface), so a loopback MASTER_ADDR keeps the
+    rendezvous on loopback. It serves joins concurrently (pyrdma.wire.Doorman), gives each
+    connection ``wire.HANDSHAKE_TIMEOUT`` seconds to join, drops (and logs) connections that are malformed,
+    foreign, unauthenticated or claim a rank already taken, and goes on.
 
-    def __init__(self, host, port, rank, size, timeout=60.0):
+    ``secret`` (default ``$PYRDMA_JOB_SECRET``): every rank must have the same; joins and tables
+    then carry an HMAC-SHA256 over the connection's nonces, so only members join and replays fail.
+    Without one, any process that reaches the port first with a rank's number takes that rank.
+
+    ``advertise_host`` is the address other ranks can reach this one at (the local end of its
+    connection to rank 0)."""
+
+    def __init__(self, host, port, rank, size, timeout=60.0, secret=None, bind=None):
         check_rank(rank, size)
         self.host, self.port, self.rank, self.size, self.timeout = host, int(port), rank, size, timeout
+        self.secret = job_secret(secret)
         self.round = 0
         self._listener = None
         self.advertise_host = None
+        self.refused = []        # rank 0: why strangers were dropped in the current round
+        self.present = ()        # rank 0: the ranks that joined the current round so far
         if rank == 0:
             if size > 1:
-                try:
-                    self._listener = socket.create_server(("", self.port))
-                except OSError as exc:
-                    raise UsageError(f"rank 0 cannot listen on port {self.port} for the rendezvous: {exc}") from None
+                self._listener = listen(host if bind is None else bind, self.port)
                 self.port = self._listener.getsockname()[1]
             self.advertise_host = _loopback_or(host)
 
     @classmethod
-    def from_env(cls, environ=None, timeout=60.0):
+    def from_env(cls, environ=None, timeout=60.0, secret=None):
         host, port, rank, size = env_config(environ)
-        return cls(host, port, rank, size, timeout)
+        if secret is None and environ is not None:
+            secret = job_secret(environ=environ)
+        return cls(host, port, rank, size, timeout, secret)
 
     def allgather(self, record):
         """Every rank's ``record`` (bytes), in rank order."""
@@ -150,62 +140,79 @@ class TCPStore:
         """Return once every rank has called barrier() (a setup-time barrier over TCP)."""
         self.allgather(b"")
 
+    # ---- rank 0 ---------------------------------------------------------------------------------
+
+    def _check_join(self, kind, rank, size, rnd, body):
+        """Why a verified first frame is not a join of this round (None when it is one)."""
+        if kind != JOIN:
+            return f"sent a {FRAMING.kinds[kind]} frame where a JOIN belongs"
+        if size != self.size:
+            return f"claims rank {rank} of a world of {size} ranks; rank 0 was told {self.size}"
+        if not 0 < rank < size:
+            return f"claims rank {rank}, not within 1..{self.size - 1}"
+        if rnd != self.round:
+            return f"joins rendezvous round {rnd}; rank 0 is in round {self.round}"
+        return None
+
     def _serve(self, record):
         records = {0: record}
-        conns = {}
+        joined = {}            # rank -> Admitted (its session tags the table)
+        self.present = records.keys()
         deadline = time.monotonic() + self.timeout
+        door = Doorman(self._listener, FRAMING, self.secret, ERROR, limit=MAX_PAYLOAD // self.size,
+                       max_pending=MAX_PENDING + self.size, fields=(0, self.size, self.round))
+        self.refused = door.refused
         try:
             while len(records) < self.size:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                event = door.next(deadline)
+                if event is None:
                     missing = sorted(set(range(self.size)) - set(records))
+                    also = f"; refused: {'; '.join(door.refused)}" if door.refused else ""
                     raise RDMATimeoutError(f"rendezvous on port {self.port} (round {self.round}): "
-                                           f"ranks {missing} did not join within {self.timeout} s",
+                                           f"ranks {missing} did not join within {self.timeout} s{also}",
                                            call="rendezvous")
-                self._listener.settimeout(remaining)
-                try:
-                    sock, addr = self._listener.accept()
-                except socket.timeout:
+                if event[0] == "gone":   # a member that joined sends nothing more: it left
+                    conn = event[1]
+                    rank = next(r for r, c in joined.items() if c is conn)
+                    del joined[rank], records[rank]
+                    door.refuse(conn, f"rank {rank} closed or spoke out of turn after joining; its rank "
+                                      f"is open again", tell=False)
                     continue
-                who = f"{addr[0]}:{addr[1]}"
-                try:
-                    kind, rank, size, rnd, payload = _recv_frame(sock, who, deadline)
-                except socket.timeout:
-                    sock.close()
+                _, conn, kind, (rank, size, rnd), body = event
+                why = self._check_join(kind, rank, size, rnd, body)
+                if why is None and rank in records:
+                    why = f"claims rank {rank}, which another connection already holds"
+                if why is not None:
+                    door.refuse(conn, why)
+                    if self.secret and size != self.size:
+                        # an authenticated member that disagrees: a misconfigured job, fail fast
+                        raise UsageError(f"rank {rank} (at {conn.who}) believes the world has {size} ranks; "
+                                         f"rank 0 was told {self.size}")
                     continue
-                except BaseException:
-                    sock.close()
-                    raise
-                if size != self.size:
-                    sock.close()
-                    raise UsageError(f"rank {rank} (at {who}) believes the world has {size} ranks; "
-                                     f"rank 0 was told {self.size}")
-                if kind != JOIN or rnd != self.round:
-                    sock.close()
-                    raise WireFormatError(f"rank {rank} (at {who}) sent a frame of kind {kind} for "
-                                          f"rendezvous round {rnd}; rank 0 is in round {self.round}")
-                if rank in records:
-                    sock.close()
-                    raise UsageError(f"two processes claim rank {rank} (the second from {who})")
-                records[rank] = payload
-                conns[rank] = sock
+                records[rank] = body
+                joined[rank] = conn
+                door.watch(conn)
             table = _encode_table([records[r] for r in range(self.size)])
-            for rank, sock in conns.items():
-                sock.settimeout(max(1.0, deadline - time.monotonic()))
-                sock.sendall(_pack(TABLE, 0, self.size, self.round, table))
+            for rank, conn in joined.items():
+                door.release(conn, 1.0)
+                send_all(conn.sock, conn.session.pack(TABLE, table, (0, self.size, self.round)), conn.who,
+                         max(time.monotonic() + 1.0, deadline))
             return [records[r] for r in range(self.size)]
         except BaseException as exc:
-            message = str(exc).encode()[:4096]
-            for sock in conns.values():   # tell the ranks that did come why it failed
+            message = str(exc).encode()[:MAX_ERROR]
+            for conn in joined.values():   # tell the ranks that did come why it failed
                 try:
-                    sock.settimeout(1.0)
-                    sock.sendall(_pack(ERROR, 0, self.size, self.round, message))
+                    conn.sock.settimeout(1.0)
+                    conn.sock.sendall(FRAMING.pack(ERROR, message, (0, self.size, self.round)))
                 except OSError:
                     pass
             raise
         finally:
-            for sock in conns.values():
-                sock.close()
+            for conn in joined.values():
+                conn.sock.close()
+            door.close()
+
+    # ---- ranks 1 .. size-1 ------------------------------------------------------------------------
 
     def _join(self, record):
         deadline = time.monotonic() + self.timeout + CLIENT_GRACE
@@ -222,21 +229,27 @@ class TCPStore:
                 time.sleep(0.05)
         with sock:
             self.advertise_host = sock.getsockname()[0]
+            session = Session(FRAMING, b"D", self.secret)
             try:
-                sock.settimeout(max(0.05, deadline - time.monotonic()))
-                sock.sendall(_pack(JOIN, self.rank, self.size, self.round, record))
-                kind, _, size, rnd, payload = _recv_frame(sock, where, deadline)
-            except socket.timeout:
+                kind, _, body, _, _ = FRAMING.recv(sock, where, deadline)
+                if kind != ERROR:
+                    session.take_greeting(kind, body, where)
+                    send_all(sock, session.greeting() + session.pack(JOIN, record, (self.rank, self.size, self.round)),
+                             where, deadline)
+                    kind, (_, size, rnd), body, tag, head = FRAMING.recv(
+                        sock, where, deadline, limit=MAX_PAYLOAD + 8 * self.size)
+            except RDMATimeoutError:
                 raise PeerError(f"rank {self.rank}: {where} did not answer within {self.timeout} s "
                                 f"(rank 0 stalled?)", peer=0) from None
-            except (ConnectionError, OSError) as exc:
+            except PeerError as exc:
                 raise PeerError(f"rank {self.rank}: the connection to {where} failed: {exc}", peer=0) from None
         if kind == ERROR:
-            raise PeerError(f"the rendezvous failed: {payload.decode(errors='replace')}", peer=0)
+            raise PeerError(f"the rendezvous failed: {body.decode(errors='replace')}", peer=0)
+        session.verify(head, body, tag, where)
         if kind != TABLE or size != self.size or rnd != self.round:
             raise WireFormatError(f"{where} answered with frame kind {kind}, size {size}, round {rnd}; "
                                   f"expected the table of round {self.round} for {self.size} ranks")
-        return _decode_table(payload, self.size)
+        return _decode_table(body, self.size)
 
     def close(self):
         if self._listener is not None:
@@ -279,9 +292,15 @@ class MPIExchange:
 
     def allgather(self, record):
         record = bytes(record)
+        if len(record) > MAX_PAYLOAD // max(1, self.size):
+            raise UsageError(f"a rendezvous record of {len(record)} bytes is too large")
         if hasattr(self.comm, "Iallgather") and hasattr(self.comm, "Iallgatherv"):
             return self._allgather_polled(record)
-        return [bytes(r) for r in self.comm.allgather(record)]
+        records = self.comm.allgather(record)
+        if not isinstance(records, list) or len(records) != self.size or \
+                not all(isinstance(r, (bytes, bytearray)) for r in records):
+            raise WireFormatError(f"MPI allgather returned {type(records).__name__}, not {self.size} byte records")
+        return [bytes(r) for r in records]
 
     def _wait(self, request, what):
         deadline = time.monotonic() + self.timeout
@@ -295,6 +314,10 @@ class MPIExchange:
         import numpy as np
         lengths = np.zeros(self.size, np.int64)
         self._wait(self.comm.Iallgather(np.array([len(record)], np.int64), lengths), "allgather of lengths")
+        # the lengths come from the other ranks: bound them before allocating their sum
+        if (lengths < 0).any() or (lengths > MAX_PAYLOAD // self.size).any():
+            raise WireFormatError(f"a rank announced a rendezvous record of {int(lengths.max())} bytes "
+                                  f"(or a negative length); at most {MAX_PAYLOAD // self.size}")
         data = np.empty(int(lengths.sum()), np.uint8)
         offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self._wait(self.comm.Iallgatherv(np.frombuffer(record, np.uint8),
