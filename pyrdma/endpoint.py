@@ -1,4 +1,7 @@
-"""The endpoint record two peers exchange out of band to connect QPs (and to learn a remote MR)."""
+"""The endpoint record two peers exchange out of band to connect QPs (and to learn a remote MR).
+
+A fixed-size record with its own magic and version; it travels as the body of pyrdma.wire frames
+(accept/connect, pyrdma-perf) or inside rendezvous records, whose framing bounds and tags it."""
 import ipaddress
 import struct
 from dataclasses import dataclass
@@ -49,6 +52,8 @@ class Endpoint:
 
     @classmethod
     def from_bytes(cls, data):
+        if not isinstance(data, (bytes, bytearray, memoryview)):   # bytes(n) would allocate n bytes
+            raise WireFormatError(f"an endpoint record is bytes, not {type(data).__name__}")
         data = bytes(data)
         if len(data) < len(MAGIC) + 1 or data[:len(MAGIC)] != MAGIC:
             raise WireFormatError(f"not a pyrdma endpoint record (got {data[:16]!r}...)")

@@ -1,6 +1,8 @@
 """RC between two processes with accept()/connect(), and the endpoint wire format."""
 import multiprocessing as mp
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -44,14 +46,14 @@ def test_endpoint_rejects_bad_fields():
         Endpoint(qpn=1, psn=0, gid=b"short")
 
 
-def _server(port, q):
+def _server(port, q, host="0.0.0.0", secret=None):
     try:
         with rd.Context() as ctx:
             pd = rd.ProtectionDomain(ctx)
             cq = rd.CompletionQueue(ctx, 64)
             buf = np.zeros(1 << 20, np.uint8)
             mr = rd.MemoryRegion(pd, buf, rd.ACCESS_ALL)
-            conn = rd.accept(pd, cq, port=port, mr=mr, timeout=STARTUP_TIMEOUT)
+            conn = rd.accept(pd, cq, port=port, host=host, mr=mr, timeout=STARTUP_TIMEOUT, secret=secret)
             conn.qp.post_recv_buf(mr, 0, 16, wr_id=1)
             wcs = np.empty(4, rd.WC_DTYPE)
             n = cq.poll_wait(wcs, 1, timeout=30)   # the client's "done" SEND
@@ -63,20 +65,54 @@ def _server(port, q):
         q.put(("error", repr(exc), b""))
 
 
+def _reachable(host, port):
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+def _strangers(host, port, stop):
+    """Connect-and-close, garbage and a wrong-secret dialer at accept() while the member comes."""
+    from pyrdma.connect import dial_exchange
+    while not stop.is_set():
+        try:
+            socket.create_connection((host, port), timeout=2).close()
+            with socket.create_connection((host, port), timeout=2) as s:
+                s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            with socket.create_connection((host, port), timeout=5) as s:
+                dial_exchange(s, "accept", Endpoint(qpn=1, psn=1), b"wrong", time.monotonic() + 5)
+        except (OSError, rd.RDMAError):
+            pass
+        stop.wait(0.2)
+
+
 @pytest.mark.device
-def test_rc_between_two_processes():
+@pytest.mark.parametrize("host, secret", [("0.0.0.0", None), ("127.0.0.2", b"pair-secret")])
+def test_rc_between_two_processes(host, secret):
     port = _free_port()
     ctxmp = mp.get_context("spawn")
     q = ctxmp.Queue()
-    server = ctxmp.Process(target=_server, args=(port, q), daemon=True)
+    server = ctxmp.Process(target=_server, args=(port, q, host, secret), daemon=True)
     server.start()
+    stop = threading.Event()
+    if host != "0.0.0.0":    # accept() listens on the address given only (a probe is a stranger to it)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while not _reachable(host, port):
+            assert time.monotonic() < deadline and server.is_alive(), "accept() never listened"
+            time.sleep(0.2)
+        assert not _reachable("127.0.0.1", port)
+    if secret:   # strangers knock while the member connects; accept() admits only the member
+        threading.Thread(target=_strangers, args=(host, port, stop), daemon=True).start()
     try:
         with rd.Context() as ctx:
             pd = rd.ProtectionDomain(ctx)
             cq = rd.CompletionQueue(ctx, 64)
             src = (np.arange(1 << 20) * 7 % 256).astype(np.uint8)
             mr = rd.MemoryRegion(pd, src, rd.ACCESS_ALL)
-            conn = rd.connect(pd, cq, "127.0.0.1", port=port, mr=mr, timeout=STARTUP_TIMEOUT)
+            dial = "127.0.0.1" if host == "0.0.0.0" else host
+            conn = rd.connect(pd, cq, dial, port=port, mr=mr, timeout=STARTUP_TIMEOUT, secret=secret)
             assert conn.remote.length == 1 << 20 and conn.remote.rkey
             half = 1 << 19
             conn.qp.post_write(mr, half, half, conn.remote.addr + half, conn.remote.rkey, wr_id=1)
@@ -92,6 +128,7 @@ def test_rc_between_two_processes():
             assert same and head == src[:16].tobytes()
             conn.close()
     finally:
+        stop.set()
         server.join(timeout=30)
         if server.is_alive():
             server.kill()
@@ -106,8 +143,6 @@ def test_connect_rejects_a_foreign_peer():
         pd = rd.ProtectionDomain(ctx)
         cq = rd.CompletionQueue(ctx, 4)
 
-        import threading
-
         def speak_http():
             sock, _ = listener.accept()
             with sock:
@@ -115,7 +150,7 @@ def test_connect_rejects_a_foreign_peer():
                 sock.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n".ljust(WIRE_SIZE, b" "))
         t = threading.Thread(target=speak_http, daemon=True)
         t.start()
-        with pytest.raises(rd.WireFormatError, match="not a pyrdma endpoint"):
+        with pytest.raises(rd.WireFormatError, match="not a pyrdma connect peer"):
             rd.connect(pd, cq, "127.0.0.1", port=port, timeout=10)
         t.join(10)
         pd.close()
