@@ -110,7 +110,7 @@ def test_frames_and_json(pair):
     assert b.recv_json(oob.HELLO) == {"test": "write_bw", "sizes": [2, 4]}
     frame = oob.encode_frame(oob.SYNC, b"go")
     assert frame[:8] == b"PYRDMAPF" and frame[8] == oob.WIRE_VERSION
-    assert oob.decode_header(frame[:14]) == (oob.SYNC, 2)
+    assert oob.decode_header(frame[:oob.HEADER_SIZE]) == (oob.SYNC, 2)
 
 
 def test_endpoints_roundtrip(pair):
@@ -142,11 +142,11 @@ def test_foreign_and_versioned_peers_refused(pair):
     b.sock.sendall(b"0000:0000:000011:123456:000002e0:00007f0000001000:" + bytes(60))   # perftest keys
     with pytest.raises(WireFormatError, match="not a pyrdma-perf peer"):
         a.recv()
-    bad_version = struct.pack("!8sBBI", b"PYRDMAPF", oob.WIRE_VERSION + 1, oob.HELLO, 0)
+    bad_version = oob.FRAMING.header.pack(b"PYRDMAPF", oob.WIRE_VERSION + 1, oob.HELLO, 0)
     with pytest.raises(WireFormatError, match="version"):
         oob.decode_header(bad_version)
-    with pytest.raises(WireFormatError, match="type"):
-        oob.decode_header(struct.pack("!8sBBI", b"PYRDMAPF", oob.WIRE_VERSION, 99, 0))
+    with pytest.raises(WireFormatError, match="kind"):
+        oob.decode_header(oob.FRAMING.header.pack(b"PYRDMAPF", oob.WIRE_VERSION, 99, 0))
 
 
 def test_peer_error_and_close(pair):
@@ -173,8 +173,8 @@ def test_listen_and_dial_on_loopback():
     result = {}
 
     def server():
-        with oob.listen(port, host="127.0.0.1", timeout=10) as ch:
-            result["hello"] = ch.recv_json(oob.HELLO)
+        ch, result["hello"] = oob.listen(port, host="127.0.0.1", timeout=10)
+        with ch:
             ch.send_json(oob.HELLO, {"ok": True})
             ch.bye()
 

@@ -133,3 +133,20 @@ def test_compat_refuses_tests_it_cannot_run():
     out = subprocess.run([sys.executable, "-m", "pyrdma.perf", "write_bw", "--perftest-compat", "--check",
                           "127.0.0.1"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "--check needs a pyrdma-perf peer" in out.stderr
+
+
+def test_values_from_a_peer_are_bounded():
+    # float() takes these; perftest never sends them
+    for text in (b"nan", b"inf", b"1e9", b"6.06.1"):
+        with pytest.raises(WireFormatError, match="where perftest sends its version"):
+            pw.decode_version(text.ljust(16, b"\0"))
+    # the peer's cycle buffer sizes our buffer: a huge or odd one is refused, not allocated
+    assert pw.check_sys_data(8192, 128, 4096, 64) == (8192, 128)
+    for cycle, line in ((1 << 30, 64), (0x7FFFFFFF, 64), (-4096, 64), (3000, 64), (4096, 1 << 20), (4096, 0)):
+        with pytest.raises(WireFormatError):
+            pw.check_sys_data(cycle, line, 4096, 64)
+    raw = pw.encode_dest(DEST, with_gid=True).replace(b"000011", b"fffffffffff", 1)
+    with pytest.raises(WireFormatError, match="out of range|fields"):
+        pw.decode_dest(raw[:pw.KEY_MSG_SIZE_GID], with_gid=True)
+    with pytest.raises(WireFormatError, match="40"):
+        pw.decode_report(bytes(12))

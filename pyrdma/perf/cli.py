@@ -12,7 +12,11 @@ pyrdma.perf.stats), one table per mode:
 ``--mode both``     both tables, loop first.
 
 Server and client talk over TCP in pyrdma's own versioned format (pyrdma.perf.oob); the client's
-run parameters (sizes, iterations, modes, ...) are authoritative and the server adopts them.
+run parameters (sizes, iterations, modes, ...) are authoritative and the server adopts them, within
+perftest's own limits and the server's --max-size. The server listens on --bind (default every
+interface, as perftest's server); a client that is foreign, silent, unauthenticated (with
+PYRDMA_JOB_SECRET set) or asks for parameters out of bounds is refused with a message, and the
+server waits for the next one.
 """
 from __future__ import annotations
 
@@ -49,6 +53,15 @@ DEF_INLINE_WRITE, DEF_INLINE_SEND = 220, 236
 # perftest only turns inline on for devices it knows; a Soft-RoCE (vendor 0xffffff) gets 0.
 _INLINE_VENDORS = {0x02C9, 0x15B3, 0x8086, 0x1425, 0x14E4, 0x1077, 0x1FC1, 0x1D0F}
 MIN_ITER = 5
+# Bounds on what a server adopts from a client: perftest's own (perftest_parameters.h) where it has
+# them, else generous ones; --max-size (default DEF_MAX_SIZE) caps the memory a client may make the
+# server register (twice the largest size).
+MAX_ITER = 100_000_000
+MAX_MSG_SIZE = 0x7FFFFFFF          # perftest's largest -s (UINT_MAX / 2)
+DEF_MAX_SIZE = 1 << 30
+MAX_TX = 15000                     # perftest's MAX_TX: the post list never exceeds the send queue
+MAX_SIZES = 64
+MAX_DURATION = 24 * 3600.0
 
 
 def build_parser():
@@ -83,6 +96,11 @@ def build_parser():
     p.add_argument("-u", "--qp-timeout", "--qp_timeout", dest="qp_timeout", type=int, default=14,
                    help="RC ACK timeout: 4.096 us * 2^timeout before a resend (perftest's -u; default 14)")
     p.add_argument("-p", "--port", type=int, default=18515, help="TCP port of the out-of-band exchange")
+    p.add_argument("--bind", default="0.0.0.0",
+                   help="server: the address to listen on (default 0.0.0.0, every interface, as perftest; "
+                        "give the RDMA interface's address or 127.0.0.1 to stay on it)")
+    p.add_argument("--max-size", "--max_size", dest="max_size", type=int, default=DEF_MAX_SIZE,
+                   help=f"server: the largest message size a client may ask for (default {DEF_MAX_SIZE})")
     p.add_argument("-b", "--bidirectional", action="store_true", help="both sides send (BW tests)")
     p.add_argument("-N", "--noPeak", "--no-peak", dest="no_peak", action="store_true", help="skip the peak BW")
     p.add_argument("--report_gbits", "--report-gbits", dest="report_gbits", action="store_true",
@@ -186,7 +204,68 @@ class Config:
                     atomic_type=self.atomic_type, check=self.check, post_list=self.post_list,
                     all=self.all, no_peak=self.no_peak)
 
+    def check_params(self, params):
+        """The client's run parameters, checked against the bounds (a UsageError names
+        the first one out of bounds); returns them normalised."""
+        from pyrdma.errors import UsageError
+        from pyrdma.perf import oob
+
+        def fail(why):
+            raise UsageError(f"the client's parameters are out of bounds: {why}")
+
+        def integer(key, lo, hi):
+            v = params.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                fail(f"{key}={v!r} is not an integer within {lo}..{hi}")
+            return v
+
+        def flag(key):
+            v = params.get(key)
+            if not isinstance(v, bool):
+                fail(f"{key}={v!r} is not true or false")
+            return v
+
+        out = {}
+        sizes = params.get("sizes")
+        if not isinstance(sizes, list) or not 1 <= len(sizes) <= MAX_SIZES:
+            fail(f"sizes must be a list of 1..{MAX_SIZES} sizes")
+        top = min(MAX_MSG_SIZE, self.args.max_size)
+        for v in sizes:
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                fail(f"size {v!r} is not within 1..{top} (the server's --max-size is {self.args.max_size})")
+        if self.verb == "atomic" and sizes != [8]:
+            fail("atomic tests use 8-byte operations")
+        out["sizes"] = list(sizes)
+        out["iters"] = integer("iters", MIN_ITER, MAX_ITER)
+        for key in ("duration", "margin"):
+            v = params.get(key)
+            if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or
+                                  not 0 <= v <= MAX_DURATION):
+                fail(f"{key}={v!r} is not a number of seconds within 0..{MAX_DURATION:g}")
+            out[key] = v
+        if out["duration"] is not None:
+            if out["margin"] is None or not out["duration"] > 2 * out["margin"]:
+                fail("the duration must be more than twice the margin")
+        elif out["margin"] is not None:
+            fail("a margin without a duration")
+        out["num_qps"] = integer("num_qps", 1, oob.MAX_QPS if self.kind == "bw" else 1)
+        modes = params.get("modes")
+        if not isinstance(modes, list) or not modes or not all(isinstance(m, str) for m in modes) or \
+                len(set(modes)) != len(modes) or not set(modes) <= {"loop", "batched"}:
+            fail(f"modes={modes!r} is not a list of loop and/or batched")
+        out["modes"] = list(modes)
+        for key in ("bidir", "check", "all", "no_peak"):
+            out[key] = flag(key)
+        if out["bidir"] and (self.kind != "bw" or self.verb == "send"):
+            fail(f"-b is not available for {self.test}")
+        if params.get("atomic_type") not in ("FETCH_AND_ADD", "CMP_AND_SWAP"):
+            fail(f"atomic_type={params.get('atomic_type')!r}")
+        out["atomic_type"] = params["atomic_type"]
+        out["post_list"] = integer("post_list", 1, MAX_TX)
+        return out
+
     def adopt(self, params):
+        params = self.check_params(params)
         for key in ("sizes", "iters", "duration", "margin", "num_qps", "modes", "bidir", "atomic_type",
                     "check", "post_list", "all", "no_peak"):
             setattr(self, key, params[key])
@@ -244,19 +323,35 @@ class Side:
         cfg = self.cfg
         if cfg.is_server:
             self._print_waiting()
-            self.ch = oob.listen(cfg.args.port, timeout=max(cfg.args.timeout, 600.0))
-            self.ch.timeout = cfg.args.timeout
-            hello = self.ch.recv_json(oob.HELLO)
-            if hello.get("test") != cfg.test:
-                self.ch.fail(f"server runs {cfg.test}, client asked for {hello.get('test')}")
-                raise SystemExit(f"pyrdma-perf: client runs {hello.get('test')}, this server {cfg.test}")
-            cfg.adopt(hello)
+            self.ch = self._accept_client()
             self.ch.send_json(oob.HELLO, dict(cfg.run_params(), ok=True))
         else:
             self.ch = oob.dial(cfg.host, cfg.args.port, timeout=cfg.args.timeout)
             reply = self.ch.exchange_json(oob.HELLO, cfg.run_params())
             if reply.get("test") != cfg.test:
                 raise SystemExit(f"pyrdma-perf: server runs {reply.get('test')}, not {cfg.test}")
+
+    def _accept_client(self):
+        """The first client whose HELLO is well-formed, authenticated and within bounds; the
+        others are told why and dropped, and the server waits on (perftest serves one client)."""
+        from pyrdma.perf import oob
+        cfg = self.cfg
+        mismatch = []
+
+        def admit(hello):
+            if hello.get("test") != cfg.test:
+                mismatch.append(hello.get("test"))   # a pyrdma-perf client of another test
+                return
+            cfg.check_params(hello)
+        ch, hello = oob.listen(cfg.args.port, host=cfg.args.bind, timeout=max(cfg.args.timeout, 600.0),
+                               admit=admit)
+        ch.timeout = cfg.args.timeout
+        if mismatch:      # end as perftest does when the two sides run different tests
+            ch.fail(f"server runs {cfg.test}, client asked for {mismatch[0]}")
+            ch.close()
+            raise SystemExit(f"pyrdma-perf: client runs {mismatch[0]}, this server {cfg.test}")
+        cfg.adopt(hello)
+        return ch
 
     @staticmethod
     def _print_waiting():
@@ -416,6 +511,10 @@ class Side:
         peer_msg = ch.exchange_json(oob.REPORT, dict(report=_d(mine), kind=_kind(mine),
                                                      atomic_ops=run_ops))
         peer = _undict(peer_msg.get("report"), peer_msg.get("kind"))
+        ops = peer_msg.get("atomic_ops")
+        if ops is not None and (not isinstance(ops, int) or isinstance(ops, bool) or ops < 0):
+            from pyrdma.errors import WireFormatError
+            raise WireFormatError(f"the peer's atomic_ops={str(ops)[:40]!r} is not a count")
         if cfg.duration is not None:
             loops.drain_receives(res)
         check = self.check_data(size, peer_msg) if cfg.check else None
@@ -554,14 +653,25 @@ def _d(report):
 
 
 def _undict(d, kind):
+    """The peer's report (a dict from its REPORT message); WireFormatError unless it is one."""
+    from pyrdma.errors import WireFormatError
     if d is None:
         return None
     cls = {"BWReport": stats.BWReport, "LatReport": stats.LatReport,
            "LatDurationReport": stats.LatDurationReport}.get(kind)
     if cls is None:
         return None
-    d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-    return cls(**d)
+    if not isinstance(d, dict):
+        raise WireFormatError(f"the peer's report is {type(d).__name__}, not an object")
+    fields = cls.__dataclass_fields__
+    d = {k: v for k, v in d.items() if k in fields}
+    for k, v in d.items():
+        if not isinstance(v, (int, float)):
+            raise WireFormatError(f"the peer's report has {k}={str(v)[:40]!r}, not a number")
+    try:
+        return cls(**d)
+    except TypeError as exc:
+        raise WireFormatError(f"the peer's report is incomplete: {exc}") from None
 
 
 def main(argv=None):

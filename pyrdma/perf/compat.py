@@ -42,17 +42,45 @@ class PerftestSide(Side):
         self.with_gid = True
 
     def open_channel(self):
-        from pyrdma.connect import accept_one, dial_one
+        from pyrdma.connect import dial_one
         cfg = self.cfg
         if cfg.is_server:
             self._print_waiting()
-            sock, peer = accept_one("0.0.0.0", cfg.args.port, max(cfg.args.timeout, 600.0), who="perftest client")
+            self._accept_perftest()
         else:
             sock, _ = dial_one(cfg.host, cfg.args.port, cfg.args.timeout)
             peer = f"{cfg.host}:{cfg.args.port}"
-        self.conv = Conversation(sock, peer, client=not cfg.is_server, timeout=cfg.args.timeout)
-        self.conv.versions()
-        self.cycle_buffer, _ = self.conv.sys_data(os.sysconf("SC_PAGESIZE"))
+            self.conv = Conversation(sock, peer, client=True, timeout=cfg.args.timeout)
+            self.conv.versions()
+            self.cycle_buffer, _ = self.conv.sys_data(os.sysconf("SC_PAGESIZE"))
+
+    def _accept_perftest(self):
+        """The first client that speaks perftest's opening (version, sizes) within bounds; others
+        are dropped and the server waits on. perftest's exchange has no room for a secret."""
+        import sys
+        import time
+        from pyrdma.connect import Listener
+        from pyrdma.errors import PeerError, RDMATimeoutError, WireFormatError
+        from pyrdma.wire import HANDSHAKE_TIMEOUT, drop, job_secret
+        cfg = self.cfg
+        if job_secret() is not None:
+            print("pyrdma-perf: note: perftest's exchange cannot carry PYRDMA_JOB_SECRET; this server "
+                  "does not authenticate its client (use --bind to limit who can reach it)", file=sys.stderr)
+        deadline = time.monotonic() + max(cfg.args.timeout, 600.0)
+        with Listener(cfg.args.bind, cfg.args.port) as listener:
+            while True:
+                sock, peer = listener.accept(deadline, who="perftest client")
+                conv = Conversation(sock, peer, client=False, timeout=min(cfg.args.timeout, HANDSHAKE_TIMEOUT))
+                try:
+                    conv.versions()
+                    self.cycle_buffer, _ = conv.sys_data(os.sysconf("SC_PAGESIZE"))
+                except (WireFormatError, PeerError, RDMATimeoutError) as exc:
+                    drop(sock, peer, str(exc))
+                    print(f"pyrdma-perf: refused a client from {peer}: {exc}", file=sys.stderr, flush=True)
+                    continue
+                conv.set_timeout(cfg.args.timeout)
+                self.conv = conv
+                return
 
     def build_resources(self, min_half=4096):
         super().build_resources(min_half=max(min_half, self.cycle_buffer))

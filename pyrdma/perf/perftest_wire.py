@@ -22,11 +22,12 @@ GID 59 bytes, ``lid:out_reads:qpn:psn:rkey:vaddr:srqn`` and a NUL.
 from __future__ import annotations
 
 import ipaddress
+import re
 import struct
 from dataclasses import dataclass
 
-from pyrdma.connect import recv_exact
 from pyrdma.errors import PeerError, WireFormatError
+from pyrdma.wire import recv_exact
 
 # The version text perftest 4.5-0.17 sends. Peers gate features on it: >= 5.70 is required by
 # the server, >= 5.33 makes the report's iteration count 64-bit, >= 5.31 makes the MTU 2 bytes.
@@ -38,6 +39,14 @@ KEY_MSG_SIZE_GID = 108
 DEFAULT_CACHE_LINE = 64
 DONE = b"done\0"
 _REPORT = struct.Struct("!QQddd")
+# What a peer may announce: the cycle buffer is a page size (perftest's "the larger of the two"
+# sizes our buffer, so a huge one would be an allocation the peer chose), the cache line likewise.
+MAX_CYCLE_BUFFER = 1 << 21
+MAX_CACHE_LINE = 4096
+# field bounds of a key record: lid, out_reads, qpn, psn, rkey, vaddr (and srqn)
+_DEST_LIMITS = (("lid", 1 << 16), ("out_reads", 1 << 16), ("qpn", 1 << 24), ("psn", 1 << 24),
+                ("rkey", 1 << 32), ("vaddr", 1 << 64))
+_VERSION = re.compile(r"\d{1,3}\.\d{1,3}")
 
 
 @dataclass(frozen=True)
@@ -80,10 +89,14 @@ def decode_dest(raw, with_gid):
         what = "with" if with_gid else "without"
         raise WireFormatError(f"perftest key record {text!r} has {len(fields)} fields, expected {want} "
                               f"(a record {what} GID; do both sides use a GID index, -x?)")
-    try:
-        values = [int(f, 16) for f in fields]
-    except ValueError:
-        raise WireFormatError(f"perftest key record {text!r} is not hex") from None
+    if not all(re.fullmatch(r"[0-9a-fA-F]{1,16}", f) for f in fields):
+        raise WireFormatError(f"perftest key record {text!r} is not hex")
+    values = [int(f, 16) for f in fields]
+    for (name, limit), value in zip(_DEST_LIMITS, values):
+        if value >= limit:
+            raise WireFormatError(f"perftest key record {text!r}: {name} {value:#x} is out of range")
+    if values[-1] >= 1 << 32:
+        raise WireFormatError(f"perftest key record {text!r}: srqn is out of range")
     gid = bytes(values[6:22]) if with_gid else bytes(16)
     if with_gid and any(v > 0xFF for v in values[6:22]):
         raise WireFormatError(f"perftest key record {text!r} has a GID byte above 0xff")
@@ -97,6 +110,9 @@ def encode_version(version=WIRE_VERSION):
 
 def decode_version(raw):
     text = bytes(raw).split(b"\0", 1)[0].decode("ascii", errors="replace")
+    if not _VERSION.fullmatch(text):     # float() would take "nan", "inf", "1e9"
+        raise WireFormatError(f"peer sent {bytes(raw)[:16]!r} where perftest sends its version; "
+                              "is it perftest (or pyrdma-perf --perftest-compat)?")
     try:
         number = float(text)
     except ValueError:
@@ -113,8 +129,20 @@ def encode_report(size, iters, bw_peak, bw_avg, msg_rate):
 
 
 def decode_report(raw):
+    if len(raw) != _REPORT.size:
+        raise WireFormatError(f"perftest report is {len(raw)} bytes, expected {_REPORT.size}")
     size, iters, bw_peak, bw_avg, msg_rate = _REPORT.unpack(raw)
     return dict(size=size, iters=iters, bw_peak=bw_peak, bw_avg=bw_avg, msg_rate=msg_rate)
+
+
+def check_sys_data(rem_cycle, rem_line, cycle_buffer, cache_line):
+    """(cycle buffer, cache line) to use given the peer's: the larger of each, within bounds (a
+    peer's value sizes our buffer, so it is never trusted beyond MAX_CYCLE_BUFFER)."""
+    if not 0 < rem_cycle <= MAX_CYCLE_BUFFER or rem_cycle & (rem_cycle - 1):
+        raise WireFormatError(f"peer's cycle buffer {rem_cycle} is not a power of two within 1..{MAX_CYCLE_BUFFER}")
+    if not 0 < rem_line <= MAX_CACHE_LINE:
+        raise WireFormatError(f"peer's cache line {rem_line} is not within 1..{MAX_CACHE_LINE}")
+    return max(cycle_buffer, rem_cycle), max(cache_line, rem_line)
 
 
 class Conversation:
@@ -164,7 +192,7 @@ class Conversation:
         """(cycle buffer, cache line) both sides then use: the larger of each."""
         rem_cycle = struct.unpack("!i", self.exchange(struct.pack("!i", cycle_buffer)))[0]
         rem_line = struct.unpack("!i", self.exchange(struct.pack("!i", cache_line)))[0]
-        return max(cycle_buffer, rem_cycle), max(cache_line, rem_line)
+        return check_sys_data(rem_cycle, rem_line, cycle_buffer, cache_line)
 
     def mtu(self, active_mtu):
         """The ibv_mtu enum both sides use: the smaller of the two when the peer's is valid."""
