@@ -117,6 +117,7 @@ def test_rendezvous_survives_strangers(secret):
     store0 = TCPStore("127.0.0.1", 0, 0, size, timeout=30, secret=secret)
     port = store0.port
     stranger_results = {}
+    strangers_done = threading.Event()
 
     def member(rank):
         with TCPStore("127.0.0.1", port, rank, size, timeout=30, secret=secret) as store:
@@ -151,16 +152,16 @@ def test_rendezvous_survives_strangers(secret):
         for i in range(3):
             trickle.send(b"P")
             time.sleep(0.05)
-        _wait_until(lambda: 3 not in store0.present and len(store0.present) == 3)
+        strangers_done.set()
         return socks
 
     def rank0():
         with store0:
             return store0.allgather(b"rank0"), store0.allgather(b"again")
 
-    def late(rank):   # rank 3 comes after the strangers did their worst
+    def late(rank):   # rank 3 comes after the strangers did their worst, so round 1 waits for them
         def go():
-            time.sleep(1.0)
+            strangers_done.wait(30)
             return member(rank)
         return go
 
