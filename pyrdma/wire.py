@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import logging
 import os
 import secrets as _secrets
@@ -262,7 +263,24 @@ def bind_address(host):
     except OSError as exc:
         raise UsageError(f"cannot resolve {host!r} to an address to listen on: {exc}") from None
     infos.sort(key=lambda i: i[0] != socket.AF_INET)   # IPv4 first, as the dialers try
-    return infos[0][0], infos[0][4][0]
+    family, address = infos[0][0], infos[0][4][0]
+    if _is_own_hostname(host) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos):
+        # Debian's /etc/hosts maps the machine's own name to 127.0.1.1, while other hosts resolve
+        # that name to its real address: a MASTER_ADDR naming this host must be reachable from them.
+        log.warning("pyrdma: %r is this host's name but resolves here to loopback %s; listening on "
+                    "every interface so that other hosts can reach it (give an address to restrict)",
+                    host, address)
+        return family, "0.0.0.0" if family == socket.AF_INET else "::"
+    return family, address
+
+
+def _is_own_hostname(host):
+    try:
+        ipaddress.ip_address(host)
+        return False
+    except ValueError:
+        pass
+    return host.lower() in {socket.gethostname().lower(), socket.getfqdn().lower()} and host != "localhost"
 
 
 def listen(host, port, backlog=128):

@@ -62,6 +62,21 @@ def test_rendezvous_binds_the_master_address():
         assert reachable("127.0.0.1", store.port)
 
 
+def test_own_hostname_that_resolves_to_loopback_binds_every_interface(monkeypatch):
+    # Debian's /etc/hosts maps the machine's own name to 127.0.1.1; other hosts resolve it to the real
+    # address, so a MASTER_ADDR naming this host must not be kept on loopback. Other names still are.
+    monkeypatch.setattr(socket, "gethostname", lambda: "node7")
+    monkeypatch.setattr(socket, "getfqdn", lambda *a: "node7.cluster")
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: real(
+        "127.0.1.1" if host in ("node7", "node7.cluster", "elsewhere") else host, *a, **k))
+    assert wire.bind_address("node7") == (socket.AF_INET, "0.0.0.0")
+    assert wire.bind_address("node7.cluster") == (socket.AF_INET, "0.0.0.0")
+    assert wire.bind_address("elsewhere") == (socket.AF_INET, "127.0.1.1")
+    assert wire.bind_address("localhost")[1] in ("127.0.0.1", "::1")
+    assert wire.bind_address("127.0.1.1") == (socket.AF_INET, "127.0.1.1")
+
+
 def test_accept_listener_binds_the_address_given():
     with Listener("127.0.0.2", 0) as listener:
         assert reachable("127.0.0.2", listener.port)
