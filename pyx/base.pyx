@@ -5,47 +5,97 @@ Each object keeps strong references to its parents and weak references to its ch
 garbage-collection order.
 """
 cimport cython
+from cpython.pythread cimport PyThread_get_thread_ident
 from posix.time cimport clock_gettime, CLOCK_MONOTONIC, timespec
+from posix.unistd cimport usleep
 import itertools
 import weakref
 
 from pyrdma.errors import RDMAError, UsageError
 
-_creation_order = itertools.count()
+_creation_order = itertools.count(1)
 
 
 @cython.no_gc_clear
 cdef class VerbsObject:
     def __cinit__(self, *args, **kwargs):
-        self._children = weakref.WeakValueDictionary()
+        self._children = {}
         self._parents = []
-        # Closed until a subclass's __init__ succeeds (registering with its parent opens it), so an
-        # object made with __new__ or whose __init__ failed is never used with a NULL handle.
+        self._serial = next(_creation_order)
+        # Closed until a subclass's __init__ succeeds, so an object made with __new__ or whose
+        # __init__ failed is never used with a NULL handle.
         self._closed = True
 
-    cdef _add_child(self, VerbsObject child):
-        self._children[next(_creation_order)] = child
+    cdef int _begin_init(self) except -1:
+        if self._initialised:
+            raise UsageError(f"{type(self).__name__} is already initialised; create a new object",
+                             obj=repr(self))
+        self._initialised = True
+        return 0
+
+    cdef int _adopt(self, VerbsObject child) except -1:
+        self._check_open()
+        self._children[child._serial] = weakref.ref(child)
         child._parents.append(self)
-        child._closed = False
+        return 0
+
+    cdef int _abandon(self) except -1:
+        # the creation failed: forget the parents it was adopted by
+        for parent in self._parents:
+            (<VerbsObject>parent)._children.pop(self._serial, None)
+        self._parents = []
+        return 0
 
     cdef int _destroy(self) except -1:
         return 0
 
     cdef int _check_open(self) except -1:
-        if self._closed:
-            raise UsageError(f"{type(self).__name__} is closed (or was never opened)", obj=repr(self))
+        if self._closed or self._closing:
+            return refuse(self)
         return 0
 
     cpdef close(self):
-        """Release the verbs resource, closing every child first. Idempotent."""
+        """Release the verbs resource, closing every child first. Idempotent and thread-safe.
+
+        Calls blocked on this object in another thread (poll_wait, wait, posts) are woken and raise
+        UsageError; close() waits for them (GIL released) before destroying the handle."""
+        cdef long me
         if self._closed:
             return
-        for key in sorted(self._children.keys(), reverse=True):
-            child = self._children.get(key)
-            if child is not None:
-                (<VerbsObject>child).close()
-        self._destroy()
-        self._closed = True
+        me = PyThread_get_thread_ident()
+        if self._closing:
+            if self._closer != me:      # another thread is closing it: return once it is closed
+                while not self._closed:
+                    with nogil:
+                        usleep(1000)
+            return
+        pyrdma_store_flag(&self._closing, 1)
+        self._closer = me
+        error = None
+        try:
+            while self._users > 0:      # blocked calls see _closing within ~50 ms and leave
+                with nogil:
+                    usleep(200)
+            # No child can be added now (creation needs a use() of this parent), so the copy is complete.
+            children = self._children.copy()
+            for key in sorted(children, reverse=True):
+                child = children[key]()
+                if child is not None:
+                    try:
+                        (<VerbsObject>child).close()
+                    except BaseException as exc:
+                        error = error or exc
+            try:
+                self._destroy()
+            except BaseException as exc:
+                error = error or exc
+        finally:
+            # A failed destroy leaves the handle NULL too: the object is closed whatever happened.
+            self._closed = True
+            for parent in self._parents:
+                (<VerbsObject>parent)._children.pop(self._serial, None)
+        if error is not None:
+            raise error
 
     @property
     def closed(self):
@@ -56,6 +106,38 @@ cdef class VerbsObject:
 
     def __exit__(self, *exc):
         self.close()
+
+
+cdef int adopt(VerbsObject child, list parents) except -1:
+    """Register ``child`` with each of ``parents`` (distinct, open) and use() each, so that none can be
+    destroyed while the child's handle is created; release(parents) right after the C call. A close()
+    of a parent waits for that, then finds the child among its children."""
+    cdef VerbsObject parent
+    try:
+        for parent in parents:
+            parent._adopt(child)
+    except BaseException:
+        child._abandon()
+        raise
+    # From the checks to release(): C only, so no finalizer can run and close a parent in use.
+    for parent in parents:
+        if parent._closed or parent._closing:
+            child._abandon()
+            return refuse(parent)
+    for parent in parents:
+        parent._users += 1
+    return 0
+
+
+cdef void release(list parents) noexcept:
+    for parent in parents:
+        unuse(<VerbsObject>parent)
+
+
+cdef int refuse(VerbsObject obj) except -1:
+    if obj._closed:
+        raise UsageError(f"{type(obj).__name__} is closed (or was never opened)", obj=repr(obj))
+    raise UsageError(f"{type(obj).__name__} is closed (closing)", obj=repr(obj))
 
 
 class Attributes:

@@ -22,10 +22,12 @@ cdef packed struct wc_record:
 cdef class CompChannel(VerbsObject):
     cdef ibv_comp_channel *channel
     cdef readonly Context context
+    cdef int _deliver(self, long long serial) except -1
 
 cdef class CompletionQueue(VerbsObject):
     cdef ibv_cq *cq
     cdef readonly Context context
     cdef readonly CompChannel channel
     cdef readonly int cqe
+    cdef long long _pending_events   # channel events for this CQ taken by another CQ's wait()
     cdef int poll_c(self, wc_record *out, int n) noexcept nogil

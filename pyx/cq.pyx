@@ -1,10 +1,15 @@
 """Completion channels and completion queues; completions are polled into numpy arrays."""
 cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
-from libc.errno cimport errno, EINTR
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport errno, EINTR, EAGAIN
+from libc.limits cimport INT_MAX
+from libc.stdint cimport uintptr_t
+from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from posix.unistd cimport usleep
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno, monotonic_now
+from pyrdma._verbs.base cimport (VerbsObject, raise_errno, monotonic_now, adopt, release, use, unuse,
+                                 pyrdma_load_flag)
 from pyrdma._verbs.device cimport Context
 import numpy as np
 
@@ -35,6 +40,16 @@ WC_SEND, WC_RDMA_WRITE, WC_RDMA_READ, WC_COMP_SWAP, WC_FETCH_ADD = (IBV_WC_SEND,
                                                                    IBV_WC_COMP_SWAP, IBV_WC_FETCH_ADD)
 WC_RECV, WC_RECV_RDMA_WITH_IMM = IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM
 WC_GRH, WC_WITH_IMM = IBV_WC_GRH, IBV_WC_WITH_IMM
+
+# A blocking wait gives up the C loop this often to run signal handlers (Ctrl-C) and see close().
+cdef double CHECK_INTERVAL_S = 0.05
+cdef int CHECK_INTERVAL_MS = 50
+cdef enum:
+    STOP_DONE = 0
+    STOP_ERROR = 1
+    STOP_TIMEOUT = 2
+    STOP_CHECK = 3
+    STOP_CLOSED = 4
 
 _OPCODE_NAMES = {IBV_WC_SEND: "SEND", IBV_WC_RDMA_WRITE: "RDMA_WRITE", IBV_WC_RDMA_READ: "RDMA_READ",
                  IBV_WC_COMP_SWAP: "COMP_SWAP", IBV_WC_FETCH_ADD: "FETCH_ADD", IBV_WC_BIND_MW: "BIND_MW",
@@ -75,20 +90,41 @@ cdef class CompChannel(VerbsObject):
     """A completion event channel; its fd works with select/poll/asyncio."""
 
     def __init__(self, Context context not None):
-        context._check_open()
-        self.channel = ibv_create_comp_channel(context.ctx)
-        if self.channel == NULL:
-            raise_errno("ibv_create_comp_channel", errno, repr(context))
+        cdef int err = 0
+        self._begin_init()
+        parents = [context]
+        adopt(self, parents)
         self.context = context
-        context._add_child(self)
+        self.channel = ibv_create_comp_channel(context.ctx)
+        if self.channel != NULL:
+            self._closed = False
+            # Non-blocking: two waits may both see the fd readable; the loser must not block in read().
+            if fcntl(self.channel.fd, F_SETFL, fcntl(self.channel.fd, F_GETFL) | O_NONBLOCK) < 0:
+                err = errno
+        else:
+            err = errno
+        release(parents)
+        if self.channel == NULL:
+            self._abandon()
+            raise_errno("ibv_create_comp_channel", err, repr(context))
+        if err:
+            self.close()
+            raise_errno("fcntl", err, repr(context))
 
     def fileno(self):
         self._check_open()
         return self.channel.fd
 
+    cdef int _deliver(self, long long serial) except -1:
+        # An event read by one CQ's wait() for another CQ on this channel: count it there.
+        ref = self._children.get(serial)
+        cq = ref() if ref is not None else None
+        if isinstance(cq, CompletionQueue):
+            (<CompletionQueue>cq)._pending_events += 1
+        return 0
+
     def __dealloc__(self):
-        if self.channel != NULL:
-            ibv_destroy_comp_channel(self.channel)
+        self.close()    # the one teardown path (unreachable: no child and no call is left)
 
     cdef int _destroy(self) except -1:
         cdef int rc
@@ -100,7 +136,8 @@ cdef class CompChannel(VerbsObject):
         return 0
 
     def __repr__(self):
-        return f"<CompChannel on {self.context.name}{' closed' if self._closed else ''}>"
+        name = self.context.name if self.context is not None else "?"
+        return f"<CompChannel on {name}{' closed' if self._closed else ''}>"
 
 
 @cython.no_gc_clear
@@ -108,28 +145,35 @@ cdef class CompletionQueue(VerbsObject):
     """A completion queue. Completions are polled into WC_DTYPE numpy arrays, never one object each."""
 
     def __init__(self, Context context not None, int cqe=256, CompChannel channel=None, int comp_vector=0):
+        cdef int err = 0
+        self._begin_init()
         context._check_open()
         if cqe < 1:
             raise UsageError(f"cqe must be >= 1, got {cqe}")
         max_cqe = context.query_device().max_cqe
         if cqe > max_cqe:
             raise UsageError(f"cqe={cqe} exceeds the device limit max_cqe={max_cqe}", obj=repr(context))
-        if channel is not None:
-            channel._check_open()
-        self.cq = ibv_create_cq(context.ctx, cqe, NULL,
-                                channel.channel if channel is not None else NULL, comp_vector)
-        if self.cq == NULL:
-            raise_errno("ibv_create_cq", errno, repr(context))
+        if channel is not None and channel.context is not context:
+            raise UsageError(f"the CompChannel belongs to {channel.context!r}, not to {context!r}")
+        parents = [context] if channel is None else [context, channel]
+        adopt(self, parents)
         self.context = context
         self.channel = channel
-        self.cqe = self.cq.cqe
-        context._add_child(self)
-        if channel is not None:
-            channel._add_child(self)
+        # cq_context carries the serial: a channel event names its CQ by it (see wait()).
+        self.cq = ibv_create_cq(context.ctx, cqe, <void *><uintptr_t>self._serial,
+                                channel.channel if channel is not None else NULL, comp_vector)
+        if self.cq != NULL:
+            self._closed = False
+            self.cqe = self.cq.cqe
+        else:
+            err = errno
+        release(parents)
+        if self.cq == NULL:
+            self._abandon()
+            raise_errno("ibv_create_cq", err, repr(context))
 
     def __dealloc__(self):
-        if self.cq != NULL:
-            ibv_destroy_cq(self.cq)
+        self.close()    # the one teardown path (unreachable: no child and no call is left)
 
     cdef int _destroy(self) except -1:
         cdef int rc
@@ -145,45 +189,75 @@ cdef class CompletionQueue(VerbsObject):
 
     def req_notify(self, bint solicited_only=False):
         """Arm the CQ: the next (solicited) completion raises an event on the channel."""
-        self._check_open()
+        self._check_open()    # the call holds the GIL: nothing closes the CQ under it
         rc = ibv_req_notify_cq(self.cq, solicited_only)
         if rc:
             raise_errno("ibv_req_notify_cq", rc, repr(self))
 
     def wait(self, timeout=None):
         """Block (GIL released) until the channel delivers an event for this CQ; acks it.
-        Returns False when ``timeout`` seconds pass first. Call req_notify() before, and poll after."""
+        Returns False when ``timeout`` seconds pass first. Call req_notify() before, and poll after.
+
+        Several CQs may share a channel: an event read by another CQ's wait() is kept for this one,
+        so a wait here returns at once. Ctrl-C interrupts the wait; close() from another thread
+        makes it raise UsageError."""
         cdef pollfd pfd
-        cdef int rc, ms
+        cdef int rc, ms, err, got
         cdef ibv_cq *ev_cq
         cdef void *ev_ctx
-        cdef double deadline
+        cdef double deadline, left
+        cdef CompChannel ch
         self._check_open()
-        if self.channel is None:
+        ch = self.channel
+        if ch is None:
             raise UsageError("wait() needs a CQ created with a CompChannel", obj=repr(self))
+        ch._check_open()
         deadline = -1.0 if timeout is None else monotonic_now() + timeout
-        pfd.fd = self.channel.channel.fd
+        pfd.fd = ch.channel.fd
         pfd.events = POLLIN
         while True:
+            if self._pending_events > 0:
+                self._pending_events -= 1
+                return True
             if deadline < 0:
-                ms = -1
+                ms = CHECK_INTERVAL_MS
             else:
-                ms = <int>max(0.0, (deadline - monotonic_now()) * 1000.0)
+                left = (deadline - monotonic_now()) * 1000.0
+                ms = <int>min(max(0.0, left), <double>CHECK_INTERVAL_MS)
+            # Registered on the CQ and the channel only while the GIL is released over their handles.
+            if ch._closed or ch._closing:
+                raise UsageError("closed while waiting", call="CompletionQueue.wait", obj=repr(ch))
+            use(self)
+            ch._users += 1
+            err = got = 0
+            ev_ctx = NULL
             with nogil:
                 rc = poll(&pfd, 1, ms)
-            if rc < 0:
-                if errno == EINTR:
-                    continue
-                raise_errno("poll", errno, repr(self.channel))
-            if rc == 0:
+                if rc < 0:
+                    err = errno
+                elif rc > 0:
+                    # The ack follows at once: ibv_destroy_cq of the event's CQ waits for it.
+                    if ibv_get_cq_event(ch.channel, &ev_cq, &ev_ctx) == 0:
+                        ibv_ack_cq_events(ev_cq, 1)
+                        got = 1
+                    else:
+                        err = errno
+            unuse(ch)
+            unuse(self)
+            if got:
+                if <uintptr_t>ev_ctx == <uintptr_t>self._serial:
+                    return True
+                ch._deliver(<long long><uintptr_t>ev_ctx)
+            elif err and err != EINTR and err != EAGAIN:   # EAGAIN: another wait took the event
+                raise_errno("poll" if rc < 0 else "ibv_get_cq_event", err, repr(ch))
+            if self._closing or ch._closing:
+                raise UsageError("closed while waiting", call="CompletionQueue.wait", obj=repr(self))
+            if deadline >= 0 and monotonic_now() >= deadline:
+                if self._pending_events > 0:
+                    self._pending_events -= 1
+                    return True
                 return False
-            with nogil:
-                rc = ibv_get_cq_event(self.channel.channel, &ev_cq, &ev_ctx)
-            if rc:
-                raise_errno("ibv_get_cq_event", errno, repr(self.channel))
-            ibv_ack_cq_events(ev_cq, 1)
-            if ev_cq == self.cq:
-                return True
+            PyErr_CheckSignals()   # Ctrl-C raises KeyboardInterrupt here (pyzmq's pattern)
 
     cdef int poll_c(self, wc_record *out, int n) noexcept nogil:
         # Poll straight into the caller's records, in chunks through a stack array of ibv_wc.
@@ -217,6 +291,8 @@ cdef class CompletionQueue(VerbsObject):
 
     def poll(self, int max_entries=16):
         """Poll up to ``max_entries`` completions into a new WC_DTYPE array (length = number polled)."""
+        if max_entries < 0:
+            raise UsageError(f"max_entries must be >= 0, got {max_entries}")
         wcs = np.empty(max_entries, WC_DTYPE)
         n = self.poll_into(wcs)
         return wcs[:n]
@@ -225,14 +301,18 @@ cdef class CompletionQueue(VerbsObject):
         """Poll into the preallocated WC_DTYPE array ``wcs``; returns how many entries were filled."""
         cdef Py_buffer view
         cdef int n
-        if self.cq == NULL:
+        if self.cq == NULL or self._closing:
             self._check_open()
         _get_wc_buffer(wcs, &view)
         try:
-            with nogil:
-                n = self.poll_c(<wc_record *>view.buf, <int>(view.len // sizeof(wc_record)))
-        finally:
+            use(self)    # close() from another thread waits for this poll to leave
+        except BaseException:
             PyBuffer_Release(&view)
+            raise
+        with nogil:
+            n = self.poll_c(<wc_record *>view.buf, _records(&view))
+        unuse(self)
+        PyBuffer_Release(&view)
         if n < 0:
             raise_errno("ibv_poll_cq", errno, repr(self))
         return n
@@ -241,34 +321,66 @@ cdef class CompletionQueue(VerbsObject):
         """Busy-poll (GIL released) until at least ``min_entries`` completions are in ``wcs``.
 
         Returns the number filled. When ``timeout`` seconds pass first it returns what it has, or
-        raises RDMATimeoutError if that is nothing, so no polled completion is ever lost."""
+        raises RDMATimeoutError if that is nothing, so no polled completion is ever lost. Every
+        CHECK_INTERVAL_S it takes the GIL to run signal handlers (Ctrl-C raises KeyboardInterrupt);
+        a close() of the CQ from another thread makes it raise UsageError."""
         cdef Py_buffer view
-        cdef int n = 0, got = 0, cap, spins = 0
-        cdef double deadline
-        if self.cq == NULL:
+        cdef int n = 0, got = 0, cap, spins = 0, stop = STOP_DONE, err = 0
+        cdef double deadline, now, next_check
+        if self.cq == NULL or self._closing:
             self._check_open()
         _get_wc_buffer(wcs, &view)
-        cap = <int>(view.len // sizeof(wc_record))
-        if not 1 <= min_entries <= cap:
-            PyBuffer_Release(&view)
-            raise UsageError(f"min_entries={min_entries} must be within 1..len(wcs)={cap}")
-        deadline = -1.0 if timeout is None else monotonic_now() + timeout
-        with nogil:
-            while n < min_entries:
-                got = self.poll_c((<wc_record *>view.buf) + n, cap - n)
-                if got < 0:
+        try:
+            cap = _records(&view)
+            if not 1 <= min_entries <= cap:
+                raise UsageError(f"min_entries={min_entries} must be within 1..len(wcs)={cap}")
+            deadline = -1.0 if timeout is None else monotonic_now() + timeout
+            while True:
+                use(self)
+                next_check = monotonic_now() + CHECK_INTERVAL_S
+                with nogil:
+                    stop = STOP_DONE
+                    while n < min_entries:
+                        got = self.poll_c((<wc_record *>view.buf) + n, cap - n)
+                        if got < 0:
+                            err = errno
+                            stop = STOP_ERROR
+                            break
+                        n += got
+                        if got == 0:
+                            spins += 1
+                            # the clock and the closing flag only every 256 empty polls: the busy
+                            # path stays a bare ibv_poll_cq
+                            if spins & 255 == 0:
+                                if pyrdma_load_flag(&self._closing):
+                                    stop = STOP_CLOSED
+                                    break
+                                now = monotonic_now()
+                                if deadline >= 0 and now > deadline:
+                                    stop = STOP_TIMEOUT
+                                    break
+                                if now > next_check:
+                                    stop = STOP_CHECK
+                                    break
+                unuse(self)
+                if stop != STOP_CHECK:
                     break
-                n += got
-                if got == 0:
-                    spins += 1
-                    if deadline >= 0 and spins % 256 == 0 and monotonic_now() > deadline:
-                        break
-        PyBuffer_Release(&view)
-        if got < 0:
-            raise_errno("ibv_poll_cq", errno, repr(self))
+                PyErr_CheckSignals()   # Ctrl-C raises KeyboardInterrupt here (pyzmq's pattern)
+        finally:
+            PyBuffer_Release(&view)
+        if stop == STOP_ERROR:
+            raise_errno("ibv_poll_cq", err, repr(self))
+        if stop == STOP_CLOSED:
+            raise UsageError("closed while waiting", call="CompletionQueue.poll_wait", obj=repr(self))
         if n == 0:
             raise RDMATimeoutError(f"no completion within {timeout} s", call="ibv_poll_cq", obj=repr(self))
         return n
+
+
+cdef inline int _records(Py_buffer *view) noexcept nogil:
+    # how many wc_records fit in the buffer, clamped to what the C int counters hold
+    cdef Py_ssize_t n = view.len // <Py_ssize_t>sizeof(wc_record)
+    return <int>n if n < INT_MAX else INT_MAX
 
 
 cdef inline uint32_t _ntohl(uint32_t x) noexcept nogil:

@@ -4,7 +4,7 @@ from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memset
 from libc.errno cimport errno, ENOSYS
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse
 import ipaddress
 
 from pyrdma._verbs.base import Attributes
@@ -91,6 +91,7 @@ cdef class Context(VerbsObject):
         cdef int n = 0, i
         cdef ibv_device **devs = ibv_get_device_list(&n)
         cdef ibv_context *ctx
+        self._begin_init()
         self._port_attr = {}
         self._best_gid = {}
         if devs == NULL or n == 0:
@@ -139,9 +140,7 @@ cdef class Context(VerbsObject):
         return False
 
     def __dealloc__(self):
-        if self.ctx != NULL:
-            ibv_close_device(self.ctx)
-            self.ctx = NULL
+        self.close()    # the one teardown path (unreachable: no child and no call is left)
 
     cdef int _destroy(self) except -1:
         cdef int rc
@@ -153,7 +152,7 @@ cdef class Context(VerbsObject):
         return 0
 
     def __repr__(self):
-        return f"<Context {self.name}{' closed' if self._closed else ''}>"
+        return f"<Context {self.name or '?'}{' closed' if self._closed else ''}>"
 
     def query_device(self):
         """Device capabilities (ibv_query_device), cached."""
@@ -179,8 +178,9 @@ cdef class Context(VerbsObject):
     def query_port(self, int port=1):
         """Port attributes (ibv_query_port): state, MTUs, LID, link layer, GID table length."""
         cdef ibv_port_attr a
-        self._check_open()
         self._check_port(port)
+        # checked right before the call: Python code above may let another thread close it
+        self._check_open()
         memset(&a, 0, sizeof(a))
         rc = ibv_query_port(self.ctx, port, &a)
         if rc:
@@ -202,8 +202,8 @@ cdef class Context(VerbsObject):
     def query_gid(self, int port, int index):
         """The 16-byte GID at ``index`` of ``port``'s table."""
         cdef ibv_gid gid
-        self._check_open()
         self._check_port(port)
+        self._check_open()
         rc = ibv_query_gid(self.ctx, port, index, &gid)
         if rc:
             raise_errno("ibv_query_gid", _errno() or rc, f"{self!r} port {port} index {index}")
@@ -217,6 +217,7 @@ cdef class Context(VerbsObject):
         length = self.query_port(port).gid_tbl_len
         entries = []
         for i in range(length):
+            self._check_open()     # the loop runs Python code between calls
             rc = ibv_query_gid_ex(self.ctx, port, i, &e, 0)
             if rc:
                 continue   # ENODATA: empty slot

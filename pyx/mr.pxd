@@ -17,5 +17,5 @@ cdef class MemoryRegion(VerbsObject):
     cdef readonly unsigned int lkey
     cdef readonly unsigned int rkey
     cdef _register(self, ProtectionDomain pd, void *addr, size_t length, int access, object owner)
-    cdef _finish(self, ProtectionDomain pd, int access, object owner)
+    cdef _finish(self, ProtectionDomain pd, int access, object owner, list parents)
     cdef _release_view(self)

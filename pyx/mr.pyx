@@ -5,9 +5,12 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTI
 from libc.errno cimport errno, EBADF
 from libc.stdint cimport uintptr_t, uint64_t
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release
 from pyrdma._verbs.pd cimport ProtectionDomain
 import numpy as np
+
+cdef extern from "Python.h":
+    const Py_ssize_t PY_SSIZE_T_MAX
 
 from pyrdma.errors import RDMAError, UsageError
 
@@ -27,6 +30,8 @@ def aligned_empty(size_t nbytes, size_t alignment=PAGE_SIZE):
         raise UsageError("cannot allocate an empty buffer")
     if alignment == 0 or alignment & (alignment - 1):
         raise UsageError(f"alignment must be a power of two, got {alignment}")
+    if nbytes > <size_t>PY_SSIZE_T_MAX - alignment:   # nbytes + alignment would wrap
+        raise UsageError(f"cannot allocate {nbytes} bytes")
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = (-raw.ctypes.data) % alignment
     return raw[start:start + nbytes]
@@ -51,6 +56,7 @@ cdef class MemoryRegion(VerbsObject):
 
     def __init__(self, ProtectionDomain pd not None, buf, int access=IBV_ACCESS_LOCAL_WRITE):
         cdef int flags
+        self._begin_init()
         pd._check_open()
         _check_access(access)
         if buf is None:
@@ -70,23 +76,37 @@ cdef class MemoryRegion(VerbsObject):
         self._register(pd, <void *>self.view.buf, self.view.len, access, buf)
 
     cdef _register(self, ProtectionDomain pd, void *addr, size_t length, int access, object owner):
+        cdef int err = 0
+        parents = [pd]
+        try:
+            adopt(self, parents)
+        except BaseException:
+            self._release_view()
+            raise
         with nogil:
             self.mr = ibv_reg_mr(pd.pd, addr, length, access)
+            if self.mr == NULL:
+                err = errno
+        self._finish(pd, access, owner, parents)
         if self.mr == NULL:
-            err = errno
             self._release_view()
             raise_errno("ibv_reg_mr", err, f"{length} bytes at 0x{<uintptr_t>addr:x} in {pd!r}")
-        self._finish(pd, access, owner)
 
-    cdef _finish(self, ProtectionDomain pd, int access, object owner):
+    cdef _finish(self, ProtectionDomain pd, int access, object owner, list parents):
+        # called with pd in use (see adopt); only C assignments until release
+        if self.mr != NULL:
+            self.addr = <uintptr_t>self.mr.addr
+            self.length = self.mr.length
+            self.lkey = self.mr.lkey
+            self.rkey = self.mr.rkey
+            self._closed = False
+        release(parents)
+        if self.mr == NULL:
+            self._abandon()
+            return
         self.pd = pd
         self.buffer = owner
         self.access = access
-        self.addr = <uintptr_t>self.mr.addr
-        self.length = self.mr.length
-        self.lkey = self.mr.lkey
-        self.rkey = self.mr.rkey
-        pd._add_child(self)
 
     @staticmethod
     def allocate(ProtectionDomain pd not None, size_t length, int access=IBV_ACCESS_LOCAL_WRITE):
@@ -100,6 +120,7 @@ cdef class MemoryRegion(VerbsObject):
                      int access=IBV_ACCESS_LOCAL_WRITE, owner=None):
         """Register raw memory (e.g. GPU memory through nvidia-peermem). ``owner`` is kept alive."""
         cdef MemoryRegion self = MemoryRegion.__new__(MemoryRegion)
+        self._begin_init()
         pd._check_open()
         _check_access(access)
         if length == 0:
@@ -113,16 +134,22 @@ cdef class MemoryRegion(VerbsObject):
                     int access=IBV_ACCESS_LOCAL_WRITE, owner=None):
         """Register device memory exported as a dma-buf (ibv_reg_dmabuf_mr). ``owner`` is kept alive."""
         cdef MemoryRegion self = MemoryRegion.__new__(MemoryRegion)
+        cdef int err = 0
+        self._begin_init()
         pd._check_open()
         _check_access(access)
         if length == 0:
             raise UsageError("cannot register an empty range")
+        self.is_device_memory = True
+        parents = [pd]
+        adopt(self, parents)
         with nogil:
             self.mr = ibv_reg_dmabuf_mr(pd.pd, offset, length, iova, fd, access)
+            if self.mr == NULL:
+                err = errno
+        self._finish(pd, access, owner, parents)
         if self.mr == NULL:
-            raise_errno("ibv_reg_dmabuf_mr", errno, f"dmabuf fd {fd} offset {offset} length {length}")
-        self.is_device_memory = True
-        self._finish(pd, access, owner)
+            raise_errno("ibv_reg_dmabuf_mr", err, f"dmabuf fd {fd} offset {offset} length {length}")
         return self
 
     cdef _release_view(self):
@@ -131,10 +158,8 @@ cdef class MemoryRegion(VerbsObject):
             self.has_view = False
 
     def __dealloc__(self):
-        if self.mr != NULL:
-            ibv_dereg_mr(self.mr)
-            self.mr = NULL
-        self._release_view()
+        self.close()    # the one teardown path (unreachable: no child and no call is left)
+        self._release_view()    # a registration that failed leaves no handle but may hold the view
 
     cdef int _destroy(self) except -1:
         cdef int rc
@@ -187,7 +212,7 @@ cdef _explain_buffer_error(buf, int access, exc):
 def probe_dmabuf(ProtectionDomain pd not None):
     """True when the provider implements ibv_reg_dmabuf_mr: with fd -1 it fails with EBADF."""
     cdef ibv_mr *mr
-    pd._check_open()
+    pd._check_open()     # the call below holds the GIL, so pd cannot be closed under it
     mr = ibv_reg_dmabuf_mr(pd.pd, 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE)
     if mr != NULL:
         ibv_dereg_mr(mr)

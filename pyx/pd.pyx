@@ -2,23 +2,30 @@
 cimport cython
 from libc.errno cimport errno
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release
 from pyrdma._verbs.device cimport Context
 
 
 @cython.no_gc_clear
 cdef class ProtectionDomain(VerbsObject):
     def __init__(self, Context context not None):
-        context._check_open()
-        self.pd = ibv_alloc_pd(context.ctx)
-        if self.pd == NULL:
-            raise_errno("ibv_alloc_pd", errno, repr(context))
+        cdef int err = 0
+        self._begin_init()
+        parents = [context]
+        adopt(self, parents)
         self.context = context
-        context._add_child(self)
+        self.pd = ibv_alloc_pd(context.ctx)
+        if self.pd != NULL:
+            self._closed = False
+        else:
+            err = errno
+        release(parents)
+        if self.pd == NULL:
+            self._abandon()
+            raise_errno("ibv_alloc_pd", err, repr(context))
 
     def __dealloc__(self):
-        if self.pd != NULL:
-            ibv_dealloc_pd(self.pd)
+        self.close()    # the one teardown path (unreachable: no child and no call is left)
 
     cdef int _destroy(self) except -1:
         cdef int rc
@@ -30,4 +37,5 @@ cdef class ProtectionDomain(VerbsObject):
         return 0
 
     def __repr__(self):
-        return f"<ProtectionDomain on {self.context.name}{' closed' if self._closed else ''}>"
+        name = self.context.name if self.context is not None else "?"
+        return f"<ProtectionDomain on {name}{' closed' if self._closed else ''}>"

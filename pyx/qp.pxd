@@ -21,8 +21,9 @@ cdef class QueuePair(VerbsObject):
     cdef readonly dict cap
     cdef readonly object remote
     cdef int _state
-    cdef int _post_send(self, ibv_send_wr *wr) except -1
+    cdef int _post_send(self, ibv_send_wr *wr, list ahs=*) except -1
     cdef int _post_recv(self, ibv_recv_wr *wr) except -1
+    cdef int _post_send_ahs(self, ibv_send_wr *chain, list owners) except -1
     cdef _modify(self, ibv_qp_attr *attr, int mask, str what)
     cdef _check_wr(self, SendWR wr)
     cdef _post_atomic(self, int opcode, MemoryRegion mr, Py_ssize_t offset, unsigned long long remote_addr, unsigned int rkey, unsigned long long compare_add, unsigned long long swap, unsigned long long wr_id, bint signaled)

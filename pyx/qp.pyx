@@ -5,7 +5,7 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.stdint cimport uint32_t, uint64_t
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release, use, unuse, refuse
 from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.srq cimport SharedReceiveQueue
@@ -45,6 +45,12 @@ cdef _check_field(name, int value):
         raise UsageError(f"{name} must be within 0..{hi}, got {value}")
 
 
+cdef inline uint32_t _imm32(imm) except? 0:
+    if not 0 <= imm <= 0xFFFFFFFF:
+        raise UsageError(f"imm {imm} does not fit in 32 bits")
+    return <uint32_t>imm
+
+
 def qp_state_name(int state):
     return _STATE_NAMES.get(state, f"STATE_{state}")
 
@@ -58,6 +64,8 @@ cdef class QueuePair(VerbsObject):
                  int max_send_sge=1, int max_recv_sge=1, int max_inline_data=0,
                  SharedReceiveQueue srq=None, bint sq_sig_all=False, int port=1, gid_index=None):
         cdef ibv_qp_init_attr attr
+        cdef int err = 0
+        self._begin_init()
         pd._check_open()
         send_cq._check_open()
         if recv_cq is None:
@@ -76,6 +84,21 @@ cdef class QueuePair(VerbsObject):
             raise UsageError(f"max_inline_data must be >= 0, got {max_inline_data}")
         if srq is not None:
             srq._check_open()
+        # The kernel finds a CQ or SRQ by its handle number within the PD's context: one of another
+        # context would name an unrelated object of this one (and pin it: its destroy fails EBUSY).
+        for name, other in (("send_cq", send_cq.context), ("recv_cq", recv_cq.context),
+                            ("srq", srq.pd.context if srq is not None else pd.context)):
+            if other is not pd.context:
+                raise UsageError(f"{name} belongs to {other!r}, the PD to {pd.context!r}; "
+                                 f"a QP's resources must share one Context")
+        gid_index = pd.context.best_gid_index(port) if gid_index is None else gid_index
+        # Closing any resource this QP uses closes the QP first.
+        parents = [pd, send_cq]
+        if recv_cq is not send_cq:
+            parents.append(recv_cq)
+        if srq is not None:
+            parents.append(srq)
+        adopt(self, parents)
         memset(&attr, 0, sizeof(attr))
         attr.send_cq = send_cq.cq
         attr.recv_cq = recv_cq.cq
@@ -88,8 +111,13 @@ cdef class QueuePair(VerbsObject):
         attr.qp_type = qp_type
         attr.sq_sig_all = sq_sig_all
         self.qp = ibv_create_qp(pd.pd, &attr)
-        if self.qp == NULL:
+        if self.qp != NULL:
+            self._closed = False
+        else:
             err = errno
+        release(parents)
+        if self.qp == NULL:
+            self._abandon()
             hint = f" (max_inline_data={max_inline_data} may exceed what the device supports)" \
                 if max_inline_data else ""
             raise_errno("ibv_create_qp", err, f"{_QP_TYPE_NAMES[qp_type]} QP in {pd!r}{hint}")
@@ -103,18 +131,10 @@ cdef class QueuePair(VerbsObject):
                         max_inline_data=attr.cap.max_inline_data)
         self._state = IBV_QPS_RESET
         self.port = port
-        self.gid_index = pd.context.best_gid_index(port) if gid_index is None else gid_index
-        # Closing any resource this QP uses closes the QP first.
-        pd._add_child(self)
-        send_cq._add_child(self)
-        if recv_cq is not send_cq:
-            recv_cq._add_child(self)
-        if srq is not None:
-            srq._add_child(self)
+        self.gid_index = gid_index
 
     def __dealloc__(self):
-        if self.qp != NULL:
-            ibv_destroy_qp(self.qp)
+        self.close()    # the one teardown path (unreachable: no child and no call is left)
 
     cdef int _destroy(self) except -1:
         cdef int rc
@@ -142,9 +162,10 @@ cdef class QueuePair(VerbsObject):
 
     cdef _modify(self, ibv_qp_attr *attr, int mask, str what):
         cdef int rc
-        self._check_open()
+        use(self)    # refuses a closed QP; close() waits for the call to leave
         with nogil:
             rc = ibv_modify_qp(self.qp, attr, mask)
+        unuse(self)
         if rc:
             raise_errno("ibv_modify_qp", rc, f"{self!r} ({what})")
         self._state = attr.qp_state
@@ -153,6 +174,7 @@ cdef class QueuePair(VerbsObject):
         """RESET -> INIT. ``access``: what the remote side may do (RC default: write, read, atomic)."""
         cdef ibv_qp_attr attr
         cdef int mask = IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT
+        self._check_open()
         if self._state != IBV_QPS_RESET:
             raise UsageError(f"to_init needs a QP in RESET, this one is in {self.state_name}", obj=repr(self))
         if port is not None:
@@ -178,6 +200,7 @@ cdef class QueuePair(VerbsObject):
         """INIT -> RTR. RC/UC need the peer's Endpoint; path MTU defaults to min(port, peer)."""
         cdef ibv_qp_attr attr
         cdef int mask = IBV_QP_STATE, i
+        self._check_open()
         if self._state != IBV_QPS_INIT:
             raise UsageError(f"to_rtr needs a QP in INIT, this one is in {self.state_name}", obj=repr(self))
         _check_field("min_rnr_timer", min_rnr_timer)
@@ -189,6 +212,8 @@ cdef class QueuePair(VerbsObject):
         if self.qp_type != IBV_QPT_UD:
             if not isinstance(remote, Endpoint):
                 raise UsageError(f"{_QP_TYPE_NAMES[self.qp_type]} QPs need the peer's Endpoint to reach RTR")
+            if len(remote.gid) != 16:
+                raise UsageError(f"the peer's GID must be 16 bytes, got {len(remote.gid)}")
             if remote.qp_type != self.qp_type:
                 raise UsageError(f"peer QP is {_QP_TYPE_NAMES.get(remote.qp_type, remote.qp_type)}, "
                                  f"this one is {_QP_TYPE_NAMES[self.qp_type]}")
@@ -220,6 +245,7 @@ cdef class QueuePair(VerbsObject):
         """RTR -> RTS. ``timeout`` is 4.096 us * 2^timeout per retry; 7 retries means 'forever' for RNR."""
         cdef ibv_qp_attr attr
         cdef int mask = IBV_QP_STATE | IBV_QP_SQ_PSN
+        self._check_open()
         if self._state != IBV_QPS_RTR:
             raise UsageError(f"to_rts needs a QP in RTR, this one is in {self.state_name}", obj=repr(self))
         _check_field("timeout", timeout)
@@ -240,6 +266,7 @@ cdef class QueuePair(VerbsObject):
                 int rnr_retry=7, int min_rnr_timer=12):
         """RESET -> INIT -> RTR -> RTS in one call (UD needs no remote)."""
         # checked before the first transition, so a bad value leaves the QP where it was
+        self._check_open()
         _check_field("timeout", timeout)
         _check_field("retry_cnt", retry_cnt)
         _check_field("rnr_retry", rnr_retry)
@@ -274,7 +301,7 @@ cdef class QueuePair(VerbsObject):
                          | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN | IBV_QP_SQ_PSN | IBV_QP_CAP | IBV_QP_TIMEOUT
                          | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC
                          | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER | IBV_QP_QKEY)
-        self._check_open()
+        self._check_open()    # the call holds the GIL: nothing closes the QP under it
         memset(&a, 0, sizeof(a))
         rc = ibv_query_qp(self.qp, &a, mask, &init)
         if rc:
@@ -302,16 +329,31 @@ cdef class QueuePair(VerbsObject):
 
     # ---- posting -------------------------------------------------------------------------------
 
-    cdef int _post_send(self, ibv_send_wr *wr) except -1:
+    cdef int _post_send(self, ibv_send_wr *wr, list ahs=None) except -1:
+        # ``ahs``: the AddressHandles the chain's UD WRs point at, checked open here, at post time
         cdef ibv_send_wr *bad = NULL
         cdef int rc
-        if self._state < IBV_QPS_RTS:
-            if self.qp == NULL:
-                self._check_open()
+        cdef AddressHandle ah
+        # One test on the hot path: a closed QP keeps its last state (RTS), so its NULL handle is
+        # what refuses it.
+        if self.qp == NULL or self._closing or self._state < IBV_QPS_RTS:
+            self._check_open()
             raise UsageError(f"cannot post a send on a QP in {_STATE_NAMES.get(self._state)}; "
                              f"bring it to RTS first (connect())", obj=repr(self))
+        if ahs is not None:
+            for ah in ahs:
+                if ah._closed or ah._closing:
+                    return refuse(ah)
+            for ah in ahs:
+                ah._users += 1
+        # C only from here to the decrements: close() from another thread waits for the post.
+        self._users += 1
         with nogil:
             rc = ibv_post_send(self.qp, wr, &bad)
+        self._users -= 1
+        if ahs is not None:
+            for ah in ahs:
+                ah._users -= 1
         if rc:
             index = 0
             while wr != NULL and wr != bad:
@@ -323,17 +365,35 @@ cdef class QueuePair(VerbsObject):
     cdef int _post_recv(self, ibv_recv_wr *wr) except -1:
         cdef ibv_recv_wr *bad = NULL
         cdef int rc
-        if self._state == IBV_QPS_RESET:
-            if self.qp == NULL:
-                self._check_open()
+        if self.qp == NULL or self._closing or self._state == IBV_QPS_RESET:
+            self._check_open()
             raise UsageError("cannot post a receive on a QP in RESET; call to_init() first", obj=repr(self))
         if self.srq is not None:
             raise UsageError("this QP takes receives from its SRQ; post to the SharedReceiveQueue", obj=repr(self))
+        self._users += 1
         with nogil:
             rc = ibv_post_recv(self.qp, wr, &bad)
+        self._users -= 1
         if rc:
             raise_errno("ibv_post_recv", rc, repr(self))
         return 0
+
+    cdef int _post_send_ahs(self, ibv_send_wr *chain, list owners) except -1:
+        # Post a chain whose WRs (owners[i]: a SendWR, or another keepalive object) may carry
+        # AddressHandles: each handle's pointer is taken now, and _post_send checks it is open.
+        cdef list ahs = []
+        cdef int i
+        cdef AddressHandle ah
+        for i in range(len(owners)):
+            owner = owners[i]
+            if isinstance(owner, SendWR) and (<SendWR>owner).ah is not None:
+                ahs.append((<SendWR>owner).ah)
+        for i in range(len(owners)):
+            owner = owners[i]
+            if isinstance(owner, SendWR) and (<SendWR>owner).ah is not None:
+                ah = (<SendWR>owner).ah
+                chain[i].wr.ud.ah = ah.ah
+        return self._post_send(chain, ahs)
 
     def post_send(self, wr):
         """Post a SendWR, a SendWRList, or a sequence of SendWRs (chained into one call)."""
@@ -341,7 +401,10 @@ cdef class QueuePair(VerbsObject):
         cdef int i, n
         if isinstance(wr, SendWR):
             self._check_wr(<SendWR>wr)
-            self._post_send(&(<SendWR>wr).wr)
+            if (<SendWR>wr).ah is None:
+                self._post_send(&(<SendWR>wr).wr)
+            else:
+                self._post_send_ahs(&(<SendWR>wr).wr, [wr])
         elif isinstance(wr, SendWRList):
             self.post_send_list(wr)
         else:
@@ -360,13 +423,13 @@ cdef class QueuePair(VerbsObject):
                 for i in range(n):
                     memcpy(&chain[i], &(<SendWR>items[i]).wr, sizeof(ibv_send_wr))
                     chain[i].next = &chain[i + 1] if i + 1 < n else NULL
-                self._post_send(chain)
+                self._post_send_ahs(chain, items)
             finally:
                 free(chain)
 
     cdef _check_wr(self, SendWR wr):
         cdef int i
-        cdef unsigned int total = 0
+        cdef uint64_t total = 0    # 64 bits: several 4 GiB SGEs must not sum to a "small" inline send
         if wr.wr.send_flags & IBV_SEND_INLINE:
             for i in range(wr.wr.num_sge):
                 total += wr.sges[i].length
@@ -380,13 +443,18 @@ cdef class QueuePair(VerbsObject):
     def post_send_list(self, SendWRList wrs not None, count=None):
         """Post the first ``count`` (default: all filled) WRs of ``wrs`` in one call, GIL released."""
         cdef int n = wrs.count if count is None else count
+        cdef int i
+        cdef uint64_t total
         cdef ibv_send_wr *saved
         if not 1 <= n <= wrs.count:
             raise UsageError(f"count={n} outside 1..{wrs.count} (filled WRs)")
         saved = wrs.wrs[n - 1].next
         wrs.wrs[n - 1].next = NULL
         try:
-            self._post_send(wrs.wrs)
+            if wrs.n_ah:
+                self._post_send_ahs(wrs.wrs, wrs.keepalive[:n])
+            else:
+                self._post_send(wrs.wrs)
         finally:
             wrs.wrs[n - 1].next = saved
 
@@ -427,7 +495,7 @@ cdef class QueuePair(VerbsObject):
             wr.opcode = IBV_WR_RDMA_WRITE
         else:
             wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
-            wr.imm_data = htonl(<uint32_t>imm)
+            wr.imm_data = htonl(_imm32(imm))
         wr.wr.rdma.remote_addr = remote_addr
         wr.wr.rdma.rkey = rkey
         self._post_send(&wr)
@@ -458,16 +526,17 @@ cdef class QueuePair(VerbsObject):
             wr.opcode = IBV_WR_SEND
         else:
             wr.opcode = IBV_WR_SEND_WITH_IMM
-            wr.imm_data = htonl(<uint32_t>imm)
+            wr.imm_data = htonl(_imm32(imm))
         if solicited:
             wr.send_flags |= IBV_SEND_SOLICITED
         if self.qp_type == IBV_QPT_UD:
             if ah is None:
                 raise UsageError("a UD send needs an AddressHandle (ah=) and remote_qpn", obj=repr(self))
-            ah._check_open()
-            wr.wr.ud.ah = ah.ah
             wr.wr.ud.remote_qpn = remote_qpn
             wr.wr.ud.remote_qkey = remote_qkey
+            wr.wr.ud.ah = ah.ah
+            self._post_send(&wr, [ah])    # checks the handle is open, and holds it over the post
+            return
         self._post_send(&wr)
 
     def post_recv_buf(self, MemoryRegion mr not None, Py_ssize_t offset, Py_ssize_t length, uint64_t wr_id=0):
@@ -500,10 +569,10 @@ cdef class QueuePair(VerbsObject):
         cdef ibv_sge sge
         if self.qp_type != IBV_QPT_RC:
             raise UsageError("atomics need an RC QP", obj=repr(self))
-        if remote_addr % 8 or (mr.addr + offset) % 8:
-            raise UsageError("atomics need 8-byte aligned local and remote addresses", obj=repr(self))
         memset(&wr, 0, sizeof(wr))
-        self._fill_local(&wr, &sge, mr, offset, 8, wr_id, signaled, False)
+        self._fill_local(&wr, &sge, mr, offset, 8, wr_id, signaled, False)   # bounds first
+        if remote_addr % 8 or sge.addr % 8:
+            raise UsageError("atomics need 8-byte aligned local and remote addresses", obj=repr(self))
         wr.opcode = opcode
         wr.wr.atomic.remote_addr = remote_addr
         wr.wr.atomic.rkey = rkey

@@ -4,7 +4,7 @@ from libc.errno cimport errno
 from libc.string cimport memset
 from libc.stdint cimport uint64_t
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release, use, unuse
 from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma._verbs.mr cimport MemoryRegion
 from pyrdma._verbs.wr cimport RecvWR, RecvWRList, fill_sge
@@ -16,6 +16,8 @@ from pyrdma.errors import UsageError
 cdef class SharedReceiveQueue(VerbsObject):
     def __init__(self, ProtectionDomain pd not None, int max_wr=256, int max_sge=1, int srq_limit=0):
         cdef ibv_srq_init_attr attr
+        cdef int err = 0
+        self._begin_init()
         pd._check_open()
         dev = pd.context.query_device()
         if not 1 <= max_wr <= dev.max_srq_wr:
@@ -26,17 +28,23 @@ cdef class SharedReceiveQueue(VerbsObject):
         attr.attr.max_wr = max_wr
         attr.attr.max_sge = max_sge
         attr.attr.srq_limit = srq_limit
-        self.srq = ibv_create_srq(pd.pd, &attr)
-        if self.srq == NULL:
-            raise_errno("ibv_create_srq", errno, repr(pd))
+        parents = [pd]
+        adopt(self, parents)
         self.pd = pd
+        self.srq = ibv_create_srq(pd.pd, &attr)
+        if self.srq != NULL:
+            self._closed = False
+        else:
+            err = errno
+        release(parents)
+        if self.srq == NULL:
+            self._abandon()
+            raise_errno("ibv_create_srq", err, repr(pd))
         self.max_wr = attr.attr.max_wr
         self.max_sge = attr.attr.max_sge
-        pd._add_child(self)
 
     def __dealloc__(self):
-        if self.srq != NULL:
-            ibv_destroy_srq(self.srq)
+        self.close()    # the one teardown path (unreachable: no child and no call is left)
 
     cdef int _destroy(self) except -1:
         cdef int rc
@@ -53,8 +61,10 @@ cdef class SharedReceiveQueue(VerbsObject):
     cdef _post(self, ibv_recv_wr *wr):
         cdef ibv_recv_wr *bad = NULL
         cdef int rc
+        use(self)    # refuses a closed SRQ; close() waits for the post to leave
         with nogil:
             rc = ibv_post_srq_recv(self.srq, wr, &bad)
+        unuse(self)
         if rc:
             raise_errno("ibv_post_srq_recv", rc, repr(self))
 

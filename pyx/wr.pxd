@@ -1,5 +1,6 @@
 from pyrdma._verbs.libibverbs cimport ibv_send_wr, ibv_recv_wr, ibv_sge
 from pyrdma._verbs.mr cimport MemoryRegion
+from pyrdma._verbs.ah cimport AddressHandle
 
 cdef class SGE:
     cdef ibv_sge sge
@@ -9,6 +10,7 @@ cdef class SendWR:
     cdef ibv_send_wr wr
     cdef ibv_sge *sges
     cdef list keepalive
+    cdef readonly AddressHandle ah   # a UD send's handle: checked open (and its pointer taken) at post time
 
 cdef class RecvWR:
     cdef ibv_recv_wr wr
@@ -22,7 +24,9 @@ cdef class SendWRList:
     cdef readonly int max_sge
     cdef readonly int count
     cdef list keepalive
+    cdef int n_ah                    # slots holding a SendWR with an AddressHandle
     cdef int _link(self, int count) except -1
+    cdef int _hold(self, int i, object obj) except -1
 
 cdef class RecvWRList:
     cdef ibv_recv_wr *wrs

@@ -25,6 +25,10 @@ _OPCODES = {IBV_WR_RDMA_WRITE: "RDMA_WRITE", IBV_WR_RDMA_WRITE_WITH_IMM: "RDMA_W
             IBV_WR_SEND: "SEND", IBV_WR_SEND_WITH_IMM: "SEND_WITH_IMM", IBV_WR_RDMA_READ: "RDMA_READ",
             IBV_WR_ATOMIC_CMP_AND_SWP: "ATOMIC_CMP_AND_SWP", IBV_WR_ATOMIC_FETCH_AND_ADD: "ATOMIC_FETCH_AND_ADD"}
 cdef int _ALL_SEND_FLAGS = IBV_SEND_FENCE | IBV_SEND_SIGNALED | IBV_SEND_SOLICITED | IBV_SEND_INLINE
+# Bounds on what a WR or a WR list may hold, far above any device's limits, so that every size
+# computed from them fits a size_t and the C int fields of verbs.
+MAX_SGE_PER_WR = 1 << 16
+MAX_LIST_BYTES = 1 << 32
 
 
 cdef inline uint32_t htonl(uint32_t x) noexcept nogil:
@@ -35,14 +39,26 @@ cdef int fill_sge(ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset, Py_ssize_t l
     """Point ``sge`` at [offset, offset+length) of ``mr``, refusing anything outside the region."""
     if mr.mr == NULL:
         raise UsageError("the MemoryRegion is closed", obj=repr(mr))
-    if offset < 0 or length < 0 or <size_t>(offset + length) > mr.length:
-        raise UsageError(f"SGE [{offset}, {offset + length}) is outside the MR of {mr.length} bytes",
+    # offset + length could overflow: compare against what is left after offset instead
+    if offset < 0 or length < 0 or <size_t>offset > mr.length or <size_t>length > mr.length - <size_t>offset:
+        raise UsageError(f"SGE [{offset}, {int(offset) + int(length)}) is outside the MR of {mr.length} bytes",
                          obj=repr(mr))
     if length > 0xFFFFFFFF:
         raise UsageError(f"SGE length {length} exceeds 2^32-1")
     sge.addr = mr.addr + offset
     sge.length = <uint32_t>length
     sge.lkey = mr.lkey
+    return 0
+
+
+cdef int _check_inline_total(ibv_sge *sges, int num) except -1:
+    # Providers sum inline lengths in 32 bits: a larger total could pass their max_inline check.
+    cdef uint64_t total = 0
+    cdef int i
+    for i in range(num):
+        total += sges[i].length
+    if total > 0xFFFFFFFF:
+        raise UsageError(f"inline send of {total} bytes; inline data is far smaller (max_inline_data)")
     return 0
 
 
@@ -95,6 +111,8 @@ cdef ibv_sge *_copy_sg_list(sg_list, list keepalive, int *num) except? NULL:
     cdef ibv_sge *sges
     cdef int i
     items = list(sg_list)
+    if len(items) > MAX_SGE_PER_WR:
+        raise UsageError(f"{len(items)} SGEs in one WR; at most {MAX_SGE_PER_WR}")
     num[0] = len(items)
     if not items:
         return NULL
@@ -119,9 +137,14 @@ cdef class SendWR:
                  imm_data=None, uint64_t remote_addr=0, uint32_t rkey=0, uint64_t compare_add=0,
                  uint64_t swap=0, AddressHandle ah=None, uint32_t remote_qpn=0, uint32_t remote_qkey=0):
         cdef int num = 0
+        cdef ibv_sge *sges
         _check_opcode(opcode, flags, imm_data)
-        self.keepalive = []
-        self.sges = _copy_sg_list(sg_list, self.keepalive, &num)
+        keepalive = []
+        sges = _copy_sg_list(sg_list, keepalive, &num)
+        free(self.sges)    # __init__ called again: the old list goes only once the new one exists
+        self.sges = sges
+        self.keepalive = keepalive
+        self.ah = None
         memset(&self.wr, 0, sizeof(self.wr))
         self.wr.wr_id = wr_id
         self.wr.sg_list = self.sges
@@ -130,6 +153,8 @@ cdef class SendWR:
         self.wr.send_flags = flags
         if imm_data is not None:
             self.wr.imm_data = htonl(imm_data)
+        if flags & IBV_SEND_INLINE:
+            _check_inline_total(self.sges, num)
         if opcode in (IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_ATOMIC_FETCH_AND_ADD):
             if num != 1 or self.sges[0].length != 8:
                 raise UsageError("atomic WRs need exactly one 8-byte SGE")
@@ -141,10 +166,9 @@ cdef class SendWR:
             self.wr.wr.atomic.swap = swap
         elif ah is not None:
             ah._check_open()
-            self.wr.wr.ud.ah = ah.ah
+            self.ah = ah     # the post takes the pointer, once it has checked the handle is open
             self.wr.wr.ud.remote_qpn = remote_qpn
             self.wr.wr.ud.remote_qkey = remote_qkey
-            self.keepalive.append(ah)
         else:
             self.wr.wr.rdma.remote_addr = remote_addr
             self.wr.wr.rdma.rkey = rkey
@@ -180,8 +204,12 @@ cdef class RecvWR:
 
     def __init__(self, sg_list=(), uint64_t wr_id=0):
         cdef int num = 0
-        self.keepalive = []
-        self.sges = _copy_sg_list(sg_list, self.keepalive, &num)
+        cdef ibv_sge *sges
+        keepalive = []
+        sges = _copy_sg_list(sg_list, keepalive, &num)
+        free(self.sges)    # __init__ called again: the old list goes only once the new one exists
+        self.sges = sges
+        self.keepalive = keepalive
         memset(&self.wr, 0, sizeof(self.wr))
         self.wr.wr_id = wr_id
         self.wr.sg_list = self.sges
@@ -213,16 +241,26 @@ cdef _as_array(value, int n, dtype, str name):
     return np.ascontiguousarray(arr)
 
 
+cdef int _check_list_size(int capacity, int max_sge, size_t wr_size) except -1:
+    # in size_t, after the bounds: capacity * max_sge in C int wrapped and the list wrote past its end
+    if capacity < 1 or max_sge < 1:
+        raise UsageError("capacity and max_sge must be >= 1")
+    if max_sge > MAX_SGE_PER_WR:
+        raise UsageError(f"max_sge={max_sge} exceeds {MAX_SGE_PER_WR}")
+    if <size_t>capacity * (wr_size + <size_t>max_sge * sizeof(ibv_sge)) > <size_t>MAX_LIST_BYTES:
+        raise UsageError(f"a list of {capacity} WRs with {max_sge} SGEs each exceeds {MAX_LIST_BYTES} bytes")
+    return 0
+
+
 cdef class SendWRList:
     """``capacity`` send WRs in C memory, chained, posted in one ibv_post_send (see QueuePair.post_send_list).
 
     Fill them one by one with ``set(i, SendWR)`` or all at once, vectorised, with ``fill(...)``."""
 
     def __cinit__(self, int capacity, int max_sge=1):
-        if capacity < 1 or max_sge < 1:
-            raise UsageError("capacity and max_sge must be >= 1")
+        _check_list_size(capacity, max_sge, sizeof(ibv_send_wr))
         self.wrs = <ibv_send_wr *>calloc(capacity, sizeof(ibv_send_wr))
-        self.sges = <ibv_sge *>calloc(capacity * max_sge, sizeof(ibv_sge))
+        self.sges = <ibv_sge *>calloc(<size_t>capacity * <size_t>max_sge, sizeof(ibv_sge))
         if self.wrs == NULL or self.sges == NULL:
             raise MemoryError()
         self.capacity = capacity
@@ -243,6 +281,16 @@ cdef class SendWRList:
         self.count = count
         return 0
 
+    cdef int _hold(self, int i, object obj) except -1:
+        # keep slot i's owner alive, counting the slots whose WR carries an AddressHandle
+        old = self.keepalive[i]
+        if isinstance(old, SendWR) and (<SendWR>old).ah is not None:
+            self.n_ah -= 1
+        if isinstance(obj, SendWR) and (<SendWR>obj).ah is not None:
+            self.n_ah += 1
+        self.keepalive[i] = obj
+        return 0
+
     def set(self, int i, SendWR wr not None):
         """Copy ``wr`` into slot ``i``; the list then holds slots 0..max(i, count-1)."""
         if not 0 <= i < self.capacity:
@@ -250,9 +298,9 @@ cdef class SendWRList:
         if wr.wr.num_sge > self.max_sge:
             raise UsageError(f"WR has {wr.wr.num_sge} SGEs, list allows {self.max_sge}")
         memcpy(&self.wrs[i], &wr.wr, sizeof(ibv_send_wr))
-        memcpy(&self.sges[i * self.max_sge], wr.sges, wr.wr.num_sge * sizeof(ibv_sge))
-        self.wrs[i].sg_list = &self.sges[i * self.max_sge]
-        self.keepalive[i] = wr
+        memcpy(&self.sges[<size_t>i * self.max_sge], wr.sges, <size_t>wr.wr.num_sge * sizeof(ibv_sge))
+        self.wrs[i].sg_list = &self.sges[<size_t>i * self.max_sge]
+        self._hold(i, wr)
         self._link(max(i + 1, self.count))
 
     def fill(self, int opcode, MemoryRegion mr not None, offsets, lengths, remote_addrs=0, uint32_t rkey=0,
@@ -269,6 +317,8 @@ cdef class SendWRList:
             raise UsageError(f"{n} WRs do not fit in a list of capacity {self.capacity}")
         _check_opcode(opcode, flags if np.ndim(flags) == 0 else int(np.bitwise_or.reduce(np.asarray(flags))),
                       None if imm is None else (imm if np.ndim(imm) == 0 else int(np.max(imm))))
+        if imm is not None and np.ndim(imm) and np.size(imm) and int(np.min(imm)) < 0:
+            raise UsageError(f"imm_data {int(np.min(imm))} does not fit in 32 bits")
         off = _as_array(offsets, n, np.int64, "offsets")
         ln = _as_array(lengths, n, np.int64, "lengths")
         raddr = _as_array(remote_addrs, n, np.uint64, "remote_addrs")
@@ -282,9 +332,9 @@ cdef class SendWRList:
             if atomic and (ln[i] != 8 or off[i] % 8 or raddr[i] % 8):
                 raise UsageError("atomic WRs need 8-byte lengths and 8-byte aligned addresses")
             memset(&self.wrs[i], 0, sizeof(ibv_send_wr))
-            fill_sge(&self.sges[i * self.max_sge], mr, off[i], ln[i])
+            fill_sge(&self.sges[<size_t>i * self.max_sge], mr, off[i], ln[i])
             self.wrs[i].wr_id = ids[i]
-            self.wrs[i].sg_list = &self.sges[i * self.max_sge]
+            self.wrs[i].sg_list = &self.sges[<size_t>i * self.max_sge]
             self.wrs[i].num_sge = 1 if ln[i] > 0 else 0
             self.wrs[i].opcode = opcode
             self.wrs[i].send_flags = fl[i]
@@ -297,7 +347,7 @@ cdef class SendWRList:
             else:
                 self.wrs[i].wr.rdma.remote_addr = raddr[i]
                 self.wrs[i].wr.rdma.rkey = rkey
-            self.keepalive[i] = mr
+            self._hold(i, mr)
         self._link(n)
 
 
@@ -305,10 +355,9 @@ cdef class RecvWRList:
     """``capacity`` receive WRs in C memory, posted in one call (QueuePair/SRQ.post_recv_list)."""
 
     def __cinit__(self, int capacity, int max_sge=1):
-        if capacity < 1 or max_sge < 1:
-            raise UsageError("capacity and max_sge must be >= 1")
+        _check_list_size(capacity, max_sge, sizeof(ibv_recv_wr))
         self.wrs = <ibv_recv_wr *>calloc(capacity, sizeof(ibv_recv_wr))
-        self.sges = <ibv_sge *>calloc(capacity * max_sge, sizeof(ibv_sge))
+        self.sges = <ibv_sge *>calloc(<size_t>capacity * <size_t>max_sge, sizeof(ibv_sge))
         if self.wrs == NULL or self.sges == NULL:
             raise MemoryError()
         self.capacity = capacity
@@ -335,8 +384,8 @@ cdef class RecvWRList:
         if wr.wr.num_sge > self.max_sge:
             raise UsageError(f"WR has {wr.wr.num_sge} SGEs, list allows {self.max_sge}")
         memcpy(&self.wrs[i], &wr.wr, sizeof(ibv_recv_wr))
-        memcpy(&self.sges[i * self.max_sge], wr.sges, wr.wr.num_sge * sizeof(ibv_sge))
-        self.wrs[i].sg_list = &self.sges[i * self.max_sge]
+        memcpy(&self.sges[<size_t>i * self.max_sge], wr.sges, <size_t>wr.wr.num_sge * sizeof(ibv_sge))
+        self.wrs[i].sg_list = &self.sges[<size_t>i * self.max_sge]
         self.keepalive[i] = wr
         self._link(max(i + 1, self.count))
 
@@ -351,9 +400,9 @@ cdef class RecvWRList:
         ln = _as_array(lengths, n, np.int64, "lengths")
         ids = _as_array(np.arange(n) if wr_ids is None else wr_ids, n, np.uint64, "wr_ids")
         for i in range(n):
-            fill_sge(&self.sges[i * self.max_sge], mr, off[i], ln[i])
+            fill_sge(&self.sges[<size_t>i * self.max_sge], mr, off[i], ln[i])
             self.wrs[i].wr_id = ids[i]
-            self.wrs[i].sg_list = &self.sges[i * self.max_sge]
+            self.wrs[i].sg_list = &self.sges[<size_t>i * self.max_sge]
             self.wrs[i].num_sge = 1
             self.keepalive[i] = mr
         self._link(n)
