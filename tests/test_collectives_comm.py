@@ -70,8 +70,12 @@ def make_input(rank, count, dtype, op, seed=0):
     if dtype in ("int8", "uint8", "int32", "int64"):
         info = np.iinfo(dtype)
         return rng.integers(info.min, info.max, count, endpoint=True, dtype=dtype)   # wraps: exact anyway
-    if op in ("sum", "avg"):
+    if op == "sum":
         x = rng.integers(-16, 17, count).astype(np.float32)          # sums of <= 8 stay exact
+    elif op == "avg":
+        # avg scales each input by 1/n first: multiples of 3 divide exactly by 2, 3, 4 and 8 ranks,
+        # and the scaled sums stay exact even in bfloat16's 8 bits
+        x = (rng.integers(-4, 5, count) * 3).astype(np.float32)
     elif op == "prod":
         x = rng.choice(np.array([-2, -1, -0.5, 0.5, 1, 2], np.float32), count)   # powers of two: exact
     else:

@@ -7,8 +7,10 @@
 
 Collectives: allreduce, reduce (to root), broadcast (from root), allgather, reduce_scatter,
 barrier, each with a non-blocking ``i*`` form returning a Handle. Ops: sum, prod, min, max, avg
-(avg = sum, then divided by the rank count; integers truncate toward zero, as NCCL). Dtypes:
-int8, uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arrays, or
+(floating-point avg scales every input by 1/n before the sum, as NCCL, so a mean near the
+largest finite value does not overflow as the sum would; integer avg is the sum, which wraps
+around on overflow as C does, divided by n and truncated toward zero, as NCCL). Dtypes: int8,
+uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arrays, or
 ``dtype="bfloat16"`` with uint16 arrays holding the bits). Buffers: numpy arrays, anything with
 the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
 than ranks). CUDA arrays (CuPy, DLPack CUDA tensors, bfloat16 ones too) go to the blocking
@@ -23,14 +25,16 @@ collectives in the same order, as with MPI and NCCL). Non-blocking collectives r
 background thread per communicator; the C reductions and the RDMA completion polling release the
 GIL. Every wait has a timeout (``timeout``, seconds): a rank that died or stalls raises PeerError
 naming it instead of hanging, and the other ranks are told (an abort message) so that they fail
-fast too. Arguments that differ across ranks (sizes, dtypes, ops, roots, algorithms) are detected
-by a tag every message carries, and raise UsageError. After any such failure the communicator is
-unusable: close it and build a new one.
+fast too. Arguments that differ across ranks (sizes, dtypes, ops, roots, algorithms) are detected:
+every message carries the full description of its collective, which the receiver compares with its
+own, and raise UsageError on every rank. After any such failure the communicator is unusable: close
+it and build a new one. ``close()`` may come from any thread: a collective blocked in another one
+raises UsageError within a fraction of a second, as Ctrl-C raises KeyboardInterrupt.
 """
 import contextlib
 import functools
+import os
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -39,8 +43,8 @@ from pyrdma import _reduce
 from pyrdma.collectives import ring, tree
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, CostModel
-from pyrdma.collectives.pieces import segment_bounds
-from pyrdma.collectives.transport import MISMATCH, NO_CULPRIT, PEER_FAILED
+from pyrdma.collectives.pieces import scale_down, scale_down_bfloat16, segment_bounds
+from pyrdma.collectives.transport import LEFT, MISMATCH, NO_CULPRIT, PEER_FAILED, closed_error, describe
 from pyrdma.cuda.buffers import is_cuda_array
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
 
@@ -51,8 +55,6 @@ GPU_PATHS = ("auto", "staged", "direct")
 DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
-_KINDS = {"allreduce": 1, "reduce": 2, "broadcast": 3, "allgather": 4, "reduce_scatter": 5, "barrier": 6,
-          "allreduce-direct": 7, "broadcast-direct": 8}
 
 
 class Handle:
@@ -132,6 +134,7 @@ def _in_and_out(buf, out, dtype, writes):
     if dst.count != src.count:
         raise UsageError(f"out has {dst.count} elements ({dst.nbytes} bytes, expected {src.nbytes}): "
                          f"it must match buf")
+    _check_apart(src, dst)
     return src, dst
 
 
@@ -164,6 +167,70 @@ def _cuda():
 def _check_op(op):
     if op not in OPS:
         raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
+
+
+_FLOAT_CODES = frozenset(_reduce.DTYPE_NAMES.index(n) for n in ("float16", "float32", "float64", "bfloat16"))
+
+
+def prescale(work, code, n):
+    """work /= n in place on the raw bytes of a floating-point dtype (code: pyrdma._reduce's), rounded
+    toward zero (pieces.scale_down): the first step of a floating-point avg, as NCCL's
+    pre-multiplied sum, so the sum of n scaled inputs cannot overflow where their mean is finite."""
+    name = _reduce.DTYPE_NAMES[code]
+    if name == "bfloat16":
+        scale_down_bfloat16(np, work.view(np.uint16), n)
+    else:
+        scale_down(np, work.view(name), n)
+
+
+def _env_int(environ, name, value, minimum):
+    if value is not None:
+        return value
+    text = environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        number = int(text, 0)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise UsageError(f"{name}={text!r} is not an integer >= {minimum}")
+    return number
+
+
+def ib_config(device=None, port=None, gid_index=None, environ=None):
+    """(device, port, gid_index) of the RDMA transport: the arguments, else NCCL-style environment
+    variables PYRDMA_IB_HCA (a device name, or "name:port"), PYRDMA_IB_PORT and
+    PYRDMA_IB_GID_INDEX, else (first active device, port 1, the best GID of the port)."""
+    environ = os.environ if environ is None else environ
+    if device is None:
+        hca = environ.get("PYRDMA_IB_HCA", "").strip()
+        if hca:
+            name, _, hca_port = hca.partition(":")
+            device = name or None
+            if hca_port and port is None:
+                port = _env_int({"PYRDMA_IB_HCA": hca_port}, "PYRDMA_IB_HCA", None, 1)
+    port = _env_int(environ, "PYRDMA_IB_PORT", port, 1)
+    gid_index = _env_int(environ, "PYRDMA_IB_GID_INDEX", gid_index, 0)
+    for name, value, low in (("port", port, 1), ("gid_index", gid_index, 0)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                                  or value < low):
+            raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
+    return device, (1 if port is None else int(port)), (None if gid_index is None else int(gid_index))
+
+
+def _check_apart(src, dst):
+    """UsageError if ``out`` overlaps ``buf`` without being the same memory: the result of one piece
+    would overwrite input of a later one. The very same memory is fine (in place)."""
+    if src is dst:
+        return
+    a0 = src.bytes.__array_interface__["data"][0]
+    b0 = dst.bytes.__array_interface__["data"][0]
+    if a0 == b0 and src.nbytes == dst.nbytes:
+        return
+    if a0 < b0 + dst.nbytes and b0 < a0 + src.nbytes and src.nbytes and dst.nbytes:
+        raise UsageError("out overlaps buf without being the same memory; pass out=None (in place), "
+                         "out=buf, or an out that does not overlap buf")
 
 
 def rdma_available(device=None):
@@ -199,16 +266,28 @@ class Communicator:
     how allreduce and broadcast move CUDA arrays: "direct" (the transport sends straight from GPU
     memory, over RDMA registered by GPUDirect; reductions run as CUDA kernels), "staged" (through
     pinned host memory, reductions on the CPU), or "auto" (direct when every rank's RDMA device and
-    GPU can do GPUDirect RDMA, agreed on at the first CUDA collective; else staged).
+    GPU can do GPUDirect RDMA, agreed on at the first CUDA collective; else staged). ``device``,
+    ``port``, ``gid_index``: the RDMA device, port and GID the QPs use (default: NCCL-style
+    environment variables PYRDMA_IB_HCA, a name or "name:port", PYRDMA_IB_PORT, PYRDMA_IB_GID_INDEX;
+    else the first active device, port 1, the port's best GID).
+
+    ``op="avg"``: floating-point inputs are divided by ``size`` (rounded once to their dtype; float16
+    toward zero) before they are summed, as NCCL does, so a mean near the largest finite value does
+    not overflow as their sum would (pieces.scale_down has the fine print). Integer avg is the sum,
+    which wraps around on overflow as C does, divided by ``size`` and truncated toward zero (-7 over
+    2 ranks gives -3), as NCCL.
+    ``out`` may be the very same memory as ``buf`` (in place) or memory apart from it; partial
+    overlap raises UsageError.
     """
 
     def __init__(self, rank=None, size=None, master=None, *, transport="auto", timeout=60.0, exchange=None,
                  device=None, max_message=None, slots=None, cost_model=None, tcp_host=None,
                  max_work_bytes=DEFAULT_MAX_WORK_BYTES, spin=None, slot_bytes=None,
-                 zero_copy_bytes=DEFAULT_ZERO_COPY_BYTES, gpu_path="auto", qp_timeout=None):
+                 zero_copy_bytes=DEFAULT_ZERO_COPY_BYTES, gpu_path="auto", qp_timeout=None, port=None,
+                 gid_index=None):
         if transport not in TRANSPORTS:
             raise UsageError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
-        if timeout is None or timeout <= 0:
+        if not isinstance(timeout, (int, float)) or not timeout > 0:     # NaN too: no deadline would pass
             raise UsageError(f"timeout must be a positive number of seconds, got {timeout!r}")
         if exchange is not None:
             rank = exchange.rank if rank is None else rank
@@ -216,10 +295,13 @@ class Communicator:
             if (rank, size) != (exchange.rank, exchange.size):
                 raise UsageError(f"rank/size {rank}/{size} differ from the exchange's {exchange.rank}/{exchange.size}")
         check_rank(rank, size)
+        device, port, gid_index = ib_config(device, port, gid_index)
         if slot_bytes is not None:       # the older name of max_message
             max_message = slot_bytes if max_message is None else max_message
         self.rank, self.size, self.timeout = rank, size, float(timeout)
         self.max_work_bytes = int(max_work_bytes)
+        if self.max_work_bytes < 64:      # (one element per piece would run, at one collective per element)
+            raise UsageError(f"max_work_bytes must be at least 64, got {max_work_bytes!r}")
         self.zero_copy_bytes = int(zero_copy_bytes) if zero_copy_bytes else 0
         if gpu_path not in GPU_PATHS:
             raise UsageError(f"unknown gpu_path {gpu_path!r}; use one of {', '.join(GPU_PATHS)}")
@@ -232,8 +314,8 @@ class Communicator:
         if exchange is None:
             if master is None:
                 raise UsageError("give master='host:port' of rank 0, or use Communicator.from_env() / from_mpi()")
-            host, port = parse_address(master)
-            exchange = TCPStore(host, port, rank, size, timeout)
+            master_host, master_port = parse_address(master)
+            exchange = TCPStore(master_host, master_port, rank, size, timeout)
         try:
             chosen = self._agree_on_transport(exchange, transport, device)
             kwargs = {}
@@ -247,7 +329,8 @@ class Communicator:
                     kwargs["spin"] = spin
                 if qp_timeout is not None:
                     kwargs["qp_timeout"] = qp_timeout
-                self.transport = RdmaTransport(rank, size, exchange, self.timeout, device, **kwargs)
+                self.transport = RdmaTransport(rank, size, exchange, self.timeout, device, port=port,
+                                               gid_index=gid_index, **kwargs)
             else:
                 from pyrdma.collectives.transport import TcpTransport
                 self.transport = TcpTransport(rank, size, exchange, self.timeout, host=tcp_host, **kwargs)
@@ -256,7 +339,8 @@ class Communicator:
                 exchange.close()
         self.transport_name = chosen
         self.cost_model = cost_model or CostModel(transport=chosen)
-        self._exec_lock = threading.Lock()
+        # reentrant: close() from inside a collective's own thread (a signal handler) must not deadlock
+        self._exec_lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._pending = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
@@ -301,12 +385,25 @@ class Communicator:
         return cls(exchange=exchange, **kwargs)
 
     def close(self):
-        """Finish queued collectives, then release the transport. Idempotent."""
+        """Release the transport. Idempotent; any thread may call it. A collective still running or
+        queued then (blocked in another thread, or non-blocking) raises UsageError ("closed") at its
+        next wait, within a fraction of a second: wait on handles first to let them finish. The
+        transport is released only once no collective uses it any more."""
         if self._closed:
             return
         self._closed = True
+        self.transport.interrupt()
         self._executor.shutdown(wait=True)
-        self.transport.close()
+        # a blocking collective of another thread leaves at its next wait (CLOSE_POLL), or at its
+        # timeout if it sits in a send that cannot finish
+        if self._exec_lock.acquire(timeout=self.timeout + 5):
+            try:
+                self.transport.close()
+            finally:
+                self._exec_lock.release()
+        else:
+            raise UsageError("close(): a collective of another thread did not leave within the timeout; "
+                             "the transport stays open")
 
     def __enter__(self):
         return self
@@ -326,11 +423,11 @@ class Communicator:
 
     # ---- running collectives ------------------------------------------------------------------
 
-    def _tag(self, kind, *fields):
-        """The tag of a collective about to be submitted: every rank computes the same one for the
-        same call (the sequence number advances in _submit, once the call was accepted)."""
-        text = "|".join(str(f) for f in (self._seq, _KINDS[kind]) + fields).encode()
-        return zlib.crc32(text)
+    def _tag(self, kind, **fields):
+        """The description of a collective about to be submitted (transport.describe): every rank
+        computes the same one for the same call, and every message carries it (the sequence
+        number advances in _submit, once the call was accepted)."""
+        return describe(self._seq, kind, **fields)
 
     def _submit(self, blocking, fn, *args):
         if self._closed:
@@ -350,6 +447,8 @@ class Communicator:
     def _run_queued(self, fn, *args):
         try:
             with self._exec_lock:
+                if self._closed:
+                    raise closed_error()
                 self._raise_if_broken()
                 return self._guarded(fn, *args)
         finally:
@@ -372,7 +471,10 @@ class Communicator:
         culprit = getattr(exc, "peer", None)
         if not isinstance(culprit, int) or not 0 <= culprit < self.size:
             culprit = self.rank if not isinstance(exc, RDMAError) else NO_CULPRIT
-        reason = MISMATCH if isinstance(exc, UsageError) else PEER_FAILED
+        if getattr(exc, "closed", False) or isinstance(exc, KeyboardInterrupt):
+            culprit, reason = self.rank, LEFT      # closed (or interrupted) here: this rank leaves
+        else:
+            reason = MISMATCH if isinstance(exc, UsageError) else PEER_FAILED
         try:
             self.transport.abort(culprit, reason)
         except Exception:
@@ -429,7 +531,8 @@ class Communicator:
                 algo = ALIASES.get(algo, algo)
                 if algo not in ALLREDUCE_ALGORITHMS:
                     raise UsageError(f"the cost model chose an unknown algorithm {algo!r}")
-            plan.append((lo, hi, algo, self._tag("allreduce", op, src.code, src.count, lo, hi, algo)))
+            plan.append((lo, hi, algo, self._tag("allreduce", op=op, dtype=src.code, count=src.count, lo=lo, hi=hi,
+                                                     algorithm=algo)))
         return self._submit(blocking, self._allreduce, src, dst, op, plan)
 
     def _check_algorithm(self, algorithm):
@@ -463,6 +566,8 @@ class Communicator:
                                  size=2 * nbytes if doubling else None) as (work, in_place):
                 if not in_place or src is not dst:
                     work[:nbytes] = src.bytes[a:b]
+                if op == "avg" and src.code in _FLOAT_CODES:
+                    prescale(work[:nbytes], src.code, self.size)
                 t.set_tag(tag)
                 at = 0                                   # where in work the result lies
                 if algo == "ring":
@@ -471,7 +576,7 @@ class Communicator:
                     tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
                 else:
                     at = tree.recursive_doubling_allreduce(t, hi - lo, itemsize, reduce)
-                if op == "avg":
+                if op == "avg" and src.code not in _FLOAT_CODES:
                     _reduce.divide_bytes(work[at:at + nbytes], src.code, self.size)
                 if not in_place:
                     dst.bytes[a:b] = work[at:at + nbytes]
@@ -496,9 +601,11 @@ class Communicator:
             agreed = self._gpudirect_agreed[device_id] = bool(flag[0])
         return agreed
 
-    def _allreduce_in_place(self, work, count, itemsize, code, op, algorithm, reduce, divide):
+    def _allreduce_in_place(self, work, count, itemsize, code, op, algorithm, reduce, divide, prescale=None):
         """allreduce of ``count`` elements in place on ``work`` (a flat uint8 array, GPU memory
-        included, that the transport sends from directly), with the given reduction callables."""
+        included, that the transport sends from directly), with the given reduction callables.
+        avg: ``prescale(work, n)`` (floating point: work /= n before the sum) when given, else
+        ``divide(work, n)`` after it."""
         plan = []
         for lo, hi in self._pieces(count, itemsize):
             algo = algorithm
@@ -507,13 +614,17 @@ class Communicator:
                 algo = ALIASES.get(algo, algo)
             if algo == "recursive_doubling":      # needs a second copy of the buffer: not in place
                 algo = "halving_doubling"
-            plan.append((lo, hi, algo, self._tag("allreduce-direct", op, code, count, lo, hi, algo)))
-        return self._submit(True, self._run_allreduce_in_place, work, itemsize, op, plan, reduce, divide).wait()
+            plan.append((lo, hi, algo, self._tag("allreduce-direct", op=op, dtype=code, count=count, lo=lo, hi=hi,
+                                                      algorithm=algo)))
+        return self._submit(True, self._run_allreduce_in_place, work, itemsize, op, plan, reduce, divide,
+                            prescale).wait()
 
-    def _run_allreduce_in_place(self, work, itemsize, op, plan, reduce, divide):
+    def _run_allreduce_in_place(self, work, itemsize, op, plan, reduce, divide, prescale):
         t = self.transport
         for lo, hi, algo, tag in plan:
             a, b = lo * itemsize, hi * itemsize
+            if op == "avg" and prescale is not None:
+                prescale(work[a:b], self.size)
             t.use_buffer(work, a, b)
             try:
                 t.set_tag(tag)
@@ -523,7 +634,7 @@ class Communicator:
                     tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
             finally:
                 t.use_buffer(None)
-            if op == "avg":
+            if op == "avg" and prescale is None:
                 divide(work[a:b], self.size)
 
     def _broadcast_in_place(self, work, dtype_name, root, algorithm):
@@ -531,7 +642,8 @@ class Communicator:
         plan = []
         for lo, hi in self._pieces(work.nbytes, 1):
             algo = self._rooted_algorithm(algorithm, hi - lo)
-            plan.append((lo, hi, algo, self._tag("broadcast-direct", dtype_name, work.nbytes, root, lo, hi, algo)))
+            plan.append((lo, hi, algo, self._tag("broadcast-direct", dtype=_dtype_field(dtype_name),
+                                                      count=work.nbytes, root=root, lo=lo, hi=hi, algorithm=algo)))
         return self._submit(True, self._run_broadcast_in_place, work, root, plan).wait()
 
     def _run_broadcast_in_place(self, work, root, plan):
@@ -587,7 +699,8 @@ class Communicator:
         plan = []
         for lo, hi in self._pieces(src.count, src.itemsize):
             algo = self._rooted_algorithm(algorithm, (hi - lo) * src.itemsize)
-            plan.append((lo, hi, algo, self._tag("reduce", op, src.code, src.count, root, lo, hi, algo)))
+            plan.append((lo, hi, algo, self._tag("reduce", op=op, dtype=src.code, count=src.count, root=root, lo=lo,
+                                                     hi=hi, algorithm=algo)))
         return self._submit(blocking, self._reduce_to_root, src, dst, op, root, plan)
 
     def _reduce_to_root(self, src, dst, op, root, plan):
@@ -598,13 +711,15 @@ class Communicator:
             a, b = lo * itemsize, hi * itemsize
             work = t.buffer(b - a)
             work[:b - a] = src.bytes[a:b]
+            if op == "avg" and src.code in _FLOAT_CODES:
+                prescale(work[:b - a], src.code, self.size)
             t.set_tag(tag)
             if algo == "chain":
                 ring.chain_reduce(t, hi - lo, itemsize, reduce, root)
             else:
                 tree.binomial_reduce(t, hi - lo, itemsize, reduce, root)
             if self.rank == root:
-                if op == "avg":
+                if op == "avg" and src.code not in _FLOAT_CODES:
                     _reduce.divide_bytes(work[:b - a], src.code, self.size)
                 dst.bytes[a:b] = work[:b - a]
         return dst.obj if self.rank == root else None
@@ -625,6 +740,7 @@ class Communicator:
     def _ibroadcast(self, buf, root, algorithm, blocking):
         root = self._check_root(root)
         arr = _as_numpy(buf, "buf")       # any dtype: broadcast copies bytes
+        _check_plain(arr, "buf")
         if not arr.flags.c_contiguous:
             raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
         if self.rank != root and not arr.flags.writeable:
@@ -633,7 +749,8 @@ class Communicator:
         plan = []
         for lo, hi in self._pieces(data.nbytes, 1):
             algo = self._rooted_algorithm(algorithm, hi - lo)
-            plan.append((lo, hi, algo, self._tag("broadcast", str(arr.dtype), data.nbytes, root, lo, hi, algo)))
+            plan.append((lo, hi, algo, self._tag("broadcast", dtype=arr.dtype, count=data.nbytes, root=root, lo=lo,
+                                                     hi=hi, algorithm=algo)))
         return self._submit(blocking, self._broadcast, data, buf, root, plan)
 
     def _broadcast(self, data, obj, root, plan):
@@ -668,6 +785,7 @@ class Communicator:
 
     def _iallgather(self, buf, out, blocking):
         arr = _as_numpy(buf, "buf")
+        _check_plain(arr, "buf")
         if not arr.flags.c_contiguous:
             raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
         users_out = out is not None
@@ -681,7 +799,7 @@ class Communicator:
             raise UsageError(f"out must hold {self.size} x {arr.size} elements of {arr.dtype}; "
                              f"it has {dst_arr.size} of {dst_arr.dtype}")
         src_bytes = _raw_bytes(arr)
-        tag = self._tag("allgather", str(arr.dtype), arr.size)
+        tag = self._tag("allgather", dtype=arr.dtype, count=arr.size)
         return self._submit(blocking, self._allgather, src_bytes, _raw_bytes(dst_arr), out, tag, users_out)
 
     def _allgather(self, src_bytes, dst_bytes, out, tag, users_out):
@@ -721,17 +839,19 @@ class Communicator:
         src.same_type(dst, "out")
         if dst.count != stop - start:
             raise UsageError(f"out must hold this rank's {stop - start} elements (segment_bounds), it has {dst.count}")
-        tag = self._tag("reduce_scatter", op, src.code, src.count)
+        tag = self._tag("reduce_scatter", op=op, dtype=src.code, count=src.count)
         return self._submit(blocking, self._reduce_scatter, src, dst, op, bounds, tag)
 
     def _reduce_scatter(self, src, dst, op, bounds, tag):
         t = self.transport
         work = t.buffer(src.nbytes)
         work[:src.nbytes] = src.bytes
+        if op == "avg" and src.code in _FLOAT_CODES:
+            prescale(work[:src.nbytes], src.code, self.size)
         t.set_tag(tag)
         ring.ring_reduce_scatter(t, src.count, src.itemsize, self._reducer(src.code, op), bounds)
         mine = work[bounds[self.rank] * src.itemsize:bounds[self.rank + 1] * src.itemsize]
-        if op == "avg":
+        if op == "avg" and src.code not in _FLOAT_CODES:
             _reduce.divide_bytes(mine, src.code, self.size)
         dst.bytes[:] = mine
         return dst.obj
@@ -744,12 +864,30 @@ class Communicator:
         return self._ibarrier(False)
 
     def _ibarrier(self, blocking):
-        tag = self._tag("barrier")
+        tag = self._tag("barrier", algorithm="dissemination")
         return self._submit(blocking, self._barrier, tag)
 
     def _barrier(self, tag):
         self.transport.set_tag(tag)
         tree.dissemination_barrier(self.transport)
+
+
+def _check_plain(arr, name):
+    """Byte-copying collectives carry plain data only: an object array holds pointers into this
+    process, which another process would dereference."""
+    if arr.dtype.hasobject:
+        raise UsageError(f"{name} has dtype {arr.dtype}, which holds Python objects; the collectives move "
+                         f"plain data only")
+
+
+def _dtype_field(name):
+    """describe()'s dtype of a CUDA broadcast: pyrdma._reduce's code, else numpy's type."""
+    if name in _reduce.DTYPE_NAMES:
+        return _reduce.DTYPE_NAMES.index(name)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return 0xFFFF
 
 
 def _raw_bytes(arr):

@@ -6,7 +6,8 @@ The algorithms see only this interface; a transport never knows the algorithm.
     t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
     t.use_buffer(whole, start, stop)     work in place on the caller's memory whole[start:stop]
                                          instead (zero copy); t.use_buffer(None) goes back
-    t.set_tag(tag)                       stamp of the collective now running (checked on receive)
+    t.set_tag(desc)                      the description of the collective now running (describe();
+                                         every message carries it, the receiver compares it exactly)
     t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
     t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
     t.send_window                        how many messages a step may send to a peer ahead of the
@@ -21,14 +22,21 @@ The algorithms see only this interface; a transport never knows the algorithm.
 RdmaTransport: one RC QP per peer. Each rank registers, once, ``slots`` receive slots of
 ``max_message`` bytes per peer. A message is one RDMA WRITE_WITH_IMM from the sender's registered
 work buffer straight into the receiver's next slot (slot = message number mod slots: RC delivers in
-order, so the slot index need not travel); the 32-bit immediate carries the kind, the collective's
-tag and the length. Flow control is by credits: a sender starts with ``slots`` credits, spends one
-per message and waits when it has none; the receiver returns consumed slots as credits (a zero-byte
-WRITE_WITH_IMM, batched by half the slots), so a slot is never overwritten before it was consumed.
+order, so the slot index need not travel), just after a small header written by an unsignaled WRITE
+posted before it (RC places it first): the collective's full description and the length, which the
+receiver compares exactly with its own. The 32-bit immediate carries the kind and the length.
+Flow control is by credits: a sender starts with ``slots`` credits, spends one per message and
+waits when it has none; the receiver returns consumed slots as credits (a zero-byte WRITE_WITH_IMM,
+batched by half the slots), so a slot is never overwritten before it was consumed.
 
 TcpTransport: the same contract over one TCP connection per pair of ranks, for machines without
 RDMA and for host tests; a reader thread per peer drains its socket so senders never block on a
-peer that is itself busy sending.
+peer that is itself busy sending. Every length and value read from a peer is bounded (a data frame
+by max_message): a malformed frame drops the connection and fails the group with PeerError.
+
+Closing. ``interrupt()`` (Communicator.close from another thread) makes every wait raise
+UsageError within CLOSE_POLL seconds; waits sleep in slices that short, so Ctrl-C
+(KeyboardInterrupt) gets through as quickly.
 
 Failures. Every wait gives up after ``timeout`` seconds with a PeerError. A peer that disconnects,
 fails a work completion or reports an abort raises PeerError at once. Whom to blame on a timeout
@@ -65,6 +73,7 @@ DEFAULT_QP_TIMEOUT = 20
 MAX_RDMA_MESSAGE = 4 * 1024 * 1024   # the immediate carries a 23-bit length
 MAX_RANKS = 0xFFFE                   # a REPORT carries a 16-bit rank
 USER_MR_CACHE = 8                    # registrations of callers' buffers kept for reuse
+CLOSE_POLL = 0.2                     # the longest a wait sleeps before it looks at interrupt() and signals
 
 # Abort reasons (carried by ABORT messages)
 PEER_FAILED, MISMATCH, LEFT = 0, 1, 2
@@ -91,6 +100,85 @@ def mismatch_error(peer, what):
     return err
 
 
+def closed_error():
+    err = UsageError("the communicator was closed while this collective was running")
+    err.closed = True          # Communicator._fail tells the peers this rank left, not that they mismatched
+    return err
+
+
+# ------------------------------------------------------------------------------------------------
+# The description of a collective. Every message carries it (with its length) in front of its
+# payload and the receiver compares it, byte for byte, with the one of the collective it runs
+# itself: any difference in kind, count, dtype, op, root, algorithm, piece or call number is a
+# mismatch, whatever the sizes. A fixed 48-byte header: negligible next to a message.
+
+DESC = struct.Struct("<QQQQIHBBB3x")    # seq, count, lo, hi, root, dtype, kind, op, algorithm
+HEADER = struct.Struct("<44sI")          # description, payload length
+assert DESC.size == 44 and HEADER.size == 48
+KINDS = ("", "allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "barrier",
+         "allreduce-direct", "broadcast-direct", "test")
+DESC_OPS = ("", "sum", "prod", "min", "max", "avg")
+DESC_ALGORITHMS = ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "dissemination")
+NO_ROOT = 0xFFFFFFFF
+BYTE_DTYPE = 0x8000                     # dtype field of byte-copying collectives: numpy's type number
+
+
+def describe(seq, kind, count=0, dtype=0, op="", root=None, algorithm="", lo=0, hi=0):
+    """The packed description of a collective (what set_tag takes). ``dtype``: pyrdma._reduce's code
+    of a reduction's dtype, or a numpy dtype for collectives that copy bytes."""
+    if not isinstance(dtype, int):
+        dt = np.dtype(dtype)
+        dtype = BYTE_DTYPE | ((dt.num & 0x7F) << 8) | min(dt.itemsize, 0xFF)
+    return DESC.pack(seq & 0xFFFFFFFFFFFFFFFF, count, lo, hi, NO_ROOT if root is None else root, dtype,
+                     KINDS.index(kind), DESC_OPS.index(op), DESC_ALGORITHMS.index(algorithm))
+
+
+def explain(desc):
+    """A description as text, for error messages."""
+    try:
+        seq, count, lo, hi, root, dtype, kind, op, algo = DESC.unpack(desc)
+    except struct.error:
+        return f"an unreadable description {bytes(desc)[:16].hex()}"
+
+    def name(table, i):
+        return table[i] if i < len(table) else f"#{i}"
+    if dtype & BYTE_DTYPE:
+        num, itemsize = (dtype >> 8) & 0x7F, dtype & 0xFF
+        names = {np.dtype(t).num: np.dtype(t).name for t in set(np.sctypeDict.values())}
+        dname = names.get(num, f"numpy type {num}") if num != np.dtype("V").num else f"V{itemsize}"
+    else:
+        from pyrdma import _reduce
+        dname = name(_reduce.DTYPE_NAMES, dtype)
+    parts = [f"call #{seq} {name(KINDS, kind) or 'collective'}", f"count={count}", f"dtype={dname}"]
+    if op:
+        parts.append(f"op={name(DESC_OPS, op)}")
+    if root != NO_ROOT:
+        parts.append(f"root={root}")
+    if algo:
+        parts.append(f"algorithm={name(DESC_ALGORITHMS, algo)}")
+    if hi and (lo, hi) != (0, count):
+        parts.append(f"piece [{lo}, {hi})")
+    return ", ".join(parts)
+
+
+def check_header(peer, rank, got_desc, got_len, want_desc, want_len):
+    """UsageError (a mismatch) unless a received message is the one this rank expects."""
+    if got_desc != want_desc:
+        raise mismatch_error(peer, f"a message of a different collective ({explain(got_desc)}) where rank {rank} "
+                                   f"runs {explain(want_desc)}")
+    if got_len != want_len:
+        raise mismatch_error(peer, f"a {got_len}-byte message where rank {rank} expected {want_len} bytes")
+
+
+def _as_desc(desc):
+    """set_tag's argument: a description from describe(), or an int (a bare call number)."""
+    if isinstance(desc, (bytes, bytearray)) and len(desc) == DESC.size:
+        return bytes(desc)
+    if isinstance(desc, (int, np.integer)):
+        return describe(int(desc), "test")
+    raise UsageError(f"set_tag takes a description from describe(), got {desc!r}")
+
+
 def _grow(nbytes, minimum=64 * 1024):
     return max(minimum, 1 << max(0, int(nbytes) - 1).bit_length())
 
@@ -111,6 +199,12 @@ class _Waits:
         self.waiting_on = None
         self.epoch = 0
         self.reports = {}
+        self._closing = False
+
+    def interrupt(self):
+        """Make every wait, now and later, raise UsageError ("closed") within CLOSE_POLL seconds
+        (any thread may call this; close() still has to follow, once the collective has left)."""
+        self._closing = True
 
     def _wait(self, ready, peer, what):
         """Make progress until ``ready()``; on timeout raise PeerError naming the rank to blame."""
@@ -127,6 +221,8 @@ class _Waits:
             while True:
                 if self.failure is not None:
                     raise self.failure
+                if self._closing:
+                    raise closed_error()
                 self._check_peer(peer)
                 now = time.monotonic()
                 if now >= deadline:
@@ -138,7 +234,7 @@ class _Waits:
                         self._send_query(suspect, self.epoch)
                     self._step(min(deadline - now, 0.05))
                 else:
-                    self._step(min(probe_at, deadline) - now)
+                    self._step(min(min(probe_at, deadline) - now, CLOSE_POLL))
                 if ready():
                     return
         finally:
@@ -177,8 +273,8 @@ class _Waits:
 
 _KIND_DATA, _KIND_CREDIT, _KIND_ABORT, _KIND_CONTROL = 0, 1, 2, 3
 _CTRL_QUERY, _CTRL_REPORT = 0, 1
-_TAG_BITS = 7
 _LEN_MASK = (1 << 23) - 1
+HEADER_ROOM = 64           # a slot: the header, then the payload (64-byte aligned)
 
 
 def _current_stream():
@@ -187,8 +283,8 @@ def _current_stream():
     return cupy.cuda.get_current_stream()
 
 
-def _imm_data(tag, nbytes):
-    return (_KIND_DATA << 30) | ((tag & ((1 << _TAG_BITS) - 1)) << 23) | nbytes
+def _imm_data(nbytes):
+    return (_KIND_DATA << 30) | nbytes
 
 
 def _imm_credit(count):
@@ -228,10 +324,14 @@ class RdmaTransport(_Waits):
         self._init_waits(timeout)
         self.max_message, self.slots, self.spin = int(max_message), int(slots), spin
         self.qp_timeout = int(qp_timeout)
-        self.slot_stride = (self.max_message + 63) & ~63
+        self.slot_stride = (HEADER_ROOM + self.max_message + 63) & ~63
         self.peers = [p for p in range(size) if p != rank]
         self._closed = False
-        self.tag = 0
+        self._desc = describe(0, "")
+        if not isinstance(port, int) or not 1 <= port <= 255:
+            raise UsageError(f"port must be a port number within 1..255, got {port!r}")
+        if gid_index is not None and (not isinstance(gid_index, int) or gid_index < 0):
+            raise UsageError(f"gid_index must be a non-negative integer (or None: the best one), got {gid_index!r}")
         self.ctx = rd.Context(device)
         try:
             self._setup(rd, Endpoint, WIRE_SIZE, exchange, port, gid_index)
@@ -239,12 +339,32 @@ class RdmaTransport(_Waits):
             self.ctx.close()
             raise
 
+    def _check_gid(self, port, gid_index):
+        """UsageError unless ``gid_index`` names a GID of ``port`` (an all-zero entry is unused)."""
+        nports = self.ctx.query_device().phys_port_cnt
+        where = f"device {self.ctx.name!r}"
+        if port > nports:
+            raise UsageError(f"{where} has {nports} port(s); port {port} does not exist")
+        if gid_index is None:
+            return
+        length = self.ctx.query_port(port).gid_tbl_len
+        if gid_index >= length:
+            raise UsageError(f"gid_index {gid_index} is out of range: port {port} of {where} has {length} GIDs")
+        try:
+            gid = self.ctx.query_gid(port, gid_index)
+        except RDMAError as exc:
+            raise UsageError(f"gid_index {gid_index} is not a GID of port {port} of {where}: {exc}") from None
+        if not any(bytes(gid)):
+            raise UsageError(f"gid_index {gid_index} of port {port} of {where} is an empty GID table entry")
+
     def _setup(self, rd, Endpoint, WIRE_SIZE, exchange, port, gid_index):
+        self._check_gid(port, gid_index)
         npeers = len(self.peers)
         self.pd = rd.ProtectionDomain(self.ctx)
         self.channel = rd.CompChannel(self.ctx)
-        # data <= slots in flight, credits <= slots / batch, plus control and abort messages
-        self.sq_depth = 2 * self.slots + 8
+        # data <= slots in flight (two WRs each: header and payload), credits <= slots / batch, plus
+        # control and abort messages
+        self.sq_depth = 3 * self.slots + 8
         self.rq_depth = 2 * self.slots + 8
         max_cqe = self.ctx.query_device().max_cqe
         cqe = max(16, min(max_cqe, npeers * (self.sq_depth + self.rq_depth) + 16))
@@ -258,6 +378,12 @@ class RdmaTransport(_Waits):
                                                 rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
         self.slot_array = self.slot_mr.array()
         self.slot_base = {p: i * per_peer for i, p in enumerate(self.peers)}
+        # The headers of the messages in flight: one per credit and peer, reused slot by slot (a
+        # credit comes back only after its message, and so its header, has arrived).
+        self.header_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * self.slots * HEADER_ROOM,
+                                                  rd.ACCESS_LOCAL_WRITE)
+        self.header_array = self.header_mr.array()
+        self.header_base = {p: i * self.slots * HEADER_ROOM for i, p in enumerate(self.peers)}
         self.qp, self.remote = {}, {}
         self.peer_of_qpn = {}
         self.credits = {p: self.slots for p in self.peers}
@@ -271,7 +397,7 @@ class RdmaTransport(_Waits):
         for p in self.peers:
             qp = rd.QueuePair(self.pd, rd.QPT_RC, self.cq, max_send_wr=self.sq_depth, max_recv_wr=self.rq_depth,
                               port=port, gid_index=gid_index)
-            qp.to_init(port=port)
+            qp.to_init()     # the port is the QP's already; to_init(port=) would re-pick the GID
             for _ in range(self.rq_depth):
                 qp.post_recv(self._recv_wr)
             self.qp[p] = qp
@@ -356,23 +482,30 @@ class RdmaTransport(_Waits):
         # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
         self._gpu_sync = _current_stream().synchronize if on_gpu else None
 
-    def set_tag(self, tag):
-        self.tag = tag & ((1 << _TAG_BITS) - 1)
+    def set_tag(self, desc):
+        self._desc = _as_desc(desc)
 
     def can_send(self, peer):
-        return self.credits[peer] > 0 and self.outstanding[peer] < self.sq_depth
+        return self.credits[peer] > 0 and self.outstanding[peer] + 2 <= self.sq_depth
 
     def send(self, peer, offset, nbytes):
         if nbytes > self.max_message:
             raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
         if self._gpu_sync is not None:
             self._gpu_sync()
-        if self.credits[peer] == 0 or self.outstanding[peer] >= self.sq_depth:
-            self._wait(lambda: self.credits[peer] > 0 and self.outstanding[peer] < self.sq_depth, peer,
-                       "a free receive slot (a credit)")
+        if not self.can_send(peer):
+            self._wait(lambda: self.can_send(peer), peer, "a free receive slot (a credit)")
         addr, rkey = self.remote[peer]
         slot = self.send_seq[peer] % self.slots
-        self._post(peer, offset, nbytes, addr + slot * self.slot_stride, rkey, _imm_data(self.tag, nbytes), data=True)
+        remote = addr + slot * self.slot_stride
+        # the header first, unsignaled (the payload's completion retires it): RC places it before
+        # the payload's immediate arrives
+        h = self.header_base[peer] + slot * HEADER_ROOM
+        self.header_array[h:h + HEADER.size] = np.frombuffer(HEADER.pack(self._desc, nbytes), np.uint8)
+        self.qp[peer].post_write(self.header_mr, h, HEADER.size, remote, rkey, wr_id=(peer << 2) | 2,
+                                 signaled=False)
+        self.outstanding[peer] += 1
+        self._post(peer, offset, nbytes, remote + HEADER_ROOM, rkey, _imm_data(nbytes), data=True)
         self.credits[peer] -= 1
         self.send_seq[peer] += 1
 
@@ -380,13 +513,13 @@ class RdmaTransport(_Waits):
         arrivals = self.arrivals[peer]
         if not arrivals:
             self._wait(lambda: len(arrivals) > 0, peer, f"a {nbytes}-byte message")
-        tag, got = arrivals.popleft()
-        if tag != self.tag:
-            raise mismatch_error(peer, "a message of a different collective")
-        if got != nbytes:
-            raise mismatch_error(peer, f"a {got}-byte message where rank {self.rank} expected {nbytes} bytes")
+        got = arrivals.popleft()
         start = self.slot_base[peer] + (self.recv_seq[peer] % self.slots) * self.slot_stride
+        desc, length = HEADER.unpack(self.slot_array[start:start + HEADER.size].tobytes())
+        if desc != self._desc or length != nbytes or got != nbytes:
+            check_header(peer, self.rank, desc, length if length != nbytes else got, self._desc, nbytes)
         self.recv_seq[peer] += 1
+        start += HEADER_ROOM
         return self.slot_array[start:start + nbytes]
 
     def release(self, peer):
@@ -394,6 +527,7 @@ class RdmaTransport(_Waits):
         if self.unreturned[peer] >= self.credit_batch:
             if self.outstanding[peer] >= self.sq_depth:
                 self._wait(lambda: self.outstanding[peer] < self.sq_depth, peer, "send queue space")
+
             addr, rkey = self.remote[peer]
             self._post(peer, 0, 0, addr, rkey, _imm_credit(self.unreturned[peer]), data=False)
             self.unreturned[peer] = 0
@@ -422,7 +556,7 @@ class RdmaTransport(_Waits):
 
     def _post(self, peer, offset, nbytes, remote_addr, rkey, imm, data):
         self.qp[peer].post_write(self._work_mr, self._work_offset + offset, nbytes, remote_addr, rkey,
-                                 wr_id=(peer << 1) | int(data), imm=imm)
+                                 wr_id=(peer << 2) | int(data), imm=imm)
         self.outstanding[peer] += 1
         if data:
             self.data_outstanding[peer] += 1
@@ -454,7 +588,7 @@ class RdmaTransport(_Waits):
                 cq.req_notify()
                 n = cq.poll_into(self._wcs)   # one that came before the arming
                 if n == 0:
-                    cq.wait(timeout=min(seconds, 1.0))
+                    cq.wait(timeout=min(seconds, CLOSE_POLL))
                     n = cq.poll_into(self._wcs)
         if n:
             self._handle(n)
@@ -465,7 +599,7 @@ class RdmaTransport(_Waits):
         for wr_id, status, opcode, imm, qpn in zip(wcs["wr_id"].tolist(), wcs["status"].tolist(),
                                                    wcs["opcode"].tolist(), wcs["imm_data"].tolist(),
                                                    wcs["qp_num"].tolist()):
-            peer = self.peer_of_qpn.get(qpn, wr_id >> 1)
+            peer = self.peer_of_qpn.get(qpn, wr_id >> 2)
             if status != rd.WC_SUCCESS:
                 if self.failure is None:
                     self.failure = PeerError(
@@ -476,7 +610,7 @@ class RdmaTransport(_Waits):
                 self.qp[peer].post_recv(self._recv_wr)
                 kind = imm >> 30
                 if kind == _KIND_DATA:
-                    self.arrivals[peer].append(((imm >> 23) & ((1 << _TAG_BITS) - 1), imm & _LEN_MASK))
+                    self.arrivals[peer].append(imm & _LEN_MASK)
                 elif kind == _KIND_CREDIT:
                     self.credits[peer] += imm & 0xFFFF
                 elif kind == _KIND_ABORT:
@@ -490,7 +624,8 @@ class RdmaTransport(_Waits):
                         self.reports[peer] = value
             else:
                 self.outstanding[peer] -= 1
-                if wr_id & 1:
+                if wr_id & 1:                      # a payload: its header's WR is retired with it
+                    self.outstanding[peer] -= 1
                     self.data_outstanding[peer] -= 1
 
 
@@ -499,9 +634,47 @@ class RdmaTransport(_Waits):
 
 _HELLO = struct.Struct("!8sBxxxii")          # magic, version, rank, world size
 _HELLO_MAGIC = b"PYRDMATC"
-_HELLO_VERSION = 1
-_FRAME = struct.Struct("!BxxxIQ")             # kind, tag (abort: reason; control: epoch), length or value
+_HELLO_VERSION = 2                           # 2: data frames carry the collective's description
+_FRAME = struct.Struct("!BxxxIQ")             # kind, 0 (abort: reason; control: epoch), length or value
 _TCP_QUERY, _TCP_REPORT = 3, 4
+MAX_TCP_MESSAGE = 1 << 30                     # the bound on max_message, so on any frame a peer may send
+HELLO_TIMEOUT = 10.0                          # the longest an accepted connection may take to say hello
+
+
+def _malformed(peer, what):
+    err = PeerError(f"rank {peer} sent a malformed frame ({what}); its connection is dropped", peer=peer)
+    err.malformed = True
+    return err
+
+
+def read_frame(sock, peer, max_message, size):
+    """The next frame from ``peer``'s socket: (kind, a, b, description, payload), None at a clean end.
+    Every field is checked against what the protocol can send (a data frame holds at most
+    ``max_message`` bytes, ranks are < ``size``) before anything is allocated; anything else raises
+    PeerError (``malformed`` set when the bytes were wrong rather than the connection)."""
+    try:
+        try:
+            header = _recv_exact(sock, _FRAME.size, idle_ok=True)
+        except EOFError:
+            return None
+        kind, a, b = _FRAME.unpack(header)
+        desc = data = None
+        if kind == _KIND_DATA:
+            if b > max_message or a:
+                raise _malformed(peer, f"a {b}-byte data frame, max_message is {max_message}")
+            desc = bytes(_recv_exact(sock, DESC.size))
+            data = _recv_exact(sock, b) if b else b""
+        elif kind == _KIND_ABORT:
+            if a not in _REASONS or not (b < size or b == NO_CULPRIT):
+                raise _malformed(peer, f"an abort with reason {a} and culprit {b}")
+        elif kind in (_TCP_QUERY, _TCP_REPORT):
+            if a > 0xFFF or (b != 0 if kind == _TCP_QUERY else b >= size):
+                raise _malformed(peer, f"a control frame of kind {kind} with epoch {a} and value {b}")
+        else:
+            raise _malformed(peer, f"unknown frame kind {kind}")
+        return kind, a, b, desc, data
+    except (OSError, EOFError) as exc:
+        raise PeerError(f"the connection from rank {peer} broke ({exc or type(exc).__name__})", peer=peer) from None
 
 
 class TcpTransport(_Waits):
@@ -519,10 +692,10 @@ class TcpTransport(_Waits):
         self.max_message = int(max_message)
         # a send blocks in sendall(): one ahead keeps the reductions overlapping the transfers
         self.send_window = 1
-        if self.max_message < 1:
-            raise UsageError(f"max_message must be >= 1, got {max_message}")
+        if not 1 <= self.max_message <= MAX_TCP_MESSAGE:
+            raise UsageError(f"max_message must be within 1..{MAX_TCP_MESSAGE}, got {max_message}")
         self.peers = [p for p in range(size) if p != rank]
-        self.tag = 0
+        self._desc = describe(0, "")
         self._closed = False
         self._cond = threading.Condition()
         self.inbox = {p: collections.deque() for p in self.peers}
@@ -532,7 +705,10 @@ class TcpTransport(_Waits):
         self._own = self._work = None
         self._lent = False
         host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
-        listener = socket.create_server(("0.0.0.0" if host not in ("127.0.0.1", "localhost") else host, 0))
+        try:      # listen only where the peers are told to connect
+            listener = socket.create_server((host, 0))
+        except OSError:     # an advertised address that is not this machine's (NAT): every interface
+            listener = socket.create_server(("0.0.0.0", 0))
         try:
             listener.settimeout(self.timeout)
             records = exchange.allgather(f"{self.max_message} {host}:{listener.getsockname()[1]}".encode())
@@ -578,7 +754,8 @@ class TcpTransport(_Waits):
                 missing = [p for p in range(self.rank + 1, self.size) if p not in self.socks]
                 raise PeerError(f"ranks {missing} did not connect to rank {self.rank} within {self.timeout:g} s",
                                 peer=missing[0]) from None
-            s.settimeout(max(0.01, end - time.monotonic()))
+            # a silent stranger may hold up the others for HELLO_TIMEOUT at most
+            s.settimeout(max(0.01, min(HELLO_TIMEOUT, end - time.monotonic())))
             try:
                 magic, version, p, size = _HELLO.unpack(_recv_exact(s, _HELLO.size))
             except (OSError, EOFError):
@@ -586,9 +763,8 @@ class TcpTransport(_Waits):
                 continue
             if magic != _HELLO_MAGIC or version != _HELLO_VERSION or size != self.size \
                     or not self.rank < p < self.size or p in self.socks:
-                s.close()
-                raise WireFormatError(f"rank {self.rank}: unexpected connection from {addr[0]}:{addr[1]} "
-                                      f"(magic {magic!r}, version {version}, rank {p}, size {size})")
+                s.close()     # a stranger (or a second claim of a rank): dropped, the group goes on
+                continue
             self.socks[p] = s
 
     # ---- the interface ------------------------------------------------------------------------
@@ -608,8 +784,8 @@ class TcpTransport(_Waits):
         self._lent = whole is not None
         self._work = whole[start:stop] if self._lent else self._own
 
-    def set_tag(self, tag):
-        self.tag = tag & 0xFFFFFFFF
+    def set_tag(self, desc):
+        self._desc = _as_desc(desc)
 
     def can_send(self, peer):
         return True   # the peer's reader thread drains its socket, so a send never waits on it
@@ -619,7 +795,7 @@ class TcpTransport(_Waits):
             raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
         if self.failure is not None:
             raise self.failure
-        header = _FRAME.pack(_KIND_DATA, self.tag, nbytes)
+        header = _FRAME.pack(_KIND_DATA, 0, nbytes) + self._desc
         chunk = self._work[offset:offset + nbytes]
         if not isinstance(chunk, np.ndarray):
             chunk = chunk.get()          # a GPU work area (CuPy): copied out in stream order
@@ -634,11 +810,9 @@ class TcpTransport(_Waits):
         if not inbox:
             self._wait(lambda: len(inbox) > 0, peer, f"a {nbytes}-byte message")
         with self._cond:
-            tag, data = inbox.popleft()
-        if tag != self.tag:
-            raise mismatch_error(peer, "a message of a different collective")
-        if len(data) != nbytes:
-            raise mismatch_error(peer, f"a {len(data)}-byte message where rank {self.rank} expected {nbytes} bytes")
+            desc, data = inbox.popleft()
+        if desc != self._desc or len(data) != nbytes:
+            check_header(peer, self.rank, desc, len(data), self._desc, nbytes)
         return np.frombuffer(data, np.uint8)
 
     def release(self, peer):
@@ -713,37 +887,41 @@ class TcpTransport(_Waits):
         why = "the connection closed"
         try:
             while True:
-                try:
-                    header = _recv_exact(sock, _FRAME.size, idle_ok=True)
-                except EOFError:
+                frame = read_frame(sock, peer, self.max_message, self.size)
+                if frame is None:
                     break
-                kind, tag, length = _FRAME.unpack(header)
-                if kind == _KIND_DATA:
-                    data = _recv_exact(sock, length) if length else b""
-                    with self._cond:
-                        self.inbox[peer].append((tag, data))
-                        self._cond.notify_all()
-                elif kind == _KIND_ABORT:
-                    with self._cond:
+                kind, a, b, desc, data = frame
+                with self._cond:
+                    if kind == _KIND_DATA:
+                        self.inbox[peer].append((desc, data))
+                    elif kind == _KIND_ABORT:
                         if self.failure is None:
-                            self.failure = abort_error(peer, length, tag)
-                        self._cond.notify_all()
-                elif kind == _TCP_QUERY:
-                    with self._cond:
-                        self.queries[peer] = tag
-                        self._cond.notify_all()
-                elif kind == _TCP_REPORT:
-                    with self._cond:
-                        if tag == self.epoch:
-                            self.reports[peer] = length
-                        self._cond.notify_all()
-                else:
-                    why = f"it sent an unknown frame kind {kind}"
-                    break
-        except (OSError, EOFError) as exc:
-            why = f"the connection broke ({exc or type(exc).__name__})"
+                            self.failure = abort_error(peer, b, a)
+                    elif kind == _TCP_QUERY:
+                        self.queries[peer] = a
+                    elif a == self.epoch:
+                        self.reports[peer] = b
+                    self._cond.notify_all()
+        except PeerError as exc:
+            why = str(exc)
+            if getattr(exc, "malformed", False):
+                # the stream is out of step for good: drop it and fail the group now
+                with self._cond:
+                    if self.failure is None:
+                        self.failure = exc
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        except Exception as exc:      # never die silently: a reader that stops must say why
+            why = f"its reader failed ({type(exc).__name__}: {exc})"
         with self._cond:
             self.gone[peer] = why
+            self._cond.notify_all()
+
+    def interrupt(self):
+        super().interrupt()
+        with self._cond:
             self._cond.notify_all()
 
 

@@ -17,9 +17,10 @@ staged (every collective; the only path without GPUDirect RDMA): the data crosse
   run the host collective and copy the result up (not pipelined).
 
 Staged, the arithmetic is the host collective's (pyrdma._reduce); direct, the GPU kernels compute
-what it computes (float16 in float32, rounded once; min/max pick an operand's bits). Either way the
-results are bit for bit those of the numpy path. bfloat16 CUDA tensors (DLPack), which the GPU
-kernels lack, always stage: they travel as their 16-bit patterns and reduce as bfloat16.
+what it computes (float16 in float32, rounded once; min/max pick an operand's bits; a floating-point
+avg divides every input by n first). Either way the results are bit for bit those of the numpy
+path. bfloat16 CUDA tensors (DLPack), which the GPU kernels lack, always stage: they travel as their
+16-bit patterns and reduce as bfloat16.
 Calls are stream-ordered on the current CuPy stream (or ``stream=``): they wait for work already
 enqueued there, and work enqueued after them sees the result.
 """
@@ -71,6 +72,10 @@ def _copy_into(cp, dst_obj, src_obj, what):
     if dbuf.readonly:
         raise UsageError(f"{what}: out is read-only")
     if dbuf.ptr != sbuf.ptr:
+        if dbuf.ptr < sbuf.ptr + sbuf.nbytes and sbuf.ptr < dbuf.ptr + dbuf.nbytes:
+            # a copy between overlapping ranges races on the GPU (and the host path refuses it too)
+            raise UsageError(f"{what}: out overlaps buf without being the same memory; pass out=None "
+                             f"(in place), out=buf, or an out that does not overlap buf")
         _cupy_view(cp, dst_obj, dbuf, dtype)[...] = _cupy_view(cp, src_obj, sbuf, stype)
 
 
@@ -207,6 +212,16 @@ def _gpu_divide(dtype):
     return divide
 
 
+def _gpu_prescale(cp, dtype):
+    """The first step of a floating-point avg: the host's pieces.scale_down, run by CuPy (the same
+    operations, so the same bits)."""
+    from pyrdma.collectives.pieces import scale_down
+
+    def prescale(work, nranks):
+        scale_down(cp, work.view(dtype), nranks)
+    return prescale
+
+
 def direct_allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, stream=None):
     """``comm.allreduce`` of a CUDA array in place on GPU memory (gpu_path "direct"). bfloat16, which
     the GPU kernels lack, goes the staged way."""
@@ -226,7 +241,8 @@ def direct_allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None
         rbuf = device_buffer(result)
         work = _cupy_view(cp, result, rbuf, np.dtype(np.uint8))
         comm._allreduce_in_place(work, rbuf.nbytes // sdtype.itemsize, sdtype.itemsize, code, op, algorithm,
-                                 GpuReducer(cp, sdtype, op), _gpu_divide(sdtype))
+                                 GpuReducer(cp, sdtype, op), _gpu_divide(sdtype),
+                                 _gpu_prescale(cp, sdtype) if sdtype.kind == "f" else None)
     return result
 
 

@@ -1,0 +1,696 @@
+"""Hardening of the collectives (issue #16): no silent wrong answer, no hang, no crash from a call.
+
+Ranks are threads of this process (two Communicators on rxe0 talk over loopback in the VM), so each
+test builds the small world it needs. Every wait is bounded: the communicators' own timeout, and
+joins with a deadline.
+
+- mismatched calls that the old 7-bit RDMA tag missed are detected on every transport;
+- ``out`` partly overlapping ``buf`` is refused, the very same memory works (above the work size);
+- float ``avg`` does not overflow where the mean is finite; integer ``avg`` truncates the wrapped sum;
+- the TCP frame parser only ever raises pyrdma's errors, bounded in time and memory (fuzzed);
+- device, port and GID reach the QPs (Communicator arguments and PYRDMA_IB_* variables);
+- close() from another thread, and Ctrl-C, end a blocked collective quickly and leave it closable.
+"""
+import os
+import random
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+import zlib
+
+import numpy as np
+import pytest
+
+from mp import free_port
+
+TIMEOUT = 10.0
+START_TIMEOUT = 120.0      # Python starts slowly in the emulated VM
+TRANSPORTS = [pytest.param("tcp", id="tcp"), pytest.param("rdma", id="rdma", marks=pytest.mark.device)]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_world(transport, size=2, **kwargs):
+    """``size`` Communicators, one per thread of this process, connected to each other."""
+    from pyrdma.collectives import Communicator
+    port = free_port()
+    comms, errors = [None] * size, []
+
+    def make(rank):
+        try:
+            comms[rank] = Communicator(rank, size, f"127.0.0.1:{port}", transport=transport, timeout=TIMEOUT,
+                                       **kwargs)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=make, args=(r,), daemon=True) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(START_TIMEOUT)
+    if errors or any(c is None for c in comms):
+        for c in comms:
+            if c is not None:
+                c.close()
+        raise errors[0] if errors else AssertionError("a rank did not start")
+    return comms
+
+
+def run_all(comms, fn, timeout=3 * TIMEOUT):
+    """fn(comm) on every rank at once; [(status, value or "Type: message")] by rank. A rank still
+    running after ``timeout`` is reported as ("hung", None)."""
+    results = [("hung", None)] * len(comms)
+
+    def run(rank):
+        try:
+            results[rank] = ("ok", fn(comms[rank]))
+        except BaseException as exc:
+            results[rank] = ("error", f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(len(comms))]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    return results
+
+
+def close_all(comms):
+    for c in comms:
+        c.close()
+
+
+# ---- 1. the mismatch check compares the whole description -------------------------------------
+
+def old_rdma_tag(seq, kind, *fields):
+    """The stamp the RDMA transport used to carry: 7 bits of a CRC of the call's description."""
+    kinds = {"allreduce": 1, "reduce": 2, "broadcast": 3, "allgather": 4, "reduce_scatter": 5, "barrier": 6}
+    return zlib.crc32("|".join(str(f) for f in (seq, kinds[kind]) + fields).encode()) & 0x7F
+
+
+def colliding_pairs():
+    """Pairs of allreduce calls of 2 ranks that exchange messages of the same sizes and that the old
+    tag could not tell apart, found by brute force over the old tag: one that differs in op, one in
+    dtype and count (n float32 against 2n float16: the same bytes), one in algorithm (ring and
+    halving-doubling both swap halves on 2 ranks). Each comes with the number of barriers that
+    precede it (the call number is part of the description). CRC is affine: the tags of two calls
+    that differ in the middle differ by an amount that depends only on what precedes the
+    difference, so the op pair is found by varying the call number, not the count."""
+    from pyrdma import _reduce
+    f32, f16 = _reduce.DTYPE_NAMES.index("float32"), _reduce.DTYPE_NAMES.index("float16")
+
+    def call(n, dtype=np.float32, op="sum", algorithm="ring"):
+        return dict(count=n, dtype=dtype, op=op, algorithm=algorithm)
+
+    searches = {   # what -> [(barriers first, old tag fields of ranks 0 and 1, calls of ranks 0 and 1)]
+        "op": (((seq, ("sum", f32, 64, 0, 64, "ring"), ("prod", f32, 64, 0, 64, "ring")),
+                (call(64), call(64, op="prod"))) for seq in range(4000)),
+        "dtype": (((0, ("sum", f32, n, 0, n, "ring"), ("sum", f16, 2 * n, 0, 2 * n, "ring")),
+                   (call(n), call(2 * n, np.float16))) for n in range(2, 20000, 2)),
+        "algorithm": (((0, ("sum", f32, n, 0, n, "ring"), ("sum", f32, n, 0, n, "halving_doubling")),
+                       (call(n), call(n, algorithm="halving_doubling"))) for n in range(2, 20000, 2)),
+    }
+    pairs = []
+    for what, candidates in searches.items():
+        for (seq, a, b), calls in candidates:
+            if old_rdma_tag(seq, "allreduce", *a) == old_rdma_tag(seq, "allreduce", *b):
+                pairs.append(pytest.param(seq, calls, id=f"{what}-{seq}-{calls[0]['count']}"))
+                break
+    assert len(pairs) == 3, pairs
+    return pairs
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("barriers, calls", colliding_pairs())
+def test_mismatch_the_old_tag_missed_is_detected(transport, barriers, calls):
+    comms = make_world(transport)
+    try:
+        def call(c):
+            for _ in range(barriers):
+                c.barrier()
+            mine = calls[c.rank]
+            start = time.monotonic()
+            try:
+                c.allreduce(np.ones(mine["count"], mine["dtype"]), op=mine["op"], algorithm=mine["algorithm"])
+                return "no error", time.monotonic() - start
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+        results = run_all(comms, call)
+        for rank, (status, value) in enumerate(results):
+            assert status == "ok", (rank, status, value)
+            text, elapsed = value
+            assert text.startswith("UsageError") and ("different collective" in text or "disagree" in text), \
+                (rank, text)
+            assert elapsed < TIMEOUT / 2, (rank, elapsed)
+        # the communicator refuses further calls, and still closes
+        assert all(r[1].startswith("UsageError") for r in run_all(comms, lambda c: c.barrier()))
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_mismatch_error_names_both_calls(transport):
+    comms = make_world(transport)
+    try:
+        results = run_all(comms, lambda c: c.allreduce(np.ones(8, np.float32), op="min" if c.rank else "max"))
+        texts = [value for _, value in results]
+        assert all(t.startswith("UsageError") for t in texts), texts
+        # the rank that spotted it says what each side called
+        assert any("op=min" in t and "op=max" in t for t in texts), texts
+    finally:
+        close_all(comms)
+
+
+def test_description_is_exact():
+    """Every field of the description changes the bytes compared; the call number does too."""
+    from pyrdma.collectives.transport import DESC, describe
+    base = dict(count=10, dtype=5, op="sum", root=None, algorithm="ring", lo=0, hi=10)
+    ref = describe(3, "allreduce", **base)
+    assert len(ref) == DESC.size
+    changes = [dict(count=11), dict(dtype=2), dict(op="max"), dict(root=0), dict(algorithm="halving_doubling"),
+               dict(lo=1), dict(hi=9)]
+    for change in changes:
+        assert describe(3, "allreduce", **{**base, **change}) != ref, change
+    assert describe(4, "allreduce", **base) != ref
+    assert describe(3, "reduce", **base) != ref
+
+
+# ---- 2. out overlapping buf ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_partial_overlap_is_refused_and_aliasing_works(transport):
+    n = 5000                                   # 20000 bytes: five pieces of max_work_bytes
+    comms = make_world(transport, max_work_bytes=4096, zero_copy_bytes=1024)
+    try:
+        def call(c):
+            outcomes = {}
+            for shift in (1, 7, 1000, n - 1):
+                x = np.arange(2 * n, dtype=np.float32)
+                for name, fn in (("allreduce", lambda: c.allreduce(x[:n], out=x[shift:shift + n])),
+                                 ("reduce", lambda: c.reduce(x[:n], out=x[shift:shift + n], root=0))):
+                    try:
+                        fn()
+                        outcomes[(name, shift)] = "no error"
+                    except Exception as exc:
+                        outcomes[(name, shift)] = f"{type(exc).__name__}: {exc}"
+            # the very same memory, as another view object: in place, right above the limit
+            x = np.arange(n, dtype=np.float32) + c.rank
+            c.allreduce(x[:], out=x[:])
+            y = np.arange(n, dtype=np.float32) + c.rank
+            c.allreduce(y, out=y, op="max")
+            z = np.arange(n, dtype=np.float32) + c.rank
+            r = c.reduce(z[:], out=z[:], root=1)
+            return outcomes, x, y, r
+        results = run_all(comms, call)
+        expected = 2 * np.arange(n, dtype=np.float32) + 1
+        for rank, (status, value) in enumerate(results):
+            assert status == "ok", (rank, value)
+            outcomes, x, y, r = value
+            for key, text in outcomes.items():
+                assert text.startswith("UsageError") and "overlaps" in text, (rank, key, text)
+            np.testing.assert_array_equal(x, expected)
+            np.testing.assert_array_equal(y, np.arange(n, dtype=np.float32) + 1)
+            if rank == 1:
+                np.testing.assert_array_equal(r, expected)
+    finally:
+        close_all(comms)
+
+
+def test_overlap_check_cases():
+    from pyrdma.collectives.communicator import _in_and_out
+    from pyrdma.errors import UsageError
+    x = np.zeros(100, np.float32)
+    _in_and_out(x, x, None, True)
+    _in_and_out(x[:50], x[:50], None, True)
+    _in_and_out(x[:50], x[50:], None, True)                  # adjacent, apart
+    for out in (x[1:51], x[49:99]):
+        with pytest.raises(UsageError, match="overlaps"):
+            _in_and_out(x[:50], out, None, True)
+    y = np.zeros((10, 10), np.float32)
+    with pytest.raises(UsageError, match="overlaps"):       # 2-D views, one row apart
+        _in_and_out(y[:5], y[1:6], None, True)
+
+
+# ---- 3. avg ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_float_avg_does_not_overflow(transport):
+    comms = make_world(transport, size=3)
+    try:
+        f16 = np.array([60000, 65504, -65504, 1.5, 30000, -60000], np.float16)
+        f32 = np.array([3e38, -3.2e38, 1.0], np.float32)
+
+        def call(c):
+            out = {}
+            for algo in ("ring", "halving_doubling", "recursive_doubling"):
+                out[algo] = c.allreduce(f16.copy(), op="avg", algorithm=algo)
+            out["f32"] = c.allreduce(f32.copy(), op="avg")
+            out["reduce"] = c.reduce(f16.copy(), op="avg", root=2)
+            out["reduce_scatter"] = c.reduce_scatter(np.tile(f16, 3), op="avg")
+            return out
+        results = run_all(comms, call)
+        for rank, (status, out) in enumerate(results):
+            assert status == "ok", (rank, out)
+            for algo in ("ring", "halving_doubling", "recursive_doubling"):
+                assert np.all(np.isfinite(out[algo])), (rank, algo, out[algo])
+                np.testing.assert_allclose(out[algo].astype(np.float64), f16.astype(np.float64), rtol=2e-3)
+                assert np.array_equal(out[algo].view(np.uint16), results[0][1][algo].view(np.uint16))
+            np.testing.assert_allclose(out["f32"].astype(np.float64), f32.astype(np.float64), rtol=1e-6)
+            if rank == 2:
+                np.testing.assert_allclose(out["reduce"].astype(np.float64), f16.astype(np.float64), rtol=2e-3)
+            assert np.all(np.isfinite(out["reduce_scatter"]))
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_integer_avg_truncates_the_wrapped_sum(transport):
+    """The documented integer semantics: sum (wrapping as C) then divide by n, toward zero."""
+    comms = make_world(transport)
+    try:
+        inputs = [np.array([-7, 100, 127, -128, 3], np.int8), np.array([0, 100, 127, -128, 0], np.int8)]
+        results = run_all(comms, lambda c: c.allreduce(inputs[c.rank].copy(), op="avg"))
+        # -7/2 -> -3; 100+100 wraps to -56 -> -28; 254 wraps to -2 -> -1; -256 wraps to 0; 3/2 -> 1
+        for status, value in results:
+            assert status == "ok", value
+            assert value.tolist() == [-3, -28, -1, 0, 1]
+    finally:
+        close_all(comms)
+
+
+def test_prescale_float16_bfloat16():
+    from pyrdma import _reduce
+    from pyrdma.collectives.communicator import prescale
+    x = np.array([65504, -65504, 3, 1e-7, np.inf, np.nan], np.float16)
+    w = x.copy()
+    prescale(w.view(np.uint8), _reduce.DTYPE_NAMES.index("float16"), 3)
+    # rounded toward zero: at most the exact quotient, and the next float16 outward is past it
+    exact = x[:4].astype(np.float64) / 3
+    assert np.all(np.abs(w[:4].astype(np.float64)) <= np.abs(exact))
+    assert np.all(np.nextafter(np.abs(w[:4]), np.float16(np.inf)).astype(np.float64) > np.abs(exact))
+    assert w[4] == np.inf and np.isnan(w[5])
+    # so n scaled maxima sum to at most the maximum for n < 10 (to nearest, n = 3 overflows), and
+    # values a little below it for any n
+    for x, ns in ((65504, range(2, 10)), (65000, range(2, 65)), (60000, range(2, 65))):
+        for n in ns:
+            v = np.full(1, x, np.float16)
+            prescale(v.view(np.uint8), _reduce.DTYPE_NAMES.index("float16"), n)
+            total = np.zeros(1, np.float16)
+            for _ in range(n):
+                _reduce.reduce_into(total, v, "sum")
+            assert np.isfinite(total[0]) and abs(total[0] / x - 1) < 1e-2, (x, n, total[0])
+    bits = np.array([0x7F7F, 0x3F80, 0xC040, 0x7FC0], np.uint16)      # max, 1, -3, NaN
+    b = bits.copy()
+    prescale(b.view(np.uint8), _reduce.DTYPE_NAMES.index("bfloat16"), 2)
+    as_f = (b.astype(np.uint32) << 16).view(np.float32)
+    assert as_f[1] == 0.5 and as_f[2] == -1.5 and np.isnan(as_f[3])
+    assert np.isfinite(as_f[0]) and abs(as_f[0] / 1.6947e38 - 1) < 1e-2
+
+
+# ---- 4. the TCP transport's frame parser -----------------------------------------------------------
+
+MAX_MESSAGE = 4096
+
+
+def _valid_frames(rng):
+    from pyrdma.collectives import transport as tr
+    desc = tr.describe(rng.randrange(100), "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
+    n = rng.randrange(0, 64)
+    return [tr._FRAME.pack(tr._KIND_DATA, 0, n) + desc + bytes(rng.randrange(256) for _ in range(n)),
+            tr._FRAME.pack(tr._KIND_ABORT, tr.MISMATCH, 1),
+            tr._FRAME.pack(tr._TCP_QUERY, 5, 0),
+            tr._FRAME.pack(tr._TCP_REPORT, 5, 1)]
+
+
+def _mutate(rng, data):
+    data = bytearray(data)
+    for _ in range(rng.randrange(1, 4)):
+        how = rng.randrange(4)
+        if how == 0 and data:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif how == 1 and data:                         # a huge or odd length/value field
+            at = rng.randrange(len(data))
+            data[at:at + 8] = struct.pack("!Q", rng.choice([2 ** 63, 2 ** 40, MAX_MESSAGE + 1, 2 ** 64 - 1]))
+        elif how == 2:
+            del data[rng.randrange(len(data) + 1):]     # truncated
+        else:
+            data += bytes(rng.randrange(256) for _ in range(rng.randrange(1, 32)))
+    return bytes(data)
+
+
+def test_frame_parser_fuzz():
+    """Random and mutated frames: read_frame returns frames, None at the end, or raises PeerError;
+    never another exception, never waits past the socket timeout, never allocates much."""
+    from pyrdma.collectives.transport import read_frame
+    from pyrdma.errors import PeerError
+    rng = random.Random(16)
+    tracemalloc.start()
+    try:
+        for case in range(1500):
+            frames = _valid_frames(rng)
+            if case % 3 == 0:
+                blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+            else:
+                blob = b"".join(_mutate(rng, f) if rng.random() < 0.5 else f
+                                for f in rng.sample(frames, rng.randrange(1, len(frames) + 1)))
+            a, b = socket.socketpair()
+            try:
+                a.settimeout(0.5)
+                b.sendall(blob)
+                b.shutdown(socket.SHUT_WR)     # the parser sees the end, so no read waits for more
+                tracemalloc.reset_peak()
+                start = time.monotonic()
+                for _ in range(100):
+                    try:
+                        frame = read_frame(a, 1, MAX_MESSAGE, 4)
+                    except PeerError:
+                        break
+                    if frame is None:
+                        break
+                    kind, x, y, desc, data = frame
+                    assert data is None or len(data) <= MAX_MESSAGE
+                assert time.monotonic() - start < 2.0
+                assert tracemalloc.get_traced_memory()[1] < 4 * MAX_MESSAGE + (1 << 20)
+            finally:
+                a.close()
+                b.close()
+    finally:
+        tracemalloc.stop()
+
+
+def test_frame_parser_silent_peer_and_valid_frames():
+    from pyrdma.collectives import transport as tr
+    from pyrdma.errors import PeerError
+    a, b = socket.socketpair()
+    with a, b:
+        frames = _valid_frames(random.Random(1))
+        b.sendall(b"".join(frames))
+        got = [tr.read_frame(a, 1, MAX_MESSAGE, 4)[0] for _ in frames]
+        assert got == [tr._KIND_DATA, tr._KIND_ABORT, tr._TCP_QUERY, tr._TCP_REPORT]
+        b.sendall(tr._FRAME.pack(tr._KIND_DATA, 0, 10) + b"x")   # then silence mid-frame
+        a.settimeout(0.3)
+        with pytest.raises(PeerError):
+            tr.read_frame(a, 1, MAX_MESSAGE, 4)
+
+
+def test_tcp_transport_drops_a_peer_that_claims_a_huge_frame():
+    """A rank 1 that speaks the hello and then claims a 2**62-byte frame: rank 0 raises PeerError at
+    once (before, it tried to allocate the length) and the transport still closes."""
+    from pyrdma.collectives import transport as tr
+    from pyrdma.errors import PeerError
+
+    class Exchange:
+        advertise_host = "127.0.0.1"
+
+        def allgather(self, record):
+            self.address = record.decode().partition(" ")[2]
+            threading.Thread(target=self.impostor, daemon=True).start()
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1".encode()]
+
+        def impostor(self):
+            host, _, port = self.address.rpartition(":")
+            self.sock = socket.create_connection((host, int(port)), timeout=5)
+            self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2))
+            self.sock.sendall(tr._FRAME.pack(tr._KIND_DATA, 0, 2 ** 62))
+
+    ex = Exchange()
+    t = tr.TcpTransport(0, 2, ex, timeout=TIMEOUT, max_message=MAX_MESSAGE)
+    try:
+        tracemalloc.start()
+        start = time.monotonic()
+        with pytest.raises(PeerError, match="malformed"):
+            t.recv(1, 16)
+        assert time.monotonic() - start < TIMEOUT / 2
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+        t.close()
+        ex.sock.close()
+
+
+def test_tcp_transport_skips_a_stranger_at_connect():
+    """A foreign connection to a rank's listener is dropped; the real peer still connects."""
+    from pyrdma.collectives import transport as tr
+
+    class Exchange:
+        advertise_host = "127.0.0.1"
+
+        def allgather(self, record):
+            self.address = record.decode().partition(" ")[2]
+            threading.Thread(target=self.peers, daemon=True).start()
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1".encode()]
+
+        def peers(self):
+            host, _, port = self.address.rpartition(":")
+            stranger = socket.create_connection((host, int(port)), timeout=5)
+            stranger.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(8))
+            self.stranger = stranger
+            time.sleep(0.2)
+            self.sock = socket.create_connection((host, int(port)), timeout=5)
+            self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2))
+
+    ex = Exchange()
+    t = tr.TcpTransport(0, 2, ex, timeout=TIMEOUT, max_message=MAX_MESSAGE)
+    try:
+        assert list(t.socks) == [1]
+    finally:
+        t.close()
+        ex.sock.close()
+        ex.stranger.close()
+
+
+# ---- 5. device, port and GID ---------------------------------------------------------------------
+
+def test_ib_config_from_arguments_and_environment():
+    from pyrdma.collectives.communicator import ib_config
+    from pyrdma.errors import UsageError
+    assert ib_config(environ={}) == (None, 1, None)
+    assert ib_config("mlx5_0", 2, 3, environ={"PYRDMA_IB_GID_INDEX": "1"}) == ("mlx5_0", 2, 3)
+    env = {"PYRDMA_IB_HCA": "rxe0:2", "PYRDMA_IB_GID_INDEX": "1"}
+    assert ib_config(environ=env) == ("rxe0", 2, 1)
+    assert ib_config(environ={"PYRDMA_IB_HCA": "rxe0", "PYRDMA_IB_PORT": "1"}) == ("rxe0", 1, None)
+    for env in ({"PYRDMA_IB_GID_INDEX": "x"}, {"PYRDMA_IB_GID_INDEX": "-1"}, {"PYRDMA_IB_PORT": "0"},
+                {"PYRDMA_IB_HCA": "rxe0:zero"}):
+        with pytest.raises(UsageError, match="PYRDMA_IB"):
+            ib_config(environ=env)
+    for kwargs in (dict(port=0), dict(gid_index=-1), dict(gid_index="1"), dict(port=True)):
+        with pytest.raises(UsageError):
+            ib_config(environ={}, **kwargs)
+
+
+def _populated_gids(device=None):
+    import pyrdma
+    with pyrdma.Context(device) as ctx:
+        return ctx.name, [(e.index, bytes(e.gid)) for e in ctx.gid_table(1) if any(bytes(e.gid))], \
+            ctx.query_port(1).gid_tbl_len
+
+
+@pytest.mark.device
+def test_gid_index_reaches_the_queue_pairs(monkeypatch):
+    name, gids, table_len = _populated_gids()
+    assert gids, "no populated GID on port 1"
+    usable = [(i, g) for i, g in gids if g[:12] == bytes(10) + b"\xff\xff"] or gids   # IPv4-mapped connect on lo
+    for index, gid in usable[:2]:
+        comms = make_world("rdma", device=name, port=1, gid_index=index)
+        try:
+            for c in comms:
+                for qp in c.transport.qp.values():
+                    assert qp.gid_index == index
+                    ep = qp.endpoint()
+                    assert ep.gid_index == index and bytes(ep.gid) == gid
+            results = run_all(comms, lambda c: c.allreduce(np.ones(4, np.float32)))
+            assert all(s == "ok" and v.tolist() == [2.0] * 4 for s, v in results), results
+        finally:
+            close_all(comms)
+    # the same through the environment, NCCL-style
+    index = usable[0][0]
+    monkeypatch.setenv("PYRDMA_IB_HCA", f"{name}:1")
+    monkeypatch.setenv("PYRDMA_IB_GID_INDEX", str(index))
+    comms = make_world("rdma")
+    try:
+        assert all(qp.gid_index == index for c in comms for qp in c.transport.qp.values())
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.device
+def test_invalid_gid_index_or_port_is_a_clear_error():
+    from pyrdma.collectives import RdmaTransport
+    from pyrdma.errors import UsageError
+    name, gids, table_len = _populated_gids()
+    populated = {i for i, _ in gids}
+    empty = [i for i in range(table_len) if i not in populated]
+
+    class Never:
+        def allgather(self, record):
+            raise AssertionError("the check must come before the exchange")
+
+    for index in [table_len, 10 ** 6] + empty[:1]:
+        with pytest.raises(UsageError, match="gid_index"):
+            RdmaTransport(0, 2, Never(), timeout=5, device=name, gid_index=index)
+    with pytest.raises(UsageError, match="port"):
+        RdmaTransport(0, 2, Never(), timeout=5, device=name, port=7)
+
+
+# ---- 6. close from another thread, Ctrl-C ------------------------------------------------------------
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_from_another_thread_ends_a_blocked_collective(transport):
+    comms = make_world(transport)
+    try:
+        outcome = {}
+
+        def blocked():
+            start = time.monotonic()
+            try:
+                comms[0].allreduce(np.ones(1000, np.float32))      # rank 1 never joins
+                outcome["result"] = "returned"
+            except BaseException as exc:
+                outcome["result"] = f"{type(exc).__name__}: {exc}"
+            outcome["at"] = time.monotonic() - start
+
+        t = threading.Thread(target=blocked, daemon=True)
+        t.start()
+        time.sleep(0.5)
+        handle = comms[0].ibarrier()            # queued behind it: must not run after close either
+        closing = time.monotonic()
+        comms[0].close()                        # (over TCP it lingers up to 2 s for the peer's goodbye)
+        close_took = time.monotonic() - closing
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+        assert outcome["result"].startswith("UsageError") and "closed" in outcome["result"], outcome
+        assert outcome["at"] - 0.5 < 1.2 and close_took < 4, (outcome, close_took)
+        with pytest.raises(Exception) as info:
+            handle.wait(timeout=TIMEOUT)
+        assert "closed" in str(info.value)
+        from pyrdma.errors import UsageError
+        with pytest.raises(UsageError, match="closed"):
+            comms[0].allreduce(np.ones(4))
+        # rank 1 hears that rank 0 left, instead of waiting for its timeout
+        start = time.monotonic()
+        status, text = run_all(comms[1:], lambda c: c.allreduce(np.ones(4)))[0]
+        assert status == "error" and time.monotonic() - start < TIMEOUT / 2 + 1, text
+    finally:
+        close_all(comms)
+        comms[0].close()                         # idempotent
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_from_another_thread_ends_a_waiting_handle(transport):
+    comms = make_world(transport)
+    try:
+        h = comms[0].iallreduce(np.ones(10, np.float32))
+        time.sleep(0.3)
+        outcome = {}
+
+        def waiter():
+            try:
+                h.wait(timeout=TIMEOUT)
+                outcome["result"] = "returned"
+            except BaseException as exc:
+                outcome["result"] = f"{type(exc).__name__}: {exc}"
+            outcome["at"] = time.monotonic()
+
+        t = threading.Thread(target=waiter, daemon=True)
+        t.start()
+        start = time.monotonic()
+        comms[0].close()
+        t.join(TIMEOUT)
+        assert outcome["result"].startswith("UsageError") and "closed" in outcome["result"], outcome
+        assert outcome["at"] - start < 1.2
+    finally:
+        close_all(comms)
+
+
+_CTRL_C_CHILD = r"""
+import sys, time
+import numpy as np
+from pyrdma.collectives import Communicator
+comm = Communicator(0, 2, sys.argv[1], transport=sys.argv[2], timeout=30)
+print("ready", flush=True)
+try:
+    comm.allreduce(np.ones(1000, np.float32))          # rank 1 never joins
+    print("returned", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+comm.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ctrl_c_interrupts_a_blocked_collective(transport):
+    from pyrdma.collectives import Communicator
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    child = subprocess.Popen([sys.executable, "-c", _CTRL_C_CHILD, f"127.0.0.1:{port}", transport],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peer = []
+    try:
+        t = threading.Thread(target=lambda: peer.append(
+            Communicator(1, 2, f"127.0.0.1:{port}", transport=transport, timeout=30)), daemon=True)
+        t.start()
+        assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.poll() is not None else ""
+        t.join(START_TIMEOUT)
+        time.sleep(1.0)                         # it is in the collective's wait by now
+        sent = time.monotonic()
+        child.send_signal(signal.SIGINT)
+        line = child.stdout.readline().strip()
+        took = time.monotonic() - sent
+        assert line == "interrupted", (line, child.stderr.read() if child.poll() is not None else "")
+        assert took < 1.5, took
+        assert child.stdout.readline().strip() == "closed"
+        assert child.wait(TIMEOUT) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        for c in peer:
+            c.close()
+
+
+# ---- beyond the list ---------------------------------------------------------------------------------
+
+def test_arguments_that_would_hang_or_crawl_are_refused():
+    from pyrdma.collectives import Communicator
+    from pyrdma.errors import UsageError
+    for kwargs in (dict(timeout=float("nan")), dict(timeout=0), dict(timeout="5"), dict(max_work_bytes=0)):
+        with pytest.raises(UsageError):
+            Communicator(0, 1, "127.0.0.1:1", transport="tcp", **kwargs)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_object_arrays_count_zero_and_rank_dependent_allgather(transport):
+    comms = make_world(transport)
+    try:
+        def call(c):
+            out = {}
+            for name, fn in (("broadcast", lambda: c.broadcast(np.array([object(), object()]))),
+                             ("allgather-object", lambda: c.allgather(np.array([object()])))):
+                try:
+                    fn()
+                    out[name] = "no error"
+                except Exception as exc:
+                    out[name] = f"{type(exc).__name__}: {exc}"
+            empty = np.zeros(0, np.float32)
+            out["empty"] = [c.allreduce(empty).size, c.broadcast(empty).size, c.allgather(empty).size,
+                            c.reduce_scatter(empty).size, c.allreduce(empty, op="avg").size]
+            try:      # sizes that differ across ranks: refused on both, not a short or garbled gather
+                c.allgather(np.zeros(3 + c.rank, np.float32))
+                out["allgather"] = "no error"
+            except Exception as exc:
+                out["allgather"] = f"{type(exc).__name__}: {exc}"
+            return out
+        for status, out in run_all(comms, call):
+            assert status == "ok", out
+            for name in ("broadcast", "allgather-object"):
+                assert out[name].startswith("UsageError") and "objects" in out[name], out[name]
+            assert out["empty"] == [0, 0, 0, 0, 0]
+            assert out["allgather"].startswith("UsageError"), out["allgather"]
+    finally:
+        close_all(comms)
