@@ -408,14 +408,14 @@ def test_tcp_transport_drops_a_peer_that_claims_a_huge_frame():
         advertise_host = "127.0.0.1"
 
         def allgather(self, record):
-            self.address = record.decode().partition(" ")[2]
+            _, self.address, self.token = record.decode().split(" ")
             threading.Thread(target=self.impostor, daemon=True).start()
-            return [record, f"{MAX_MESSAGE} 127.0.0.1:1".encode()]
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()}".encode()]
 
         def impostor(self):
             host, _, port = self.address.rpartition(":")
             self.sock = socket.create_connection((host, int(port)), timeout=5)
-            self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2))
+            self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2, bytes.fromhex(self.token)))
             self.sock.sendall(tr._FRAME.pack(tr._KIND_DATA, 0, 2 ** 62))
 
     ex = Exchange()
@@ -441,27 +441,34 @@ def test_tcp_transport_skips_a_stranger_at_connect():
         advertise_host = "127.0.0.1"
 
         def allgather(self, record):
-            self.address = record.decode().partition(" ")[2]
+            _, self.address, self.token = record.decode().split(" ")
             threading.Thread(target=self.peers, daemon=True).start()
-            return [record, f"{MAX_MESSAGE} 127.0.0.1:1".encode()]
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()}".encode()]
 
         def peers(self):
             host, _, port = self.address.rpartition(":")
+            self.strangers = []
             stranger = socket.create_connection((host, int(port)), timeout=5)
-            stranger.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(8))
-            self.stranger = stranger
+            stranger.sendall(b"GET / HTTP/1.0\r\n\r\n" + bytes(24))
+            self.strangers.append(stranger)
+            # an impostor that knows the protocol claims rank 1 first, without the listener's token
+            impostor = socket.create_connection((host, int(port)), timeout=5)
+            impostor.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2, bytes(16)))
+            self.strangers.append(impostor)
             time.sleep(0.2)
             self.sock = socket.create_connection((host, int(port)), timeout=5)
-            self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2))
+            self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2, bytes.fromhex(self.token)))
 
     ex = Exchange()
     t = tr.TcpTransport(0, 2, ex, timeout=TIMEOUT, max_message=MAX_MESSAGE)
     try:
         assert list(t.socks) == [1]
+        assert t.socks[1].getpeername() == ex.sock.getsockname()   # the member, not the impostor
     finally:
         t.close()
         ex.sock.close()
-        ex.stranger.close()
+        for s in ex.strangers:
+            s.close()
 
 
 # ---- 5. device, port and GID ---------------------------------------------------------------------

@@ -46,6 +46,8 @@ follows the chain; the rank at its end, one that does not answer, is the one tha
 died. So in a ring where rank 2 hangs, ranks 3 and 0 both name rank 2, not their neighbour.
 """
 import collections
+import hmac
+import secrets
 import socket
 import struct
 import threading
@@ -632,9 +634,10 @@ class RdmaTransport(_Waits):
 # ------------------------------------------------------------------------------------------------
 # TCP
 
-_HELLO = struct.Struct("!8sBxxxii")          # magic, version, rank, world size
+_HELLO = struct.Struct("!8sBxxxii16s")       # magic, version, rank, world size, the listener's token
 _HELLO_MAGIC = b"PYRDMATC"
-_HELLO_VERSION = 2                           # 2: data frames carry the collective's description
+_HELLO_VERSION = 3                           # 2: data frames carry the collective's description; 3: token
+_TOKEN_SIZE = 16
 _FRAME = struct.Struct("!BxxxIQ")             # kind, 0 (abort: reason; control: epoch), length or value
 _TCP_QUERY, _TCP_REPORT = 3, 4
 MAX_TCP_MESSAGE = 1 << 30                     # the bound on max_message, so on any frame a peer may send
@@ -709,17 +712,29 @@ class TcpTransport(_Waits):
             listener = socket.create_server((host, 0))
         except OSError:     # an advertised address that is not this machine's (NAT): every interface
             listener = socket.create_server(("0.0.0.0", 0))
+        # A random token per listener, given to the members only through the exchange (authenticated
+        # when the job has a secret): a connection must present it, so a stranger who reaches the
+        # port first cannot take a rank's place.
+        self._token = secrets.token_bytes(_TOKEN_SIZE)
         try:
             listener.settimeout(self.timeout)
-            records = exchange.allgather(f"{self.max_message} {host}:{listener.getsockname()[1]}".encode())
-            addresses = []
+            records = exchange.allgather(
+                f"{self.max_message} {host}:{listener.getsockname()[1]} {self._token.hex()}".encode())
+            addresses, tokens = [], []
             for p, rec in enumerate(records):
-                message, _, address = rec.decode(errors="replace").partition(" ")
+                fields = rec.decode(errors="replace").split(" ")
+                if len(fields) != 3 or len(fields[2]) != 2 * _TOKEN_SIZE:
+                    raise WireFormatError(f"rank {p}'s TCP transport record is malformed: {bytes(rec)[:80]!r}")
+                message, address, token = fields
                 if p != self.rank and message != str(self.max_message):
                     raise UsageError(f"rank {p} uses max_message={message}, rank {self.rank} {self.max_message}: "
                                      f"all ranks must be given the same")
+                try:
+                    tokens.append(bytes.fromhex(token))
+                except ValueError:
+                    raise WireFormatError(f"rank {p}'s TCP transport record has a malformed token") from None
                 addresses.append(address)
-            self._connect_all(listener, addresses)
+            self._connect_all(listener, addresses, tokens)
         except BaseException:
             for s in self.socks.values():
                 s.close()
@@ -734,9 +749,8 @@ class TcpTransport(_Waits):
             t.start()
             self._readers.append(t)
 
-    def _connect_all(self, listener, addresses):
+    def _connect_all(self, listener, addresses, tokens):
         end = time.monotonic() + self.timeout
-        hello = _HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, self.rank, self.size)
         for p in range(self.rank):   # connect to lower ranks, accept from higher ones
             host, _, port = addresses[p].rpartition(":")
             try:
@@ -744,7 +758,7 @@ class TcpTransport(_Waits):
             except OSError as exc:
                 raise PeerError(f"rank {self.rank} cannot connect to rank {p} at {host}:{port}: {exc}",
                                 peer=p) from None
-            s.sendall(hello)
+            s.sendall(_HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, self.rank, self.size, tokens[p]))
             self.socks[p] = s
         while len(self.socks) < self.size - 1:
             listener.settimeout(max(0.01, end - time.monotonic()))
@@ -757,12 +771,13 @@ class TcpTransport(_Waits):
             # a silent stranger may hold up the others for HELLO_TIMEOUT at most
             s.settimeout(max(0.01, min(HELLO_TIMEOUT, end - time.monotonic())))
             try:
-                magic, version, p, size = _HELLO.unpack(_recv_exact(s, _HELLO.size))
+                magic, version, p, size, token = _HELLO.unpack(_recv_exact(s, _HELLO.size))
             except (OSError, EOFError):
                 s.close()
                 continue
             if magic != _HELLO_MAGIC or version != _HELLO_VERSION or size != self.size \
-                    or not self.rank < p < self.size or p in self.socks:
+                    or not self.rank < p < self.size or p in self.socks \
+                    or not hmac.compare_digest(token, self._token):
                 s.close()     # a stranger (or a second claim of a rank): dropped, the group goes on
                 continue
             self.socks[p] = s
