@@ -283,7 +283,7 @@ def test_tcp_transport_rejects_foreign_connections():
             self.rank, self.size = 1, 2
 
         def allgather(self, record):
-            port = int(record.decode().rsplit(":", 1)[1])
+            port = int(record.decode().split(" ")[1].rsplit(":", 1)[1])   # "max_message host:port token"
 
             def intrude():
                 with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
