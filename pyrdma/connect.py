@@ -122,19 +122,8 @@ def accept_verified(listener, local, secret, deadline):
     door = Doorman(listener.sock, FRAMING, secret, ERROR)
     try:
         while True:
-            event = door.next(deadline)
-            if event is None:
-                also = f" (refused: {'; '.join(door.refused)})" if door.refused else ""
-                raise RDMATimeoutError(f"no peer connected to {listener.host}:{listener.port} in time{also}",
-                                       call="accept")
-            _, conn, kind, _, body = event
-            try:
-                if kind != ENDPOINT:
-                    raise WireFormatError(f"sent {FRAMING.kinds[kind]} where ENDPOINT belongs")
-                remote = Endpoint.from_bytes(body)
-            except WireFormatError as exc:
-                door.refuse(conn, str(exc))
-                continue
+            conn, remote = door.first(deadline, ENDPOINT, lambda body, conn: Endpoint.from_bytes(body),
+                                      f"peer connected to {listener.host}:{listener.port} in time")
             door.release(conn, max(0.1, deadline - time.monotonic()))
             try:
                 conn.session.send(conn.sock, conn.who, ENDPOINT, local.to_bytes(), deadline=deadline)

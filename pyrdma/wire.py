@@ -386,6 +386,26 @@ class Doorman:
                 if got is not None:
                     return ("frame", conn) + got
 
+    def first(self, deadline, kind, parse, waiting_for):
+        """The first connection whose opening frame is ``kind`` and whose body ``parse(body, conn)`` accepts,
+        by ``deadline``: (Admitted, what parse returned). Any other is refused (a WireFormatError or
+        UsageError from parse is said back to it) and the wait goes on; RDMATimeoutError naming
+        ``waiting_for`` and the refusals when time runs out."""
+        while True:
+            event = self.next(deadline)
+            if event is None:
+                also = f" (refused: {'; '.join(self.refused)})" if self.refused else ""
+                raise RDMATimeoutError(f"no {waiting_for}{also}", call="accept")
+            _, conn, got, _, body = event
+            try:
+                if got != kind:
+                    raise WireFormatError(f"sent {self.framing.kinds[got]} where {self.framing.kinds[kind]} belongs")
+                value = parse(body, conn)
+            except (WireFormatError, UsageError) as exc:
+                self.refuse(conn, str(exc))
+                continue
+            return conn, value
+
     def _read(self, conn):
         try:
             data = conn.sock.recv(1 << 16)

@@ -200,6 +200,13 @@ class Channel:
             pass   # the peer may close right after its own BYE
 
 
+def _admitted_hello(body, conn, admit):
+    hello = decode_json(body, f"HELLO from {conn.who}")
+    if admit is not None:
+        admit(hello)
+    return hello
+
+
 def listen(port=DEFAULT_PORT, host=ANY_ADDRESS, timeout=60.0, secret=None, admit=None):
     """Server side: the first client on host:port whose HELLO passes ``admit(hello)`` (perftest's
     server also serves exactly one): (Channel, its HELLO object). Clients are admitted
@@ -210,24 +217,10 @@ def listen(port=DEFAULT_PORT, host=ANY_ADDRESS, timeout=60.0, secret=None, admit
     with Listener(host, port) as listener:
         door = Doorman(listener.sock, FRAMING, secret, ERROR)
         try:
-            while True:
-                event = door.next(deadline)
-                if event is None:
-                    also = f" (refused: {'; '.join(door.refused)})" if door.refused else ""
-                    raise RDMATimeoutError(f"no client connected to {host}:{port} within {timeout:g} s{also}",
-                                           call="accept")
-                _, conn, kind, _, body = event
-                try:
-                    if kind != HELLO:
-                        raise WireFormatError(f"sent {TYPE_NAMES[kind]} where HELLO belongs")
-                    hello = decode_json(body, f"HELLO from {conn.who}")
-                    if admit is not None:
-                        admit(hello)
-                except (WireFormatError, UsageError) as exc:
-                    door.refuse(conn, str(exc))
-                    continue
-                door.release(conn, timeout)
-                return Channel(conn.sock, conn.who, timeout, session=conn.session), hello
+            conn, hello = door.first(deadline, HELLO, lambda body, conn: _admitted_hello(body, conn, admit),
+                                     f"client connected to {host}:{port} within {timeout:g} s")
+            door.release(conn, timeout)
+            return Channel(conn.sock, conn.who, timeout, session=conn.session), hello
         finally:
             door.close()
 
