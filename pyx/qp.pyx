@@ -332,6 +332,7 @@ cdef class QueuePair(VerbsObject):
     cdef int _post_send(self, ibv_send_wr *wr, list ahs=None) except -1:
         # ``ahs``: the AddressHandles the chain's UD WRs point at, checked open here, at post time
         cdef ibv_send_wr *bad = NULL
+        cdef ibv_send_wr *w
         cdef int rc
         cdef AddressHandle ah
         # One test on the hot path: a closed QP keeps its last state (RTS), so its NULL handle is
@@ -344,6 +345,18 @@ cdef class QueuePair(VerbsObject):
             for ah in ahs:
                 if ah._closed or ah._closing:
                     return refuse(ah)
+                if ah.pd is not self.pd:   # verbs requires the QP's own PD; the provider does not check
+                    raise UsageError(f"{ah!r} belongs to another protection domain than the QP's {self.pd!r}",
+                                     obj=repr(self))
+        if self.qp_type == IBV_QPT_UD:
+            # the provider dereferences a UD WR's address handle unchecked: a missing one is a crash
+            w = wr
+            while w != NULL:
+                if w.wr.ud.ah == NULL:
+                    raise UsageError(f"a send on a UD QP needs an AddressHandle (ah=); WR wr_id={w.wr_id} has none",
+                                     obj=repr(self))
+                w = w.next
+        if ahs is not None:
             for ah in ahs:
                 ah._users += 1
         # C only from here to the decrements: close() from another thread waits for the post.

@@ -472,3 +472,25 @@ def test_resources_of_another_context_are_refused():
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.device
+def test_ud_send_without_a_usable_address_handle_is_refused():
+    """A UD send with no AddressHandle made rxe's provider dereference NULL (found by the stress
+    test); one whose AH is of another PD is refused too, as verbs requires the QP's own PD."""
+    with rd.Context() as ctx:
+        pd, other_pd = rd.ProtectionDomain(ctx), rd.ProtectionDomain(ctx)
+        cq = rd.CompletionQueue(ctx, 64)
+        ud = rd.QueuePair(pd, rd.QPT_UD, cq, max_send_wr=16)
+        ud.connect()
+        mr = rd.MemoryRegion.allocate(pd, 4096, rd.ACCESS_ALL)
+        stranger_ah = rd.AddressHandle(other_pd, ud.endpoint())
+        no_ah = rd.SendWR(rd.WR_SEND, [rd.SGE(mr, 0, 8)], remote_qpn=ud.qp_num, remote_qkey=rd.DEFAULT_QKEY)
+        with pytest.raises(rd.UsageError, match="needs an AddressHandle"):
+            ud.post_send(no_ah)
+        with pytest.raises(rd.UsageError, match="needs an AddressHandle"):
+            ud.post_send_buf(mr, 0, 8, remote_qpn=ud.qp_num)
+        with pytest.raises(rd.UsageError, match="another protection domain"):
+            ud.post_send_buf(mr, 0, 8, ah=stranger_ah, remote_qpn=ud.qp_num)
+        ah = rd.AddressHandle(pd, ud.endpoint())
+        ud.post_send_buf(mr, 0, 8, ah=ah, remote_qpn=ud.qp_num)   # the QP's own PD: posted
