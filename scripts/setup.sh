@@ -33,6 +33,13 @@ if [ ${#pip_missing[@]} -gt 0 ]; then
   PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install -q "${pip_missing[@]}"
 fi
 
+# PyTorch for the torch.distributed backend's tests (pyrdma.torch). 2.13.0's CPU wheel lies on the CI
+# machines' disk (pip's find-links); elsewhere pip fetches it from PyPI once (large) and reuses it.
+if ! "$PYTHON" -c "import torch.distributed" 2>/dev/null; then
+  echo "setup: pip install ${PYRDMA_TORCH_SPEC:-torch==2.13.0}"
+  PIP_BREAK_SYSTEM_PACKAGES=1 "$PYTHON" -m pip install -q "${PYRDMA_TORCH_SPEC:-torch==2.13.0}"
+fi
+
 echo "setup: building the extension"
 mkdir -p build
 "$PYTHON" setup.py -q build_ext --inplace -j 2 > build/build-ext.log 2>&1 || { cat build/build-ext.log; exit 1; }

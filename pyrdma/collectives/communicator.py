@@ -70,6 +70,11 @@ class Handle:
 
     done = property(test)
 
+    def add_done_callback(self, fn):
+        """Call ``fn(handle)`` once the collective has finished (at once if it has), on the thread
+        that finished it; ``fn`` then calls ``wait()`` for the result or the error without blocking."""
+        self._future.add_done_callback(lambda _future: fn(self))
+
     def wait(self, timeout=None):
         try:
             return self._future.result(timeout)
@@ -89,6 +94,9 @@ class _Done:
         return True
 
     done = property(test)
+
+    def add_done_callback(self, fn):
+        fn(self)
 
     def wait(self, timeout=None):
         return self._result

@@ -1,0 +1,186 @@
+"""Run under torchrun: the "pyrdma" backend against gloo in the same processes.
+
+    torchrun --nproc-per-node N tests/torch_scripts/check_backend.py OUT_DIR [--steps K] [--only ddp]
+
+Each rank writes OUT_DIR/rank<r>.json: the checks it made ("name": true/false or a message) and
+the DDP parameters' checksums; the caller (tests/test_torch.py) asserts on them. DDP trains the
+same small model from the same seed twice, once over pyrdma and once over gloo.
+"""
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import pyrdma.torch  # noqa: F401 -- registers the backend
+
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
+       "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def model():
+    torch.manual_seed(1234)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+
+
+def train(group, steps, rank):
+    net = model()
+    # small buckets: several allreduces per step, overlapping the backward pass
+    ddp = torch.nn.parallel.DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.004)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(rank)
+    start = time.perf_counter()
+    for _ in range(steps):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), time.perf_counter() - start
+
+
+def values(rank, n, dtype):
+    """Small integers, exactly representable in every dtype, different on every rank."""
+    base = torch.arange(n, dtype=torch.float64) % 7 + rank + 1
+    return base.to(dtype)
+
+
+def collectives(gloo, rank, size, checks):
+    def same(name, a, b):
+        checks[name] = bool(torch.equal(a, b)) or f"pyrdma {a[:6].tolist()} gloo {b[:6].tolist()}"
+
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16):
+        for opname, op in OPS.items():
+            if opname == "avg" or (opname == "product" and dtype in (torch.float16, torch.bfloat16)):
+                continue     # gloo has no AVG; checked below against the sum
+            a, b = values(rank, 1000, dtype), values(rank, 1000, dtype)
+            dist.all_reduce(a, op=op)
+            ref = b.float() if dtype in (torch.float16, torch.bfloat16) else b   # gloo: no half reductions
+            dist.all_reduce(ref, op=op, group=gloo)
+            same(f"all_reduce {opname} {dtype}", a, ref.to(dtype))
+    a = values(rank, 999, torch.float32)
+    s = a.clone()
+    dist.all_reduce(a, op=dist.ReduceOp.AVG)
+    dist.all_reduce(s, group=gloo)
+    checks["all_reduce avg float32"] = bool(torch.allclose(a, s / size)) or f"{a[:4].tolist()} vs {(s / size)[:4]}"
+    # async, several in flight, then waited on in reverse order
+    ts = [values(rank, 4096 + i, torch.float32) for i in range(4)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    for w in reversed(works):
+        w.wait()
+    refs = [values(rank, 4096 + i, torch.float32) for i in range(4)]
+    for r in refs:
+        dist.all_reduce(r, group=gloo)
+    checks["async all_reduce x4"] = all(torch.equal(t, r) for t, r in zip(ts, refs))
+    fut = dist.all_reduce(values(rank, 10, torch.float32), async_op=True).get_future()
+    checks["get_future"] = bool(torch.equal(fut.wait()[0], refs[0][:0].new_tensor(
+        [sum((i % 7) + r + 1 for r in range(size)) for i in range(10)], dtype=torch.float32)))
+    # non-contiguous tensor: goes through a copy written back
+    m = values(rank, 64, torch.float32).reshape(8, 8).t()
+    mr = m.clone()
+    dist.all_reduce(m)
+    dist.all_reduce(mr, group=gloo)
+    same("all_reduce non-contiguous", m, mr)
+    # broadcast from every root
+    for root in range(size):
+        a, b = values(rank, 300, torch.float32), values(rank, 300, torch.float32)
+        dist.broadcast(a, src=root)
+        dist.broadcast(b, src=root, group=gloo)
+        same(f"broadcast root {root}", a, b)
+    # reduce to the last rank
+    a, b = values(rank, 257, torch.int64), values(rank, 257, torch.int64)
+    dist.reduce(a, dst=size - 1, op=dist.ReduceOp.MAX)
+    dist.reduce(b, dst=size - 1, op=dist.ReduceOp.MAX, group=gloo)
+    if rank == size - 1:     # elsewhere torch leaves the tensor undefined (gloo writes partial results)
+        same("reduce max", a, b)
+    else:
+        same("reduce leaves non-root tensors alone", a, values(rank, 257, torch.int64))
+    # all_gather (list) and all_gather_into_tensor
+    x = values(rank, 33, torch.float32)
+    outs, refs = [torch.zeros(33) for _ in range(size)], [torch.zeros(33) for _ in range(size)]
+    dist.all_gather(outs, x)
+    dist.all_gather(refs, x, group=gloo)
+    same("all_gather", torch.stack(outs), torch.stack(refs))
+    big, bigref = torch.zeros(size * 33), torch.zeros(size * 33)
+    dist.all_gather_into_tensor(big, x)
+    dist.all_gather_into_tensor(bigref, x, group=gloo)
+    same("all_gather_into_tensor", big, bigref)
+    bf = values(rank, 40, torch.bfloat16)
+    bouts = torch.zeros(size * 40, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(bouts, bf)
+    same("all_gather_into_tensor bfloat16", bouts, torch.cat([values(r, 40, torch.bfloat16) for r in range(size)]))
+    # reduce_scatter (list) and reduce_scatter_tensor
+    ins = [values(rank + i, 50, torch.float32) for i in range(size)]
+    out, ref = torch.zeros(50), torch.zeros(50)
+    dist.reduce_scatter(out, ins)
+    dist.reduce_scatter_tensor(ref, torch.cat(ins), group=gloo)
+    same("reduce_scatter", out, ref)
+    out = torch.zeros(50)
+    dist.reduce_scatter_tensor(out, torch.cat(ins))
+    same("reduce_scatter_tensor", out, ref)
+    dist.barrier()
+    checks["barrier"] = True
+    try:
+        dist.send(torch.zeros(1), dst=(rank + 1) % size)
+        checks["send refused"] = "send was accepted"
+    except Exception as exc:     # noqa: BLE001 -- the message is what is checked
+        checks["send refused"] = "send is not supported" in str(exc) or str(exc)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--only", choices=["ddp", "all"], default="all")
+    ap.add_argument("--dead-rank", action="store_true",
+                    help="at the end the last rank exits without a word; rank 0's next all_reduce in a group "
+                         "with a 15 s timeout must fail naming it (written to dead_rank.json)")
+    args = ap.parse_args()
+    dist.init_process_group("pyrdma", timeout=datetime.timedelta(seconds=120))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(),
+              "transport": dist.distributed_c10d._get_default_group().comm.transport_name}
+    if args.only == "all":
+        collectives(gloo, rank, size, checks)
+    params, t_pyrdma = train(None, args.steps, rank)
+    params_gloo, t_gloo = train(gloo, args.steps, rank)
+    everyone = [torch.zeros_like(params) for _ in range(size)]
+    dist.all_gather(everyone, params, group=gloo)
+    checks["ddp identical on every rank"] = all(torch.equal(p, params) for p in everyone)
+    checks["ddp matches gloo"] = bool(torch.allclose(params, params_gloo, rtol=1e-5, atol=1e-6)) or \
+        f"max difference {(params - params_gloo).abs().max().item()}"
+    checks["ddp trained"] = not torch.equal(params, torch.cat([p.reshape(-1) for p in model().parameters()]))
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "size": size, "checks": checks, "seconds": {"pyrdma": t_pyrdma, "gloo": t_gloo}},
+                  f, indent=1)
+    if args.dead_rank:
+        dead_rank(rank, size, args.out)
+    dist.destroy_process_group()
+    return 0
+
+
+def dead_rank(rank, size, out):
+    short = dist.new_group(backend="pyrdma", timeout=datetime.timedelta(seconds=15))
+    dist.all_reduce(torch.ones(10), group=short)          # every rank is connected
+    dist.barrier()
+    if rank == size - 1:
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000), group=short)
+        outcome = {"error": None}
+    except Exception as exc:     # noqa: BLE001 -- the message is the result
+        outcome = {"error": f"{type(exc).__name__}: {exc}"}
+    outcome["seconds"] = time.monotonic() - start
+    if rank == 0:
+        with open(os.path.join(out, "dead_rank.json"), "w") as f:
+            json.dump(outcome, f)
+    os._exit(0)                  # the groups are broken: no goodbyes
+
+
+if __name__ == "__main__":
+    sys.exit(main())
