@@ -73,16 +73,42 @@ def wc_opcode_name(int opcode):
     return _OPCODE_NAMES.get(opcode, f"OPCODE_{opcode}")
 
 
-def check_wcs(wcs):
-    """Raise CompletionError for the first completion in ``wcs`` whose status is not SUCCESS."""
-    bad = np.flatnonzero(wcs["status"] != IBV_WC_SUCCESS)
-    if bad.size:
-        wc = wcs[bad[0]]
-        status = int(wc["status"])
-        raise CompletionError(status, wc_status_name(status), wr_id=int(wc["wr_id"]),
-                              opcode=wc_opcode_name(int(wc["opcode"])), qp_num=int(wc["qp_num"]),
-                              message=(f"completion of wr_id={int(wc['wr_id'])} on QP {int(wc['qp_num'])} "
-                                       f"failed: {wc_status_name(status)} ({wc_status_str(status)})"))
+def check_wcs(wcs, Py_ssize_t n=-1):
+    """Raise CompletionError for the first of the first ``n`` completions in ``wcs`` (default: all)
+    whose status is not SUCCESS. The scan runs in C: it costs about what poll_into does, so checking
+    every poll is the normal idiom (or let ``poll_wait(..., check=True)`` do it)."""
+    cdef Py_buffer view
+    cdef Py_ssize_t bad
+    _get_wc_buffer(wcs, &view, False)
+    try:
+        if n < 0 or n > view.len // <Py_ssize_t>sizeof(wc_record):
+            n = view.len // <Py_ssize_t>sizeof(wc_record)
+        bad = _first_failed(<wc_record *>view.buf, n)
+    finally:
+        PyBuffer_Release(&view)
+    if bad >= 0:
+        raise _completion_error(wcs, bad, n)
+
+
+cdef inline Py_ssize_t _first_failed(const wc_record *wc, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        if wc[i].status != IBV_WC_SUCCESS:
+            return i
+    return -1
+
+
+cdef object _completion_error(object wcs, Py_ssize_t index, Py_ssize_t polled):
+    """The CompletionError for record ``index``; ``polled`` (how many records the call filled)
+    rides along as ``exc.polled`` so the caller still sees the other completions."""
+    wc = wcs[index]
+    status = int(wc["status"])
+    exc = CompletionError(status, wc_status_name(status), wr_id=int(wc["wr_id"]),
+                          opcode=wc_opcode_name(int(wc["opcode"])), qp_num=int(wc["qp_num"]),
+                          message=(f"completion of wr_id={int(wc['wr_id'])} on QP {int(wc['qp_num'])} "
+                                   f"failed: {wc_status_name(status)} ({wc_status_str(status)})"))
+    exc.polled = int(polled)
+    return exc
 
 
 @cython.no_gc_clear
@@ -297,13 +323,15 @@ cdef class CompletionQueue(VerbsObject):
         n = self.poll_into(wcs)
         return wcs[:n]
 
-    def poll_into(self, wcs):
-        """Poll into the preallocated WC_DTYPE array ``wcs``; returns how many entries were filled."""
+    def poll_into(self, wcs, bint check=False):
+        """Poll into the preallocated WC_DTYPE array ``wcs``; returns how many entries were filled.
+        ``check=True``: raise CompletionError (``exc.polled`` = entries filled) if one of them failed."""
         cdef Py_buffer view
         cdef int n
+        cdef Py_ssize_t bad = -1
         if self.cq == NULL or self._closing:
             self._check_open()
-        _get_wc_buffer(wcs, &view)
+        _get_wc_buffer(wcs, &view, True)
         try:
             use(self)    # close() from another thread waits for this poll to leave
         except BaseException:
@@ -311,25 +339,32 @@ cdef class CompletionQueue(VerbsObject):
             raise
         with nogil:
             n = self.poll_c(<wc_record *>view.buf, _records(&view))
+            if check and n > 0:
+                bad = _first_failed(<wc_record *>view.buf, n)
         unuse(self)
         PyBuffer_Release(&view)
         if n < 0:
             raise_errno("ibv_poll_cq", errno, repr(self))
+        if bad >= 0:
+            raise _completion_error(wcs, bad, n)
         return n
 
-    def poll_wait(self, wcs, int min_entries=1, timeout=None):
+    def poll_wait(self, wcs, int min_entries=1, timeout=None, bint check=False):
         """Busy-poll (GIL released) until at least ``min_entries`` completions are in ``wcs``.
 
         Returns the number filled. When ``timeout`` seconds pass first it returns what it has, or
         raises RDMATimeoutError if that is nothing, so no polled completion is ever lost. Every
         CHECK_INTERVAL_S it takes the GIL to run signal handlers (Ctrl-C raises KeyboardInterrupt);
-        a close() of the CQ from another thread makes it raise UsageError."""
+        a close() of the CQ from another thread makes it raise UsageError. ``check=True`` scans the
+        statuses in C before returning and raises CompletionError for the first failed one (its
+        ``polled`` attribute says how many entries of ``wcs`` were filled): the fast idiom."""
         cdef Py_buffer view
         cdef int n = 0, got = 0, cap, spins = 0, stop = STOP_DONE, err = 0
+        cdef Py_ssize_t bad = -1
         cdef double deadline, now, next_check
         if self.cq == NULL or self._closing:
             self._check_open()
-        _get_wc_buffer(wcs, &view)
+        _get_wc_buffer(wcs, &view, True)
         try:
             cap = _records(&view)
             if not 1 <= min_entries <= cap:
@@ -366,8 +401,12 @@ cdef class CompletionQueue(VerbsObject):
                 if stop != STOP_CHECK:
                     break
                 PyErr_CheckSignals()   # Ctrl-C raises KeyboardInterrupt here (pyzmq's pattern)
+            if check and n > 0:
+                bad = _first_failed(<wc_record *>view.buf, n)
         finally:
             PyBuffer_Release(&view)
+        if bad >= 0:
+            raise _completion_error(wcs, bad, n)
         if stop == STOP_ERROR:
             raise_errno("ibv_poll_cq", err, repr(self))
         if stop == STOP_CLOSED:
@@ -387,14 +426,15 @@ cdef inline uint32_t _ntohl(uint32_t x) noexcept nogil:
     return ((x & 0xff) << 24) | ((x & 0xff00) << 8) | ((x >> 8) & 0xff00) | (x >> 24)
 
 
-cdef int _get_wc_buffer(object wcs, Py_buffer *view) except -1:
+cdef int _get_wc_buffer(object wcs, Py_buffer *view, bint writable) except -1:
     # numpy's buffer format string for packed records varies with alignment, so check the dtype.
     dtype = getattr(wcs, "dtype", None)
     if dtype is not WC_DTYPE and dtype != WC_DTYPE:
         raise UsageError("wcs must be a numpy array of dtype pyrdma.WC_DTYPE "
                          "(e.g. numpy.empty(64, pyrdma.WC_DTYPE))")
     try:
-        PyObject_GetBuffer(wcs, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
-    except (BufferError, TypeError):
-        raise UsageError("wcs must be a writable, contiguous numpy array of dtype pyrdma.WC_DTYPE") from None
+        PyObject_GetBuffer(wcs, view, (PyBUF_WRITABLE if writable else 0) | PyBUF_C_CONTIGUOUS)
+    except (BufferError, TypeError, ValueError):
+        raise UsageError(f"wcs must be a {'writable, ' if writable else ''}C-contiguous numpy array of dtype "
+                         f"pyrdma.WC_DTYPE") from None
     return 0

@@ -1,7 +1,7 @@
 """The measurement loops of pyrdma-perf, one function per (test kind, role), in two modes.
 
 ``loop``    one public-API call per operation: ``qp.post_write(...)`` / ``post_read`` / ``post_send_buf``
-            / ``post_atomic_*`` per WR and ``cq.poll_into(wcs)`` to reap — what a user's own Python
+            / ``post_atomic_*`` per WR and ``cq.poll_into(wcs, check=True)`` to reap — what a user's own Python
             loop gets from pyrdma.
 ``batched`` the binding's ceiling: prebuilt ``SendWRList``/``RecvWRList`` posted with one call per
             list (perftest's --post_list), and ``cq.poll_wait`` reaping many completions per call
@@ -87,12 +87,6 @@ class RunError(rd.RDMAError):
     pass
 
 
-def _check(wcs, got):
-    st = wcs["status"][:got]
-    if st.any():
-        rd.check_wcs(wcs[:got])
-
-
 def _deadline_hit(deadline):
     if now_ns() > deadline:
         raise rd.RDMATimeoutError(f"no progress for {POLL_TIMEOUT} s (is the peer alive?)", call="perf loop")
@@ -120,12 +114,6 @@ def _make_poster(res, verb, q, size, atomic_type):
             post = partial(qp.post_atomic_fetch_add, mr, res.half, res.remote_dst(q), rkey, 1)
         return post
     raise ValueError(verb)
-
-
-def _wc_bytes(wcs):
-    """A byte view of a WC array: status is the low byte at offset 8 of each record (statuses are
-    < 256), wr_id's low byte at offset 0; indexing a memoryview is the cheapest check in Python."""
-    return memoryview(wcs.view(np.uint8)), wcs.dtype.itemsize
 
 
 class _Deadline:
@@ -269,12 +257,11 @@ def bw_sender(res, verb, size, iters, *, mode="loop", tx_depth=128, cq_mod=100, 
                     totscnt += 1
         if totccnt < (N if timed else totscnt):
             if batched:
-                got = poll_wait(wcs, 1, POLL_TIMEOUT)
+                got = poll_wait(wcs, 1, POLL_TIMEOUT, True)
             else:
-                got = poll_into(wcs)
+                got = poll_into(wcs, True)
             if got:
                 t = now_ns()
-                _check(wcs, got)
                 for i in range(got):
                     q = int(wc_ids[i])
                     if timed:
@@ -297,7 +284,6 @@ def bw_sender(res, verb, size, iters, *, mode="loop", tx_depth=128, cq_mod=100, 
 
 def _bw_one_qp_loop(n, cq_mod, tx_depth, post, poll_into, wcs, tposted, tcompleted):
     """run_iter_bw for one QP, loop mode: one post call per WR, poll_into when the window is full."""
-    wcb, isz = _wc_bytes(wcs)
     cqm1 = cq_mod - 1
     last = n - 1
     scnt = ccnt = 0
@@ -308,12 +294,10 @@ def _bw_one_qp_loop(n, cq_mod, tx_depth, post, poll_into, wcs, tposted, tcomplet
             tposted[scnt] = now_ns()
             post(0, scnt % cq_mod == cqm1 or scnt == last)
             scnt += 1
-        got = poll_into(wcs)
+        got = poll_into(wcs, True)
         if got:
             t = now_ns()
             for i in range(got):
-                if wcb[i * isz + 8]:
-                    rd.check_wcs(wcs[:got])
                 ccnt += cq_mod if n - ccnt >= cq_mod else n - ccnt
                 tcompleted[ccnt - 1] = t
             if idle:
@@ -330,7 +314,6 @@ def _bw_one_qp_loop(n, cq_mod, tx_depth, post, poll_into, wcs, tposted, tcomplet
 def _bw_one_qp_batched(n, step, tx_depth, full, tail, post_list, poll_wait, wcs, tposted, tcompleted):
     """run_iter_bw with a post list of ``step`` WRs (one signaled completion per list) and
     poll_wait reaping every completion available in one call, GIL released."""
-    wcb, isz = _wc_bytes(wcs)
     scnt = ccnt = 0
     while ccnt < n:
         while scnt < n:
@@ -340,11 +323,9 @@ def _bw_one_qp_batched(n, step, tx_depth, full, tail, post_list, poll_wait, wcs,
             tposted[scnt] = now_ns()
             post_list(full if cnt == step else tail)
             scnt += cnt
-        got = poll_wait(wcs, 1, POLL_TIMEOUT)
+        got = poll_wait(wcs, 1, POLL_TIMEOUT, True)
         t = now_ns()
         for i in range(got):
-            if wcb[i * isz + 8]:
-                rd.check_wcs(wcs[:got])
             ccnt += step if n - ccnt >= step else n - ccnt
             tcompleted[ccnt - 1] = t
 
@@ -356,8 +337,7 @@ def _warmup(res, verb, size, tx_depth, atomic_type):
     for q in range(len(res.qps)):
         lst = _make_list(res, verb, q, size, count, atomic_type)
         res.qps[q].post_send_list(lst)
-        got = res.cq.poll_wait(wcs, 1, POLL_TIMEOUT)
-        _check(wcs, got)
+        res.cq.poll_wait(wcs, 1, POLL_TIMEOUT, True)
     return count * len(res.qps)
 
 
@@ -408,7 +388,6 @@ def bw_receiver(res, size, iters, *, mode="loop", rx_depth=512, recv_chunk=16, d
     unused = [0] * nq
     rcnt = 0
     wcs = np.zeros(256, rd.WC_DTYPE)
-    wcb, isz = _wc_bytes(wcs)
     wc_ids = wcs["wr_id"]
     poll_into = res.rcq.poll_into
     poll_wait = res.rcq.poll_wait
@@ -433,13 +412,13 @@ def bw_receiver(res, size, iters, *, mode="loop", rx_depth=512, recv_chunk=16, d
         while rcnt < N:
             if batched:
                 try:
-                    got = poll_wait(wcs, 1, POLL_TIMEOUT if timed else 0.5)
+                    got = poll_wait(wcs, 1, POLL_TIMEOUT if timed else 0.5, True)
                 except rd.RDMATimeoutError:
                     if timed:
                         raise
                     got = 0
             else:
-                got = poll_into(wcs)
+                got = poll_into(wcs, True)
             if got:
                 t = now_ns()
                 if t_first is None:
@@ -453,8 +432,6 @@ def bw_receiver(res, size, iters, *, mode="loop", rx_depth=512, recv_chunk=16, d
                 if not timed and sample_start <= t < sample_end:
                     sampled += got
                 for i in range(got):
-                    if wcb[i * isz + 8]:
-                        rd.check_wcs(wcs[:got])
                     q = int(wc_ids[i]) if nq > 1 else 0
                     received[q] += 1
                     unused[q] += 1
@@ -507,7 +484,6 @@ def write_lat(res, size, iters, *, is_server, mode="loop", inline=False, duratio
     send_idx = size - 1
     poll_idx = res.half + size - 1   # zeroed by the caller before the start barrier
     wc = np.zeros(1, rd.WC_DTYPE)
-    wcb, _ = _wc_bytes(wc)
     batched = mode == "batched"
     if batched:
         lst = _make_list(res, "write", 0, size, 1, None, inline=inline)
@@ -551,12 +527,12 @@ def write_lat(res, size, iters, *, is_server, mode="loop", inline=False, duratio
             view[send_idx] = scnt & 0xFF
             if batched:
                 post_list(lst)
-                poll_wait(wc, 1, POLL_TIMEOUT)
+                poll_wait(wc, 1, POLL_TIMEOUT, True)
             else:
                 post_write(mr, 0, size, raddr, rkey, 0, True, None, inline)
-                while not poll_into(wc):
+                while not poll_into(wc, True):
                     for _ in SPIN:
-                        if poll_into(wc):
+                        if poll_into(wc, True):
                             break
                     else:
                         watchdog.check()
@@ -564,8 +540,6 @@ def write_lat(res, size, iters, *, is_server, mode="loop", inline=False, duratio
                     break
                 if watchdog.at:
                     watchdog.reset()
-            if wcb[8]:
-                rd.check_wcs(wc)
     view[send_idx] = int(pattern(size, res.seed)[size - 1])   # restore the data pattern
     if not timed:
         return s_end - s_start, sampled
@@ -577,7 +551,6 @@ def op_lat(res, verb, size, iters, *, mode="loop", atomic_type="FETCH_AND_ADD", 
     its completion, repeat."""
     qp = res.qps[0]
     wc = np.zeros(1, rd.WC_DTYPE)
-    wcb, _ = _wc_bytes(wc)
     batched = mode == "batched"
     if batched:
         lst = _make_list(res, verb, 0, size, 1, atomic_type)
@@ -606,12 +579,12 @@ def op_lat(res, verb, size, iters, *, mode="loop", atomic_type="FETCH_AND_ADD", 
         scnt += 1
         if batched:
             post_list(lst)
-            poll_wait(wc, 1, POLL_TIMEOUT)
+            poll_wait(wc, 1, POLL_TIMEOUT, True)
         else:
             post(0, True)
-            while not poll_into(wc):
+            while not poll_into(wc, True):
                 for _ in SPIN:
-                    if poll_into(wc):
+                    if poll_into(wc, True):
                         break
                 else:
                     watchdog.check()
@@ -619,8 +592,6 @@ def op_lat(res, verb, size, iters, *, mode="loop", atomic_type="FETCH_AND_ADD", 
                 break
             if watchdog.at:
                 watchdog.reset()
-        if wcb[8]:
-            rd.check_wcs(wc)
     if not timed:
         return s_end - s_start, sampled
     return tposted, scnt
@@ -639,8 +610,6 @@ def send_lat(res, size, iters, *, is_server, mode="loop", inline=False, rx_depth
     reposted = 0
     swc = np.zeros(1, rd.WC_DTYPE)
     rwc = np.zeros(1, rd.WC_DTYPE)
-    swcb, _ = _wc_bytes(swc)
-    rwcb, _ = _wc_bytes(rwc)
     batched = mode == "batched"
     if batched:
         slist = _make_list(res, "send", 0, size, 1, None, inline=inline)
@@ -664,16 +633,16 @@ def send_lat(res, size, iters, *, is_server, mode="loop", inline=False, rx_depth
             if rcnt < n and (scnt or not is_client):
                 if batched:
                     try:
-                        rpoll_wait(rwc, 1, POLL_TIMEOUT if timed else 0.2)
+                        rpoll_wait(rwc, 1, POLL_TIMEOUT if timed else 0.2, True)
                     except rd.RDMATimeoutError:
                         if timed or now_ns() < end:
                             raise
                         break
                 else:
                     stop = False
-                    while not rpoll(rwc):
+                    while not rpoll(rwc, True):
                         for _ in SPIN:
-                            if rpoll(rwc):
+                            if rpoll(rwc, True):
                                 break
                         else:
                             if not timed and now_ns() >= end:
@@ -686,8 +655,6 @@ def send_lat(res, size, iters, *, is_server, mode="loop", inline=False, rx_depth
                         watchdog.reset()
                     if stop:
                         break
-                if rwcb[8]:
-                    rd.check_wcs(rwc)
                 rcnt += 1
                 if not timed or rcnt + size_per_qp <= n:
                     if batched:
@@ -707,12 +674,12 @@ def send_lat(res, size, iters, *, is_server, mode="loop", inline=False, rx_depth
                 scnt += 1
                 if batched:
                     post_slist(slist)
-                    spoll_wait(swc, 1, POLL_TIMEOUT)
+                    spoll_wait(swc, 1, POLL_TIMEOUT, True)
                 else:
                     post_send(mr, 0, size, 0, True, None, inline)
-                    while not spoll(swc):
+                    while not spoll(swc, True):
                         for _ in SPIN:
-                            if spoll(swc):
+                            if spoll(swc, True):
                                 break
                         else:
                             watchdog.check()
@@ -720,8 +687,6 @@ def send_lat(res, size, iters, *, is_server, mode="loop", inline=False, rx_depth
                         break
                     if watchdog.at:
                         watchdog.reset()
-                if swcb[8]:
-                    rd.check_wcs(swc)
     finally:
         res.rx_posted[0] = size_per_qp + reposted - rcnt
     if not timed:

@@ -1,0 +1,85 @@
+"""The completion idiom the README teaches: poll_wait/poll_into(check=True) and check_wcs, whose
+status scan runs in C. Host tests on fabricated completion arrays; device tests on real failures."""
+import time
+
+import numpy as np
+import pytest
+
+import pyrdma as rd
+
+
+def _wcs(statuses):
+    wcs = np.zeros(len(statuses), rd.WC_DTYPE)
+    wcs["status"] = statuses
+    wcs["wr_id"] = np.arange(len(statuses)) + 100
+    wcs["qp_num"] = 7
+    return wcs
+
+
+def test_check_wcs_names_the_first_failed_entry_within_n():
+    wcs = _wcs([rd.WC_SUCCESS, rd.WC_SUCCESS, rd.WC_REM_ACCESS_ERR, rd.WC_WR_FLUSH_ERR])
+    rd.check_wcs(wcs, 2)                       # the failure lies beyond n
+    with pytest.raises(rd.CompletionError) as info:
+        rd.check_wcs(wcs)
+    exc = info.value
+    assert (exc.status, exc.status_name, exc.wr_id, exc.qp_num, exc.polled) == \
+        (rd.WC_REM_ACCESS_ERR, "REM_ACCESS_ERR", 102, 7, 4)
+    assert "remote access error" in str(exc)
+    with pytest.raises(rd.CompletionError, match="wr_id=102"):
+        rd.check_wcs(wcs[1:])                  # a contiguous slice works as before
+    rd.check_wcs(wcs, 0)
+    rd.check_wcs(_wcs([]))
+
+
+def test_check_wcs_refuses_what_is_not_a_completion_array():
+    with pytest.raises(rd.UsageError, match="WC_DTYPE"):
+        rd.check_wcs(np.zeros(4, np.uint32))
+    with pytest.raises(rd.UsageError, match="C-contiguous"):
+        rd.check_wcs(_wcs([0, 0, 0, 0])[::2])
+    wcs = _wcs([rd.WC_SUCCESS, rd.WC_GENERAL_ERR])
+    wcs.flags.writeable = False                # checking only reads
+    with pytest.raises(rd.CompletionError):
+        rd.check_wcs(wcs)
+
+
+def test_check_wcs_costs_less_than_a_microsecond():
+    # a guard against a return to numpy operations (several microseconds), not a benchmark: the
+    # bound is loose enough for a loaded machine
+    wcs = _wcs([rd.WC_SUCCESS] * 16)
+    check = rd.check_wcs
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(20000):
+            check(wcs, 16)
+        best = min(best, (time.perf_counter() - t0) / 20000)
+    assert best < 1e-6, f"check_wcs took {best * 1e9:.0f} ns"
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("call", ["poll_wait", "poll_into"])
+def test_check_true_raises_the_failed_completion(call):
+    with rd.Context() as ctx:
+        pd = rd.ProtectionDomain(ctx)
+        cq = rd.CompletionQueue(ctx, 16)
+        src = np.arange(64, dtype=np.uint8)
+        dst = np.zeros(64, np.uint8)
+        src_mr = rd.MemoryRegion(pd, src)
+        dst_mr = rd.MemoryRegion(pd, dst, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
+        a, b = rd.QueuePair(pd, rd.QPT_RC, cq), rd.QueuePair(pd, rd.QPT_RC, cq)
+        a.connect(b.endpoint())
+        b.connect(a.endpoint())
+        wcs = np.zeros(8, rd.WC_DTYPE)
+        a.post_write(src_mr, 0, 64, dst_mr.addr, dst_mr.rkey, wr_id=1)
+        assert cq.poll_wait(wcs, timeout=10, check=True) == 1 and np.array_equal(src, dst)
+        a.post_write(src_mr, 0, 64, dst_mr.addr, dst_mr.rkey ^ 0x5A5A, wr_id=2)    # a wrong rkey
+        with pytest.raises(rd.CompletionError) as info:
+            if call == "poll_wait":
+                cq.poll_wait(wcs, timeout=30, check=True)
+            else:
+                deadline = time.monotonic() + 30
+                while not cq.poll_into(wcs, check=True):
+                    assert time.monotonic() < deadline, "no completion within 30 s"
+        exc = info.value
+        assert exc.status == rd.WC_REM_ACCESS_ERR and exc.wr_id == 2 and exc.polled >= 1
+        assert wcs[0]["wr_id"] == 2            # the entry is still there for the caller
