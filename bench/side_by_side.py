@@ -55,6 +55,8 @@ TARGETS = [
          mode="batched", metric="bw_avg", min_size=65536, op=">=", value=0.97),
     dict(name="write_lat t_typical <= 1.25x perftest at 2 B (loop)", tests=["write_lat"], mode="loop",
          metric="t_typical", sizes=[2], op="<=", value=1.25),
+    dict(name="write_lat and send_lat t_typical <= 2.0x perftest at 2 B (loop: post, poll_into(check=True))",
+         tests=["write_lat", "send_lat"], mode="loop", metric="t_typical", sizes=[2], op="<=", value=2.0),
     dict(name="MsgRate >= 0.7x perftest at 64 B (batched)", tests=["write_bw", "read_bw", "send_bw"],
          mode="batched", metric="msg_rate", sizes=[64], op=">=", value=0.7),
 ]
