@@ -253,7 +253,9 @@ cdef int _check_list_size(int capacity, int max_sge, size_t wr_size) except -1:
 
 
 cdef class SendWRList:
-    """``capacity`` send WRs in C memory, chained, posted in one ibv_post_send (see QueuePair.post_send_list).
+    """SendWRList(int capacity, int max_sge=1)
+
+    ``capacity`` send WRs in C memory, chained, posted in one ibv_post_send (see QueuePair.post_send_list).
 
     Fill them one by one with ``set(i, SendWR)`` or all at once, vectorised, with ``fill(...)``."""
 
@@ -352,7 +354,9 @@ cdef class SendWRList:
 
 
 cdef class RecvWRList:
-    """``capacity`` receive WRs in C memory, posted in one call (QueuePair/SRQ.post_recv_list)."""
+    """RecvWRList(int capacity, int max_sge=1)
+
+    ``capacity`` receive WRs in C memory, posted in one call (QueuePair/SRQ.post_recv_list)."""
 
     def __cinit__(self, int capacity, int max_sge=1):
         _check_list_size(capacity, max_sge, sizeof(ibv_recv_wr))
