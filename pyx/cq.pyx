@@ -11,6 +11,8 @@ from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport (VerbsObject, raise_errno, monotonic_now, adopt, release, use, unuse,
                                  pyrdma_load_flag)
 from pyrdma._verbs.device cimport Context
+import enum
+
 import numpy as np
 
 from pyrdma.errors import CompletionError, RDMATimeoutError, UsageError
@@ -30,16 +32,52 @@ WC_DTYPE = np.dtype([("wr_id", "<u8"), ("status", "<u4"), ("opcode", "<u4"), ("v
 assert WC_DTYPE.itemsize == sizeof(wc_record)
 
 
-# Completion statuses and opcodes, as in verbs.h
-WC_SUCCESS, WC_LOC_LEN_ERR, WC_LOC_QP_OP_ERR, WC_LOC_PROT_ERR = (IBV_WC_SUCCESS, IBV_WC_LOC_LEN_ERR,
-                                                                 IBV_WC_LOC_QP_OP_ERR, IBV_WC_LOC_PROT_ERR)
-WC_WR_FLUSH_ERR, WC_BAD_RESP_ERR, WC_LOC_ACCESS_ERR = IBV_WC_WR_FLUSH_ERR, IBV_WC_BAD_RESP_ERR, IBV_WC_LOC_ACCESS_ERR
-WC_REM_INV_REQ_ERR, WC_REM_ACCESS_ERR, WC_REM_OP_ERR = IBV_WC_REM_INV_REQ_ERR, IBV_WC_REM_ACCESS_ERR, IBV_WC_REM_OP_ERR
-WC_RETRY_EXC_ERR, WC_RNR_RETRY_EXC_ERR, WC_GENERAL_ERR = IBV_WC_RETRY_EXC_ERR, IBV_WC_RNR_RETRY_EXC_ERR, IBV_WC_GENERAL_ERR
-WC_SEND, WC_RDMA_WRITE, WC_RDMA_READ, WC_COMP_SWAP, WC_FETCH_ADD = (IBV_WC_SEND, IBV_WC_RDMA_WRITE, IBV_WC_RDMA_READ,
-                                                                   IBV_WC_COMP_SWAP, IBV_WC_FETCH_ADD)
-WC_RECV, WC_RECV_RDMA_WITH_IMM = IBV_WC_RECV, IBV_WC_RECV_RDMA_WITH_IMM
-WC_GRH, WC_WITH_IMM = IBV_WC_GRH, IBV_WC_WITH_IMM
+class WCStatus(enum.IntEnum):
+    """ibv_wc_status: how a work completion ended (``wcs["status"]``)."""
+    SUCCESS = IBV_WC_SUCCESS
+    LOC_LEN_ERR = IBV_WC_LOC_LEN_ERR
+    LOC_QP_OP_ERR = IBV_WC_LOC_QP_OP_ERR
+    LOC_EEC_OP_ERR = IBV_WC_LOC_EEC_OP_ERR
+    LOC_PROT_ERR = IBV_WC_LOC_PROT_ERR
+    WR_FLUSH_ERR = IBV_WC_WR_FLUSH_ERR
+    MW_BIND_ERR = IBV_WC_MW_BIND_ERR
+    BAD_RESP_ERR = IBV_WC_BAD_RESP_ERR
+    LOC_ACCESS_ERR = IBV_WC_LOC_ACCESS_ERR
+    REM_INV_REQ_ERR = IBV_WC_REM_INV_REQ_ERR
+    REM_ACCESS_ERR = IBV_WC_REM_ACCESS_ERR
+    REM_OP_ERR = IBV_WC_REM_OP_ERR
+    RETRY_EXC_ERR = IBV_WC_RETRY_EXC_ERR
+    RNR_RETRY_EXC_ERR = IBV_WC_RNR_RETRY_EXC_ERR
+    LOC_RDD_VIOL_ERR = IBV_WC_LOC_RDD_VIOL_ERR
+    REM_INV_RD_REQ_ERR = IBV_WC_REM_INV_RD_REQ_ERR
+    REM_ABORT_ERR = IBV_WC_REM_ABORT_ERR
+    INV_EECN_ERR = IBV_WC_INV_EECN_ERR
+    INV_EEC_STATE_ERR = IBV_WC_INV_EEC_STATE_ERR
+    FATAL_ERR = IBV_WC_FATAL_ERR
+    RESP_TIMEOUT_ERR = IBV_WC_RESP_TIMEOUT_ERR
+    GENERAL_ERR = IBV_WC_GENERAL_ERR
+
+
+class WCOpcode(enum.IntEnum):
+    """ibv_wc_opcode: what completed (``wcs["opcode"]``; receives have the RECV bit, 128)."""
+    SEND = IBV_WC_SEND
+    RDMA_WRITE = IBV_WC_RDMA_WRITE
+    RDMA_READ = IBV_WC_RDMA_READ
+    COMP_SWAP = IBV_WC_COMP_SWAP
+    FETCH_ADD = IBV_WC_FETCH_ADD
+    BIND_MW = IBV_WC_BIND_MW
+    RECV = IBV_WC_RECV
+    RECV_RDMA_WITH_IMM = IBV_WC_RECV_RDMA_WITH_IMM
+
+
+class WCFlags(enum.IntFlag):
+    """ibv_wc_flags (``wcs["wc_flags"]``)."""
+    GRH = IBV_WC_GRH
+    WITH_IMM = IBV_WC_WITH_IMM
+
+
+# the flat names verbs programmers know (WC_SUCCESS, WC_RDMA_WRITE, WC_WITH_IMM, ...)
+globals().update({f"WC_{m.name}": m for e in (WCStatus, WCOpcode, WCFlags) for m in e})
 
 # A blocking wait gives up the C loop this often to run signal handlers (Ctrl-C) and see close().
 cdef double CHECK_INTERVAL_S = 0.05
@@ -51,9 +89,6 @@ cdef enum:
     STOP_CHECK = 3
     STOP_CLOSED = 4
 
-_OPCODE_NAMES = {IBV_WC_SEND: "SEND", IBV_WC_RDMA_WRITE: "RDMA_WRITE", IBV_WC_RDMA_READ: "RDMA_READ",
-                 IBV_WC_COMP_SWAP: "COMP_SWAP", IBV_WC_FETCH_ADD: "FETCH_ADD", IBV_WC_BIND_MW: "BIND_MW",
-                 IBV_WC_RECV: "RECV", IBV_WC_RECV_RDMA_WITH_IMM: "RECV_RDMA_WITH_IMM"}
 
 
 def wc_status_str(int status):
@@ -63,14 +98,17 @@ def wc_status_str(int status):
 
 def wc_status_name(int status):
     """Symbolic name of a completion status, e.g. 'REM_ACCESS_ERR'."""
-    for name, value in globals().items():
-        if name.startswith("WC_") and name.endswith(("_ERR", "SUCCESS")) and value == status:
-            return name[3:]
-    return f"STATUS_{status}"
+    try:
+        return WCStatus(status).name
+    except ValueError:
+        return f"STATUS_{status}"
 
 
 def wc_opcode_name(int opcode):
-    return _OPCODE_NAMES.get(opcode, f"OPCODE_{opcode}")
+    try:
+        return WCOpcode(opcode).name
+    except ValueError:
+        return f"OPCODE_{opcode}"
 
 
 def check_wcs(wcs, Py_ssize_t n=-1):

@@ -5,15 +5,41 @@ from libc.string cimport memset
 from libc.errno cimport errno, ENOSYS
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse
+import enum
 import ipaddress
 
 from pyrdma._verbs.base import Attributes
 from pyrdma.errors import RDMAError, UsageError
 
-MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096 = (IBV_MTU_256, IBV_MTU_512, IBV_MTU_1024,
-                                                  IBV_MTU_2048, IBV_MTU_4096)
-PORT_DOWN, PORT_INIT, PORT_ARMED, PORT_ACTIVE = IBV_PORT_DOWN, IBV_PORT_INIT, IBV_PORT_ARMED, IBV_PORT_ACTIVE
-ATOMIC_NONE, ATOMIC_HCA, ATOMIC_GLOB = IBV_ATOMIC_NONE, IBV_ATOMIC_HCA, IBV_ATOMIC_GLOB
+class MTU(enum.IntEnum):
+    """ibv_mtu: a path MTU as verbs encodes it (``mtu_to_bytes`` gives the bytes)."""
+    MTU_256 = IBV_MTU_256
+    MTU_512 = IBV_MTU_512
+    MTU_1024 = IBV_MTU_1024
+    MTU_2048 = IBV_MTU_2048
+    MTU_4096 = IBV_MTU_4096
+
+
+class PortState(enum.IntEnum):
+    """ibv_port_state."""
+    NOP = IBV_PORT_NOP
+    DOWN = IBV_PORT_DOWN
+    INIT = IBV_PORT_INIT
+    ARMED = IBV_PORT_ARMED
+    ACTIVE = IBV_PORT_ACTIVE
+    ACTIVE_DEFER = IBV_PORT_ACTIVE_DEFER
+
+
+class AtomicCap(enum.IntEnum):
+    """ibv_atomic_cap: how far a device's atomics are atomic."""
+    NONE = IBV_ATOMIC_NONE
+    HCA = IBV_ATOMIC_HCA
+    GLOB = IBV_ATOMIC_GLOB
+
+
+MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096 = MTU.MTU_256, MTU.MTU_512, MTU.MTU_1024, MTU.MTU_2048, MTU.MTU_4096
+PORT_DOWN, PORT_INIT, PORT_ARMED, PORT_ACTIVE = PortState.DOWN, PortState.INIT, PortState.ARMED, PortState.ACTIVE
+ATOMIC_NONE, ATOMIC_HCA, ATOMIC_GLOB = AtomicCap.NONE, AtomicCap.HCA, AtomicCap.GLOB
 
 _LINK_LAYERS = {IBV_LINK_LAYER_UNSPECIFIED: "InfiniBand",  # unspecified means IB in verbs
                 IBV_LINK_LAYER_INFINIBAND: "InfiniBand",

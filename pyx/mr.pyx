@@ -4,6 +4,7 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTI
                              PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ANY_CONTIGUOUS)
 from libc.errno cimport errno, EBADF
 from libc.stdint cimport uintptr_t, uint64_t
+import enum
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release
 from pyrdma._verbs.pd cimport ProtectionDomain
@@ -14,12 +15,17 @@ cdef extern from "Python.h":
 
 from pyrdma.errors import RDMAError, UsageError
 
-ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
-ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
-ACCESS_REMOTE_READ = IBV_ACCESS_REMOTE_READ
-ACCESS_REMOTE_ATOMIC = IBV_ACCESS_REMOTE_ATOMIC
-ACCESS_ALL = (IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ
-              | IBV_ACCESS_REMOTE_ATOMIC)
+class Access(enum.IntFlag):
+    """ibv_access_flags of a memory region (and of a QP's remote access)."""
+    LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
+    REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
+    REMOTE_READ = IBV_ACCESS_REMOTE_READ
+    REMOTE_ATOMIC = IBV_ACCESS_REMOTE_ATOMIC
+
+
+ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE = Access.LOCAL_WRITE, Access.REMOTE_WRITE
+ACCESS_REMOTE_READ, ACCESS_REMOTE_ATOMIC = Access.REMOTE_READ, Access.REMOTE_ATOMIC
+ACCESS_ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 cdef int _WRITE_BITS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC
 PAGE_SIZE = 4096
 

@@ -4,6 +4,7 @@ from libc.errno cimport errno
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.stdint cimport uint32_t, uint64_t
+import enum
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release, use, unuse, refuse
 from pyrdma._verbs.pd cimport ProtectionDomain
@@ -18,15 +19,32 @@ from pyrdma._verbs.base import Attributes
 from pyrdma.endpoint import Endpoint
 from pyrdma.errors import UsageError, RDMAError
 
-QPT_RC, QPT_UC, QPT_UD = IBV_QPT_RC, IBV_QPT_UC, IBV_QPT_UD
-QPS_RESET, QPS_INIT, QPS_RTR, QPS_RTS = IBV_QPS_RESET, IBV_QPS_INIT, IBV_QPS_RTR, IBV_QPS_RTS
-QPS_SQD, QPS_SQE, QPS_ERR = IBV_QPS_SQD, IBV_QPS_SQE, IBV_QPS_ERR
+class QPType(enum.IntEnum):
+    """ibv_qp_type: reliable connected, unreliable connected, unreliable datagram."""
+    RC = IBV_QPT_RC
+    UC = IBV_QPT_UC
+    UD = IBV_QPT_UD
+
+
+class QPState(enum.IntEnum):
+    """ibv_qp_state."""
+    RESET = IBV_QPS_RESET
+    INIT = IBV_QPS_INIT
+    RTR = IBV_QPS_RTR
+    RTS = IBV_QPS_RTS
+    SQD = IBV_QPS_SQD
+    SQE = IBV_QPS_SQE
+    ERR = IBV_QPS_ERR
+
+
+QPT_RC, QPT_UC, QPT_UD = QPType.RC, QPType.UC, QPType.UD
+QPS_RESET, QPS_INIT, QPS_RTR, QPS_RTS = QPState.RESET, QPState.INIT, QPState.RTR, QPState.RTS
+QPS_SQD, QPS_SQE, QPS_ERR = QPState.SQD, QPState.SQE, QPState.ERR
 DEFAULT_QKEY = 0x11111111
 UD_GRH_BYTES = 40   # a UD receive buffer starts with room for the global routing header
 
-_QP_TYPE_NAMES = {IBV_QPT_RC: "RC", IBV_QPT_UC: "UC", IBV_QPT_UD: "UD"}
-_STATE_NAMES = {IBV_QPS_RESET: "RESET", IBV_QPS_INIT: "INIT", IBV_QPS_RTR: "RTR", IBV_QPS_RTS: "RTS",
-                IBV_QPS_SQD: "SQD", IBV_QPS_SQE: "SQE", IBV_QPS_ERR: "ERR"}
+_QP_TYPE_NAMES = {m.value: m.name for m in QPType}
+_STATE_NAMES = {m.value: m.name for m in QPState}
 cdef int _REMOTE_ACCESS = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC
 
 

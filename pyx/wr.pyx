@@ -2,6 +2,7 @@
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.stdint cimport uint32_t, uint64_t, int64_t, int32_t
+import enum
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.mr cimport MemoryRegion
 from pyrdma._verbs.ah cimport AddressHandle
@@ -9,21 +10,32 @@ import numpy as np
 
 from pyrdma.errors import UsageError
 
-WR_RDMA_WRITE = IBV_WR_RDMA_WRITE
-WR_RDMA_WRITE_WITH_IMM = IBV_WR_RDMA_WRITE_WITH_IMM
-WR_SEND = IBV_WR_SEND
-WR_SEND_WITH_IMM = IBV_WR_SEND_WITH_IMM
-WR_RDMA_READ = IBV_WR_RDMA_READ
-WR_ATOMIC_CMP_AND_SWP = IBV_WR_ATOMIC_CMP_AND_SWP
-WR_ATOMIC_FETCH_AND_ADD = IBV_WR_ATOMIC_FETCH_AND_ADD
-SEND_FENCE = IBV_SEND_FENCE
-SEND_SIGNALED = IBV_SEND_SIGNALED
-SEND_SOLICITED = IBV_SEND_SOLICITED
-SEND_INLINE = IBV_SEND_INLINE
+class WROpcode(enum.IntEnum):
+    """ibv_wr_opcode: what a send work request does."""
+    RDMA_WRITE = IBV_WR_RDMA_WRITE
+    RDMA_WRITE_WITH_IMM = IBV_WR_RDMA_WRITE_WITH_IMM
+    SEND = IBV_WR_SEND
+    SEND_WITH_IMM = IBV_WR_SEND_WITH_IMM
+    RDMA_READ = IBV_WR_RDMA_READ
+    ATOMIC_CMP_AND_SWP = IBV_WR_ATOMIC_CMP_AND_SWP
+    ATOMIC_FETCH_AND_ADD = IBV_WR_ATOMIC_FETCH_AND_ADD
 
-_OPCODES = {IBV_WR_RDMA_WRITE: "RDMA_WRITE", IBV_WR_RDMA_WRITE_WITH_IMM: "RDMA_WRITE_WITH_IMM",
-            IBV_WR_SEND: "SEND", IBV_WR_SEND_WITH_IMM: "SEND_WITH_IMM", IBV_WR_RDMA_READ: "RDMA_READ",
-            IBV_WR_ATOMIC_CMP_AND_SWP: "ATOMIC_CMP_AND_SWP", IBV_WR_ATOMIC_FETCH_AND_ADD: "ATOMIC_FETCH_AND_ADD"}
+
+class SendFlags(enum.IntFlag):
+    """ibv_send_flags of a send work request."""
+    FENCE = IBV_SEND_FENCE
+    SIGNALED = IBV_SEND_SIGNALED
+    SOLICITED = IBV_SEND_SOLICITED
+    INLINE = IBV_SEND_INLINE
+
+
+WR_RDMA_WRITE, WR_RDMA_WRITE_WITH_IMM = WROpcode.RDMA_WRITE, WROpcode.RDMA_WRITE_WITH_IMM
+WR_SEND, WR_SEND_WITH_IMM, WR_RDMA_READ = WROpcode.SEND, WROpcode.SEND_WITH_IMM, WROpcode.RDMA_READ
+WR_ATOMIC_CMP_AND_SWP, WR_ATOMIC_FETCH_AND_ADD = WROpcode.ATOMIC_CMP_AND_SWP, WROpcode.ATOMIC_FETCH_AND_ADD
+SEND_FENCE, SEND_SIGNALED, SEND_SOLICITED, SEND_INLINE = (SendFlags.FENCE, SendFlags.SIGNALED, SendFlags.SOLICITED,
+                                                          SendFlags.INLINE)
+
+_OPCODES = {m.value: m.name for m in WROpcode}
 cdef int _ALL_SEND_FLAGS = IBV_SEND_FENCE | IBV_SEND_SIGNALED | IBV_SEND_SOLICITED | IBV_SEND_INLINE
 # Bounds on what a WR or a WR list may hold, far above any device's limits, so that every size
 # computed from them fits a size_t and the C int fields of verbs.

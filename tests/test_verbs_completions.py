@@ -83,3 +83,17 @@ def test_check_true_raises_the_failed_completion(call):
         exc = info.value
         assert exc.status == rd.WC_REM_ACCESS_ERR and exc.wr_id == 2 and exc.polled >= 1
         assert wcs[0]["wr_id"] == 2            # the entry is still there for the caller
+
+
+def test_constants_are_int_enums_with_names():
+    assert repr(rd.WC_REM_ACCESS_ERR) == "<WCStatus.REM_ACCESS_ERR: 10>" and rd.WC_REM_ACCESS_ERR == 10
+    assert rd.WCStatus(5) is rd.WC_WR_FLUSH_ERR and rd.wc_status_name(5) == "WR_FLUSH_ERR"
+    assert rd.wc_status_name(999) == "STATUS_999" and rd.wc_opcode_name(1) == "RDMA_WRITE"
+    assert rd.ACCESS_ALL == rd.Access.LOCAL_WRITE | rd.Access.REMOTE_WRITE | rd.Access.REMOTE_READ | \
+        rd.Access.REMOTE_ATOMIC == 15
+    assert "REMOTE_READ" in repr(rd.ACCESS_REMOTE_READ | rd.ACCESS_LOCAL_WRITE)
+    assert (rd.QPT_RC, rd.QPS_RTS, rd.MTU_4096, rd.PORT_ACTIVE) == (2, 3, 5, 4)
+    assert rd.WR_SEND_WITH_IMM.name == "SEND_WITH_IMM" and rd.SEND_SIGNALED | rd.SEND_INLINE == 10
+    assert f"{rd.WC_SUCCESS}" == "0" and rd.mtu_to_bytes(rd.MTU_1024) == 1024   # still plain ints in C calls
+    wcs = _wcs([rd.WC_SUCCESS])
+    assert wcs["status"][0] == rd.WCStatus.SUCCESS
