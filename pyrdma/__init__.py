@@ -11,7 +11,7 @@ from pyrdma.endpoint import Endpoint
 from pyrdma._verbs.device import (get_device_list, Context, DeviceInfo, GIDEntry, mtu_to_bytes, bytes_to_mtu,
                                   MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096, PORT_DOWN, PORT_INIT,
                                   PORT_ARMED, PORT_ACTIVE, ATOMIC_NONE, ATOMIC_HCA, ATOMIC_GLOB, MTU, PortState,
-                                  AtomicCap)
+                                  AtomicCap, AsyncEvent, AsyncEventType)
 from pyrdma._verbs.pd import ProtectionDomain
 from pyrdma._verbs.mr import (MemoryRegion, aligned_empty, probe_dmabuf, ACCESS_LOCAL_WRITE,
                               ACCESS_REMOTE_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_ATOMIC, ACCESS_ALL, Access)

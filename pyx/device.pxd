@@ -1,5 +1,5 @@
 from pyrdma._verbs.base cimport VerbsObject
-from pyrdma._verbs.libibverbs cimport ibv_context
+from pyrdma._verbs.libibverbs cimport ibv_context, ibv_async_event
 
 cdef class Context(VerbsObject):
     cdef ibv_context *ctx
@@ -9,3 +9,4 @@ cdef class Context(VerbsObject):
     cdef dict _best_gid
     cdef bint _has_active_port(self)
     cdef int _check_port(self, int port) except -1
+    cdef object _take_event(self, ibv_async_event *ev)

@@ -2,11 +2,21 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memset
-from libc.errno cimport errno, ENOSYS
+from libc.errno cimport errno, ENOSYS, EINTR, EAGAIN
+from cpython.exc cimport PyErr_CheckSignals
+from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse, use, unuse, monotonic_now
 import enum
 import ipaddress
+
+cdef extern from "<poll.h>" nogil:
+    cdef struct pollfd_t "pollfd":
+        int fd
+        short events
+        short revents
+    int poll_ "poll"(pollfd_t *fds, unsigned long nfds, int timeout)
+    enum: POLLIN_ "POLLIN"
 
 from pyrdma._verbs.base import Attributes
 from pyrdma.errors import RDMAError, UsageError
@@ -40,6 +50,53 @@ class AtomicCap(enum.IntEnum):
 MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096 = MTU.MTU_256, MTU.MTU_512, MTU.MTU_1024, MTU.MTU_2048, MTU.MTU_4096
 PORT_DOWN, PORT_INIT, PORT_ARMED, PORT_ACTIVE = PortState.DOWN, PortState.INIT, PortState.ARMED, PortState.ACTIVE
 ATOMIC_NONE, ATOMIC_HCA, ATOMIC_GLOB = AtomicCap.NONE, AtomicCap.HCA, AtomicCap.GLOB
+
+class AsyncEventType(enum.IntEnum):
+    """ibv_event_type: what an asynchronous event reports."""
+    CQ_ERR = IBV_EVENT_CQ_ERR
+    QP_FATAL = IBV_EVENT_QP_FATAL
+    QP_REQ_ERR = IBV_EVENT_QP_REQ_ERR
+    QP_ACCESS_ERR = IBV_EVENT_QP_ACCESS_ERR
+    COMM_EST = IBV_EVENT_COMM_EST
+    SQ_DRAINED = IBV_EVENT_SQ_DRAINED
+    PATH_MIG = IBV_EVENT_PATH_MIG
+    PATH_MIG_ERR = IBV_EVENT_PATH_MIG_ERR
+    DEVICE_FATAL = IBV_EVENT_DEVICE_FATAL
+    PORT_ACTIVE = IBV_EVENT_PORT_ACTIVE
+    PORT_ERR = IBV_EVENT_PORT_ERR
+    LID_CHANGE = IBV_EVENT_LID_CHANGE
+    PKEY_CHANGE = IBV_EVENT_PKEY_CHANGE
+    SM_CHANGE = IBV_EVENT_SM_CHANGE
+    SRQ_ERR = IBV_EVENT_SRQ_ERR
+    SRQ_LIMIT_REACHED = IBV_EVENT_SRQ_LIMIT_REACHED
+    QP_LAST_WQE_REACHED = IBV_EVENT_QP_LAST_WQE_REACHED
+    CLIENT_REREGISTER = IBV_EVENT_CLIENT_REREGISTER
+    GID_CHANGE = IBV_EVENT_GID_CHANGE
+    WQ_FATAL = IBV_EVENT_WQ_FATAL
+
+
+_QP_EVENTS = frozenset((IBV_EVENT_QP_FATAL, IBV_EVENT_QP_REQ_ERR, IBV_EVENT_QP_ACCESS_ERR, IBV_EVENT_COMM_EST,
+                        IBV_EVENT_SQ_DRAINED, IBV_EVENT_PATH_MIG, IBV_EVENT_PATH_MIG_ERR,
+                        IBV_EVENT_QP_LAST_WQE_REACHED))
+_PORT_EVENTS = frozenset((IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR, IBV_EVENT_LID_CHANGE, IBV_EVENT_PKEY_CHANGE,
+                          IBV_EVENT_SM_CHANGE, IBV_EVENT_CLIENT_REREGISTER, IBV_EVENT_GID_CHANGE))
+# A wait gives up the C loop this often to run signal handlers (Ctrl-C) and see close().
+cdef int ASYNC_CHECK_MS = 50
+
+
+class AsyncEvent:
+    """One asynchronous event of a device (already acknowledged): ``type`` (AsyncEventType),
+    ``port`` for port events, ``qp_num`` for QP events, else None; ``description`` is verbs' text."""
+    __slots__ = ("type", "port", "qp_num", "description")
+
+    def __init__(self, type, port=None, qp_num=None, description=""):
+        self.type, self.port, self.qp_num, self.description = type, port, qp_num, description
+
+    def __repr__(self):
+        where = f" port={self.port}" if self.port is not None else ""
+        where += f" qp_num={self.qp_num}" if self.qp_num is not None else ""
+        return f"<AsyncEvent {self.type.name}{where}>"
+
 
 _LINK_LAYERS = {IBV_LINK_LAYER_UNSPECIFIED: "InfiniBand",  # unspecified means IB in verbs
                 IBV_LINK_LAYER_INFINIBAND: "InfiniBand",
@@ -179,6 +236,67 @@ cdef class Context(VerbsObject):
 
     def __repr__(self):
         return f"<Context {self.name or '?'}{' closed' if self._closed else ''}>"
+
+    def fileno(self):
+        """The device's asynchronous-event fd (non-blocking), for select/poll/asyncio: readable when
+        ``get_async_event(timeout=0)`` has an event to return."""
+        self._check_open()
+        fd = self.ctx.async_fd
+        flags = fcntl(fd, F_GETFL)
+        if flags >= 0 and not flags & O_NONBLOCK:
+            fcntl(fd, F_SETFL, flags | O_NONBLOCK)
+        return fd
+
+    def get_async_event(self, timeout=None):
+        """The next asynchronous event (port up/down, QP or CQ error, device fatal, ...) as an
+        AsyncEvent, acknowledged; None when ``timeout`` seconds pass first (0: just look). Waits with
+        the GIL released; Ctrl-C interrupts it, close() from another thread makes it raise UsageError."""
+        cdef pollfd_t pfd
+        cdef ibv_async_event ev
+        cdef int rc, ms, err, got
+        cdef double deadline, left
+        pfd.fd = self.fileno()
+        pfd.events = POLLIN_
+        deadline = -1.0 if timeout is None else monotonic_now() + timeout
+        while True:
+            if deadline < 0:
+                ms = ASYNC_CHECK_MS
+            else:
+                left = (deadline - monotonic_now()) * 1000.0
+                ms = <int>min(max(0.0, left), <double>ASYNC_CHECK_MS)
+            use(self)
+            err = got = 0
+            with nogil:
+                rc = poll_(&pfd, 1, ms)
+                if rc < 0:
+                    err = errno
+                elif rc > 0:
+                    if ibv_get_async_event(self.ctx, &ev) == 0:
+                        got = 1
+                    else:
+                        err = errno
+            unuse(self)
+            if got:
+                return self._take_event(&ev)
+            if err and err != EINTR and err != EAGAIN:
+                raise_errno("poll" if rc < 0 else "ibv_get_async_event", err, repr(self))
+            if self._closing:
+                raise UsageError("closed while waiting", call="Context.get_async_event", obj=repr(self))
+            if deadline >= 0 and monotonic_now() >= deadline:
+                return None
+            PyErr_CheckSignals()
+
+    cdef object _take_event(self, ibv_async_event *ev):
+        # read what the event points at, then ack at once: destroying its QP/CQ waits for the ack
+        kind = ev.event_type
+        port = ev.element.port_num if kind in _PORT_EVENTS else None
+        qp_num = ev.element.qp.qp_num if kind in _QP_EVENTS else None
+        ibv_ack_async_event(ev)
+        try:
+            kind = AsyncEventType(kind)
+        except ValueError:
+            pass
+        return AsyncEvent(kind, port, qp_num, ibv_event_type_str(ev.event_type).decode())
 
     def query_device(self):
         """Device capabilities (ibv_query_device), cached."""

@@ -278,6 +278,25 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         IBV_SEND_FENCE, IBV_SEND_SIGNALED, IBV_SEND_SOLICITED, IBV_SEND_INLINE
         IBV_SRQ_MAX_WR, IBV_SRQ_LIMIT
         IBV_ATOMIC_NONE, IBV_ATOMIC_HCA, IBV_ATOMIC_GLOB
+        IBV_EVENT_CQ_ERR, IBV_EVENT_QP_FATAL, IBV_EVENT_QP_REQ_ERR, IBV_EVENT_QP_ACCESS_ERR, IBV_EVENT_COMM_EST
+        IBV_EVENT_SQ_DRAINED, IBV_EVENT_PATH_MIG, IBV_EVENT_PATH_MIG_ERR, IBV_EVENT_DEVICE_FATAL
+        IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR, IBV_EVENT_LID_CHANGE, IBV_EVENT_PKEY_CHANGE
+        IBV_EVENT_SM_CHANGE, IBV_EVENT_SRQ_ERR, IBV_EVENT_SRQ_LIMIT_REACHED, IBV_EVENT_QP_LAST_WQE_REACHED
+        IBV_EVENT_CLIENT_REREGISTER, IBV_EVENT_GID_CHANGE, IBV_EVENT_WQ_FATAL
+
+    cdef union ibv_async_event_element:       # placeholder name of the C anonymous union
+        ibv_cq *cq
+        ibv_qp *qp
+        ibv_srq *srq
+        int port_num
+
+    cdef struct ibv_async_event:
+        ibv_async_event_element element
+        int event_type
+
+    int ibv_get_async_event(ibv_context *context, ibv_async_event *event)
+    void ibv_ack_async_event(ibv_async_event *event)
+    const char *ibv_event_type_str(int event)
 
     ibv_device **ibv_get_device_list(int *num_devices)
     void ibv_free_device_list(ibv_device **list)
