@@ -55,7 +55,12 @@ def test_ratios_and_targets(sbs, tmp_path):
     assert get[("write_bw", 65536, "interop", "bw_avg")] == pytest.approx(0.97)
     assert ("write_bw", 64, "interop", "bw_avg") not in get
     targets = {t["name"]: t for t in b.targets(comps)}
-    assert [t["status"] for t in targets.values()] == ["MET", "MET", "MET"]
+    assert [t["status"] for t in targets.values()] == ["MET"] * len(sbs.TARGETS)
+    latency = next(t for name, t in targets.items() if "send_lat" in name)
+    assert latency["cases"] == [("write_lat", 2, 1.2)]          # send_lat did not run: only write_lat counts
+    b.rows[8]["report"]["t_typical"] = 21.0      # the loop write_lat row: 2.1x perftest
+    assert [t["status"] for t in b.targets(b.comparisons()) if "send_lat" in t["name"]] == ["MISSED"]
+    b.rows[8]["report"]["t_typical"] = 12.0
     b.rows[5]["report"]["bw_avg"] = 90.0       # the batched 64 KiB row
     assert b.targets(b.comparisons())[0]["status"] == "MISSED"
 
