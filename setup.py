@@ -9,7 +9,7 @@ VERBS_HEADER = "infiniband/verbs.h"
 HEADER_DIRS = ["/usr/include", "/usr/local/include"]
 
 # Low-level modules, one per verbs object: pyx/<name>.pyx -> pyrdma._verbs.<name>
-VERBS_MODULES = ["base", "device", "pd", "mr", "cq", "wr", "srq", "ah", "qp"]
+VERBS_MODULES = ["base", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp"]
 # Other compiled modules: pyx/<name>.pyx -> pyrdma.<name>
 OTHER_MODULES = {"reduce": "pyrdma._reduce"}
 

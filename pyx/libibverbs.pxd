@@ -233,6 +233,29 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         _ibv_wr_atomic atomic
         _ibv_wr_ud ud
 
+    cdef struct ibv_mw:
+        ibv_context *context
+        ibv_pd *pd
+        uint32_t rkey
+        uint32_t handle
+        int type
+
+    cdef struct ibv_mw_bind_info:
+        ibv_mr *mr
+        uint64_t addr
+        uint64_t length
+        unsigned int mw_access_flags
+
+    cdef struct ibv_mw_bind:
+        uint64_t wr_id
+        unsigned int send_flags
+        ibv_mw_bind_info bind_info
+
+    cdef struct _ibv_wr_bind_mw:
+        ibv_mw *mw
+        uint32_t rkey
+        ibv_mw_bind_info bind_info
+
     cdef struct ibv_send_wr:
         uint64_t wr_id
         ibv_send_wr *next
@@ -241,7 +264,9 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         int opcode
         unsigned int send_flags
         uint32_t imm_data          # network byte order (anonymous union in C)
+        uint32_t invalidate_rkey   # the same union: LOCAL_INV and SEND_WITH_INV
         _ibv_wr_union wr
+        _ibv_wr_bind_mw bind_mw    # an anonymous union in C (bind_mw / tso)
 
     cdef struct ibv_recv_wr:
         uint64_t wr_id
@@ -278,6 +303,8 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         IBV_SEND_FENCE, IBV_SEND_SIGNALED, IBV_SEND_SOLICITED, IBV_SEND_INLINE
         IBV_SRQ_MAX_WR, IBV_SRQ_LIMIT
         IBV_ATOMIC_NONE, IBV_ATOMIC_HCA, IBV_ATOMIC_GLOB
+        IBV_ACCESS_MW_BIND, IBV_MW_TYPE_1, IBV_MW_TYPE_2
+        IBV_WR_LOCAL_INV, IBV_WR_BIND_MW, IBV_WR_SEND_WITH_INV, IBV_WC_LOCAL_INV
         IBV_EVENT_CQ_ERR, IBV_EVENT_QP_FATAL, IBV_EVENT_QP_REQ_ERR, IBV_EVENT_QP_ACCESS_ERR, IBV_EVENT_COMM_EST
         IBV_EVENT_SQ_DRAINED, IBV_EVENT_PATH_MIG, IBV_EVENT_PATH_MIG_ERR, IBV_EVENT_DEVICE_FATAL
         IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR, IBV_EVENT_LID_CHANGE, IBV_EVENT_PKEY_CHANGE
@@ -342,6 +369,10 @@ cdef extern from "<infiniband/verbs.h>" nogil:
     int ibv_modify_qp(ibv_qp *qp, ibv_qp_attr *attr, int attr_mask)
     int ibv_query_qp(ibv_qp *qp, ibv_qp_attr *attr, int attr_mask, ibv_qp_init_attr *init_attr)
     int ibv_post_send(ibv_qp *qp, ibv_send_wr *wr, ibv_send_wr **bad_wr)
+    ibv_mw *ibv_alloc_mw(ibv_pd *pd, int type)
+    int ibv_dealloc_mw(ibv_mw *mw)
+    int ibv_bind_mw(ibv_qp *qp, ibv_mw *mw, ibv_mw_bind *mw_bind)
+    uint32_t ibv_inc_rkey(uint32_t rkey)
     int ibv_post_recv(ibv_qp *qp, ibv_recv_wr *wr, ibv_recv_wr **bad_wr)
 
     int ibv_fork_init()

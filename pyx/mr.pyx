@@ -21,11 +21,13 @@ class Access(enum.IntFlag):
     REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
     REMOTE_READ = IBV_ACCESS_REMOTE_READ
     REMOTE_ATOMIC = IBV_ACCESS_REMOTE_ATOMIC
+    MW_BIND = IBV_ACCESS_MW_BIND
 
 
 ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE = Access.LOCAL_WRITE, Access.REMOTE_WRITE
 ACCESS_REMOTE_READ, ACCESS_REMOTE_ATOMIC = Access.REMOTE_READ, Access.REMOTE_ATOMIC
 ACCESS_ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
+ACCESS_MW_BIND = Access.MW_BIND     # memory windows may be bound to the MR (not part of ACCESS_ALL)
 cdef int _WRITE_BITS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC
 PAGE_SIZE = 4096
 
@@ -44,7 +46,7 @@ def aligned_empty(size_t nbytes, size_t alignment=PAGE_SIZE):
 
 
 cdef int _check_access(int access) except -1:
-    if access & ~(<int>ACCESS_ALL):
+    if access & ~(<int>ACCESS_ALL | IBV_ACCESS_MW_BIND):
         raise UsageError(f"unknown access flags 0x{access:x}; use pyrdma.ACCESS_*")
     if access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC) and not access & IBV_ACCESS_LOCAL_WRITE:
         raise UsageError("ACCESS_REMOTE_WRITE and ACCESS_REMOTE_ATOMIC require ACCESS_LOCAL_WRITE")

@@ -12,6 +12,7 @@ from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.srq cimport SharedReceiveQueue
 from pyrdma._verbs.mr cimport MemoryRegion
 from pyrdma._verbs.ah cimport AddressHandle
+from pyrdma._verbs.mw cimport MemoryWindow
 from pyrdma._verbs.wr cimport SendWR, RecvWR, SendWRList, RecvWRList, fill_sge
 import secrets
 
@@ -609,6 +610,90 @@ cdef class QueuePair(VerbsObject):
         wr.wr.atomic.rkey = rkey
         wr.wr.atomic.compare_add = compare_add
         wr.wr.atomic.swap = swap
+        self._post_send(&wr)
+
+    # ---- memory windows ------------------------------------------------------------------------
+
+    def bind_mw(self, MemoryWindow mw not None, MemoryRegion mr=None, Py_ssize_t offset=0, length=None,
+                int access=IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, uint64_t wr_id=0,
+                bint signaled=True):
+        """Bind ``mw`` to mr[offset:offset+length] with remote ``access`` and return its new rkey.
+        Type 1: ibv_bind_mw; ``mr=None`` (or length 0) unbinds it. Type 2: a BIND_MW work request
+        with a fresh rkey tag; revoke it with post_local_invalidate(). The MR needs ACCESS_MW_BIND,
+        and the bind completes on this QP's send CQ like any signaled send."""
+        cdef ibv_mw_bind bind
+        cdef ibv_send_wr wr
+        cdef unsigned int rkey
+        cdef int rc
+        cdef Py_ssize_t size
+        mw._check_open()
+        if mw.pd is not self.pd:
+            raise UsageError(f"{mw!r} belongs to another protection domain than the QP's {self.pd!r}", obj=repr(self))
+        if access & ~_REMOTE_ACCESS or access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC) and (
+                mr is not None and not mr.access & IBV_ACCESS_LOCAL_WRITE):
+            raise UsageError(f"window access 0x{access:x}: use ACCESS_REMOTE_* flags the MR allows "
+                             f"(remote write and atomics need an MR with ACCESS_LOCAL_WRITE)", obj=repr(self))
+        memset(&bind, 0, sizeof(bind))
+        if mr is not None:
+            size = mr.length - offset if length is None else length
+            if size:
+                if offset < 0 or size < 0 or <size_t>offset > mr.length or <size_t>size > mr.length - offset:
+                    raise UsageError(f"window [{offset}, {offset}+{size}) is outside the MR of {mr.length} bytes",
+                                     obj=repr(self))
+                if not mr.access & IBV_ACCESS_MW_BIND:
+                    raise UsageError("the MR was registered without ACCESS_MW_BIND", obj=repr(mr))
+                mr._check_open()
+                if mr.pd is not self.pd:
+                    raise UsageError(f"{mr!r} belongs to another protection domain than the QP's", obj=repr(self))
+                bind.bind_info.mr = mr.mr
+                bind.bind_info.addr = mr.addr + offset
+                bind.bind_info.length = size
+                bind.bind_info.mw_access_flags = access
+        elif mw.type == IBV_MW_TYPE_2:
+            raise UsageError("a type 2 window is revoked with post_local_invalidate(mw.rkey), not by an empty bind",
+                             obj=repr(self))
+        if self.qp == NULL or self._closing or self._state < IBV_QPS_RTS:
+            self._check_open()
+            raise UsageError(f"cannot bind a window on a QP in {_STATE_NAMES.get(self._state)}; bring it to RTS "
+                             f"first", obj=repr(self))
+        if mw.type == IBV_MW_TYPE_1:
+            bind.wr_id = wr_id
+            bind.send_flags = IBV_SEND_SIGNALED if signaled else 0
+            self._users += 1
+            mw._users += 1
+            with nogil:
+                rc = ibv_bind_mw(self.qp, mw.mw, &bind)
+            mw._users -= 1
+            self._users -= 1
+            if rc:
+                raise_errno("ibv_bind_mw", rc, f"{mw!r} on {self!r}")
+            rkey = mw.mw.rkey
+        else:
+            memset(&wr, 0, sizeof(wr))
+            wr.wr_id = wr_id
+            wr.opcode = IBV_WR_BIND_MW
+            wr.send_flags = IBV_SEND_SIGNALED if signaled else 0
+            rkey = ibv_inc_rkey(mw.mw.rkey)
+            wr.bind_mw.mw = mw.mw
+            wr.bind_mw.rkey = rkey
+            wr.bind_mw.bind_info = bind.bind_info
+            mw._users += 1
+            try:
+                self._post_send(&wr)
+            finally:
+                mw._users -= 1
+        bound = bind.bind_info.length != 0
+        mw._set_bound(mr if bound else None, bind.bind_info.addr if bound else 0, bind.bind_info.length, rkey)
+        return rkey
+
+    def post_local_invalidate(self, uint32_t rkey, uint64_t wr_id=0, bint signaled=True):
+        """LOCAL_INV: revoke the type 2 window (or MR) with ``rkey``; later remote accesses with it fail."""
+        cdef ibv_send_wr wr
+        memset(&wr, 0, sizeof(wr))
+        wr.wr_id = wr_id
+        wr.opcode = IBV_WR_LOCAL_INV
+        wr.send_flags = IBV_SEND_SIGNALED if signaled else 0
+        wr.invalidate_rkey = rkey
         self._post_send(&wr)
 
     cdef int _fill_local(self, ibv_send_wr *wr, ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset,

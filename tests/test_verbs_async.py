@@ -1,0 +1,323 @@
+"""Asynchronous events, asyncio and memory windows (issue #18).
+
+Device tests run on rxe0 in the Soft-RoCE VM; the port-event test makes its own rxe device on a
+dummy netdev, so taking its link down disturbs nobody else.
+"""
+import asyncio
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import pyrdma as rd
+from pyrdma import aio
+
+TIMEOUT = 10.0
+device = pytest.mark.device
+
+
+# ---- host: the fd waiter ----------------------------------------------------------------------------
+
+def test_readable_wakes_every_waiter_and_cleans_up():
+    r, w = os.pipe()
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            waiters = [asyncio.ensure_future(aio.readable(r)) for _ in range(3)]
+            cancelled = asyncio.ensure_future(aio.readable(r))
+            await asyncio.sleep(0.05)
+            assert not any(t.done() for t in waiters)
+            cancelled.cancel()
+            await asyncio.sleep(0)
+            loop.call_later(0.05, os.write, w, b"x")
+            await asyncio.wait_for(asyncio.gather(*waiters), 5)
+            assert cancelled.cancelled()
+            assert aio._waiters == {}              # no reader left registered on the loop
+            assert loop.remove_reader(r) is False
+        asyncio.run(main())
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_cancelled_last_waiter_removes_the_reader():
+    r, w = os.pipe()
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(aio.readable(r), 0.05)
+            assert aio._waiters == {}
+            assert loop.remove_reader(r) is False
+        asyncio.run(main())
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+# ---- device: helpers ----------------------------------------------------------------------------------
+
+class Pair:
+    """Two connected RC QPs on one device, each with its CQ; both CQs share one completion channel."""
+
+    def __init__(self, ctx, size=4096, access=rd.ACCESS_ALL):
+        self.pd = rd.ProtectionDomain(ctx)
+        self.channel = rd.CompChannel(ctx)
+        self.cq = [rd.CompletionQueue(ctx, 64, self.channel) for _ in range(2)]
+        self.qp = [rd.QueuePair(self.pd, rd.QPT_RC, cq, max_send_wr=32, max_recv_wr=32) for cq in self.cq]
+        self.buf = [np.zeros(size, np.uint8) for _ in range(2)]
+        self.mr = [rd.MemoryRegion(self.pd, b, access) for b in self.buf]
+        self.qp[0].connect(self.qp[1].endpoint())
+        self.qp[1].connect(self.qp[0].endpoint())
+
+    def close(self):
+        self.pd.close()
+        self.channel.close()
+
+
+async def completions(cq, n):
+    """The next ``n`` completions of ``cq``, awaited on its channel (checked: a failure raises)."""
+    wcs = np.empty(n, rd.WC_DTYPE)
+    got = 0
+    while got < n:
+        got += await aio.poll(cq, wcs[got:], check=True)
+    return wcs
+
+
+@pytest.fixture
+def ctx():
+    with rd.Context() as c:
+        yield c
+
+
+# ---- device: asyncio ---------------------------------------------------------------------------------
+
+@device
+def test_asyncio_write_ping_pong_and_send_recv_on_one_loop_without_threads(ctx):
+    rounds = 20
+    pp, sr = Pair(ctx), Pair(ctx)
+    threads_before = threading.active_count()
+
+    async def write_side(side):
+        # RDMA WRITE WITH_IMM of byte r into the peer's byte 0; the peer's receive completion (imm r)
+        # says it has landed, and the peer answers the same way
+        me, peer_mr = pp.qp[side], pp.mr[1 - side]
+        for r in range(1, rounds + 1):
+            me.post_recv_buf(pp.mr[side], 0, 0, wr_id=r)
+            if side == 1:
+                wcs = await completions(pp.cq[1], 1)
+                assert wcs[0]["opcode"] == rd.WC_RECV_RDMA_WITH_IMM and wcs[0]["imm_data"] == r
+                assert pp.buf[1][0] == r
+            pp.buf[side][8] = r
+            me.post_write(pp.mr[side], 8, 1, peer_mr.addr, peer_mr.rkey, wr_id=r, imm=r)
+            wcs = await completions(pp.cq[side], 2 if side == 0 else 1)
+            if side == 0:
+                recv = wcs[wcs["opcode"] == rd.WC_RECV_RDMA_WITH_IMM]
+                assert len(recv) == 1 and recv[0]["imm_data"] == r and pp.buf[0][0] == r
+        return rounds
+
+    async def send_recv():
+        payload = np.arange(256, dtype=np.uint8)
+        sr.buf[0][:256] = payload
+        for r in range(rounds):
+            sr.qp[1].post_recv_buf(sr.mr[1], 0, 256, wr_id=1000 + r)
+            sr.qp[0].post_send_buf(sr.mr[0], 0, 256, wr_id=r, imm=r)
+            sent = await completions(sr.cq[0], 1)
+            received = await completions(sr.cq[1], 1)
+            assert sent[0]["wr_id"] == r and sent[0]["opcode"] == rd.WC_SEND
+            assert received[0]["wr_id"] == 1000 + r and received[0]["byte_len"] == 256
+            assert received[0]["imm_data"] == r
+            assert np.array_equal(sr.buf[1][:256], payload)
+            sr.buf[1][:256] = 0
+        return rounds
+
+    async def main():
+        work = asyncio.gather(write_side(0), write_side(1), send_recv())
+        return await asyncio.wait_for(work, 120)
+
+    try:
+        assert asyncio.run(main()) == [rounds, rounds, rounds]
+        assert threading.active_count() == threads_before
+    finally:
+        pp.close()
+        sr.close()
+
+
+@device
+def test_aio_poll_needs_a_channel(ctx):
+    with rd.CompletionQueue(ctx, 4) as cq:
+        with pytest.raises(rd.UsageError, match="CompChannel"):
+            asyncio.run(aio.poll(cq, np.empty(2, rd.WC_DTYPE)))
+
+
+# ---- device: memory windows ----------------------------------------------------------------------------
+
+@device
+@pytest.mark.parametrize("mw_type", [rd.MW_TYPE_1, rd.MW_TYPE_2])
+def test_memory_window_grants_then_revokes_a_remote_write(ctx, mw_type):
+    pd = rd.ProtectionDomain(ctx)
+    try:
+        cq = [rd.CompletionQueue(ctx, 16) for _ in range(2)]
+        owner, writer = (rd.QueuePair(pd, rd.QPT_RC, c) for c in cq)
+        owner.connect(writer.endpoint())
+        writer.connect(owner.endpoint())
+        target = np.zeros(4096, np.uint8)
+        # no remote access on the MR itself: only the window grants it
+        target_mr = rd.MemoryRegion(pd, target, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_MW_BIND)
+        src = np.arange(256, dtype=np.uint8) + 1
+        src_mr = rd.MemoryRegion(pd, src, rd.ACCESS_LOCAL_WRITE)
+        mw = rd.MemoryWindow(pd, mw_type)
+        wcs = np.empty(4, rd.WC_DTYPE)
+
+        rkey = owner.bind_mw(mw, target_mr, 1024, 1024, rd.ACCESS_REMOTE_WRITE, wr_id=7)
+        assert cq[0].poll_wait(wcs, timeout=TIMEOUT, check=True) == 1
+        assert wcs[0]["opcode"] == rd.WCOpcode.BIND_MW and wcs[0]["wr_id"] == 7
+        assert rkey == mw.rkey and mw.bound_mr is target_mr and mw.length == 1024
+
+        writer.post_write(src_mr, 0, 256, target_mr.addr + 1024, rkey, wr_id=1)
+        assert cq[1].poll_wait(wcs, timeout=TIMEOUT, check=True) == 1
+        assert np.array_equal(target[1024:1280], src) and not target[:1024].any()
+
+        if mw_type == rd.MW_TYPE_1:
+            owner.bind_mw(mw, None, wr_id=8)               # a bind of nothing unbinds a type 1 window
+            expected = rd.WCOpcode.BIND_MW
+        else:
+            owner.post_local_invalidate(rkey, wr_id=8)
+            expected = rd.WCOpcode.LOCAL_INV
+        assert cq[0].poll_wait(wcs, timeout=TIMEOUT, check=True) == 1
+        assert wcs[0]["opcode"] == expected and wcs[0]["wr_id"] == 8
+
+        target[:] = 0
+        writer.post_write(src_mr, 0, 256, target_mr.addr + 1024, rkey, wr_id=2)
+        assert cq[1].poll_wait(wcs, timeout=TIMEOUT) == 1
+        assert wcs[0]["status"] == rd.WC_REM_ACCESS_ERR, rd.wc_status_name(wcs[0]["status"])
+        assert not target.any()
+    finally:
+        pd.close()
+
+
+@device
+def test_memory_window_misuse_is_refused_before_c(ctx):
+    with rd.ProtectionDomain(ctx) as pd, rd.ProtectionDomain(ctx) as other, rd.CompletionQueue(ctx, 4) as cq:
+        qp = rd.QueuePair(pd, rd.QPT_RC, cq)
+        buf = np.zeros(64, np.uint8)
+        plain = rd.MemoryRegion(pd, buf, rd.ACCESS_LOCAL_WRITE)
+        mw = rd.MemoryWindow(pd, rd.MW_TYPE_2)
+        with pytest.raises(rd.UsageError, match="RTS"):
+            qp.bind_mw(mw, rd.MemoryRegion(pd, buf, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_MW_BIND))
+        qp.connect(qp.endpoint())
+        with pytest.raises(rd.UsageError, match="ACCESS_MW_BIND"):
+            qp.bind_mw(mw, plain)
+        with pytest.raises(rd.UsageError, match="outside the MR"):
+            qp.bind_mw(mw, rd.MemoryRegion(pd, buf, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_MW_BIND), 32, 64)
+        with pytest.raises(rd.UsageError, match="another protection domain"):
+            qp.bind_mw(rd.MemoryWindow(other, rd.MW_TYPE_2), plain)
+        with pytest.raises(rd.UsageError, match="post_local_invalidate"):
+            qp.bind_mw(mw, None)
+        with pytest.raises(rd.UsageError, match="type"):
+            rd.MemoryWindow(pd, 3)
+        mw.close()
+        with pytest.raises(rd.UsageError):
+            mw.rkey
+
+
+# ---- device: asynchronous events -----------------------------------------------------------------------
+
+NETDEV, RXE = "pyrdma-ev0", "rxe_ev"     # sorts after rxe0, so default device choices are unchanged
+
+
+def _sh(*argv):
+    subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def own_rxe_device():
+    """An rxe device on a dummy netdev of its own (root in the VM), removed afterwards."""
+    if os.geteuid() != 0 or shutil.which("rdma") is None:
+        pytest.fail("needs root and iproute2's rdma tool (the Soft-RoCE VM has both)")
+    _sh("ip", "link", "add", NETDEV, "type", "dummy")
+    try:
+        _sh("ip", "addr", "add", "198.19.254.1/32", "dev", NETDEV)
+        _sh("ip", "link", "set", NETDEV, "up")
+        _sh("rdma", "link", "add", RXE, "type", "rxe", "netdev", NETDEV)
+        state = f"/sys/class/infiniband/{RXE}/ports/1/state"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with open(state) as f:
+                if "ACTIVE" in f.read():
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"{RXE} did not become ACTIVE")
+        yield RXE
+    finally:
+        subprocess.run(["rdma", "link", "delete", RXE], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "delete", NETDEV], capture_output=True, timeout=30)
+
+
+def _until(get, kind, deadline):
+    seen = []
+    while time.monotonic() < deadline:
+        event = get()
+        if event is not None:
+            seen.append(event)
+            if event.type == kind:
+                return event, seen
+    pytest.fail(f"no {kind.name} event before the deadline; saw {seen}")
+
+
+@device
+def test_port_down_and_up_under_a_live_qp_are_async_events(own_rxe_device):
+    with rd.Context(own_rxe_device) as ctx:
+        pd = rd.ProtectionDomain(ctx)
+        cq = rd.CompletionQueue(ctx, 4)
+        qp = rd.QueuePair(pd, rd.QPT_RC, cq)
+        qp.connect(qp.endpoint())                       # a live QP in RTS on the port
+        assert ctx.get_async_event(timeout=0) is None   # nothing yet
+
+        _sh("ip", "link", "set", NETDEV, "down")
+        started = time.monotonic()
+        event, _ = _until(lambda: ctx.get_async_event(timeout=1.0), rd.AsyncEventType.PORT_ERR, started + 20)
+        assert event.port == 1 and event.qp_num is None and "port" in event.description.lower()
+        assert "PORT_ERR" in repr(event)
+        assert ctx.query_port(1).state != rd.PORT_ACTIVE
+
+        _sh("ip", "link", "set", NETDEV, "up")
+
+        async def wait_active():
+            deadline = time.monotonic() + 20
+            while True:
+                event = await asyncio.wait_for(aio.async_event(ctx), deadline - time.monotonic())
+                if event.type == rd.AsyncEventType.PORT_ACTIVE:
+                    return event
+        event = asyncio.run(wait_active())
+        assert event.port == 1
+        qp.close()
+        pd.close()
+
+
+@device
+def test_async_event_wait_is_woken_by_close_and_bounded_by_timeout(ctx):
+    started = time.monotonic()
+    assert ctx.get_async_event(timeout=0.3) is None
+    assert 0.25 <= time.monotonic() - started < 5
+    errors = []
+
+    def blocked():
+        try:
+            ctx.get_async_event()
+        except rd.UsageError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.3)
+    ctx.close()
+    t.join(10)
+    assert not t.is_alive() and errors and "closed" in str(errors[0])
+    with pytest.raises(rd.UsageError):
+        ctx.fileno()
