@@ -15,7 +15,7 @@ from pyrdma._verbs.device import (get_device_list, Context, DeviceInfo, GIDEntry
 from pyrdma._verbs.pd import ProtectionDomain
 from pyrdma._verbs.mr import (MemoryRegion, aligned_empty, probe_dmabuf, ACCESS_LOCAL_WRITE,
                               ACCESS_REMOTE_WRITE, ACCESS_REMOTE_READ, ACCESS_REMOTE_ATOMIC, ACCESS_ALL, ACCESS_MW_BIND,
-                              Access)
+                              ACCESS_ON_DEMAND, Access)
 from pyrdma._verbs.cq import (CompChannel, CompletionQueue, WC_DTYPE, wc_status_str, wc_status_name,
                               wc_opcode_name, check_wcs, WC_SUCCESS, WC_LOC_LEN_ERR, WC_LOC_QP_OP_ERR,
                               WC_LOC_PROT_ERR, WC_WR_FLUSH_ERR, WC_BAD_RESP_ERR, WC_LOC_ACCESS_ERR,
@@ -32,7 +32,7 @@ from pyrdma._verbs.ah import AddressHandle
 from pyrdma._verbs.mw import MemoryWindow, MWType, MW_TYPE_1, MW_TYPE_2
 from pyrdma._verbs.qp import (QueuePair, qp_state_name, QPT_RC, QPT_UC, QPT_UD, QPS_RESET, QPS_INIT,
                               QPS_RTR, QPS_RTS, QPS_SQD, QPS_SQE, QPS_ERR, DEFAULT_QKEY, UD_GRH_BYTES, QPType,
-                              QPState)
+                              QPState, SendOps)
 from pyrdma.connect import Connection, accept, connect
 
 __version__ = "0.1.0"

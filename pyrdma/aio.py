@@ -24,6 +24,13 @@ def _wake(key):
             fut.set_result(None)
 
 
+def _wake_all(fd):
+    """Wake every coroutine waiting on ``fd`` on this loop, as if it had become readable."""
+    key = (asyncio.get_running_loop(), fd)
+    if key in _waiters:
+        _wake(key)
+
+
 async def readable(fd):
     """Return once ``fd`` is readable (several coroutines may wait on one fd, e.g. a shared channel)."""
     loop = asyncio.get_running_loop()
@@ -53,7 +60,8 @@ async def poll(cq, wcs, min_entries=1, check=False):
         raise UsageError("pyrdma.aio.poll needs a CompletionQueue created with a CompChannel", obj=repr(cq))
     if not 1 <= min_entries <= len(wcs):
         raise UsageError(f"min_entries={min_entries} outside 1..{len(wcs)} (the size of wcs)")
-    fd = cq.channel.fileno()
+    channel = cq.channel
+    fd = channel.fileno()
     got = cq.poll_into(wcs, check)
     while got < min_entries:
         cq.req_notify()
@@ -61,7 +69,13 @@ async def poll(cq, wcs, min_entries=1, check=False):
         if more:
             got += more
             continue
-        while not cq.wait(timeout=0):           # the event may already be ours (a shared channel)
+        while True:
+            redelivered = channel.redelivered
+            if cq.wait(timeout=0):                  # the event may already be ours (a shared channel)
+                break
+            if channel.redelivered != redelivered:
+                # we read another CQ's event off the fd: its waiter would sleep on past it
+                _wake_all(fd)
             await readable(fd)
         got += cq.poll_into(wcs[got:], check)
     return got

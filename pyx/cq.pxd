@@ -22,6 +22,8 @@ cdef packed struct wc_record:
 cdef class CompChannel(VerbsObject):
     cdef ibv_comp_channel *channel
     cdef readonly Context context
+    # events taken for another CQ than the reader's (an asyncio waiter then wakes that CQ's waiter)
+    cdef readonly unsigned long long redelivered
     cdef int _deliver(self, long long serial) except -1
 
 cdef class CompletionQueue(VerbsObject):

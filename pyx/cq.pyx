@@ -186,6 +186,7 @@ cdef class CompChannel(VerbsObject):
         cq = ref() if ref is not None else None
         if isinstance(cq, CompletionQueue):
             (<CompletionQueue>cq)._pending_events += 1
+            self.redelivered += 1
         return 0
 
     def __dealloc__(self):

@@ -2,13 +2,14 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memset
-from libc.errno cimport errno, ENOSYS, EINTR, EAGAIN
+from libc.errno cimport errno, ENOSYS, EINTR, EAGAIN, EOPNOTSUPP
 from cpython.exc cimport PyErr_CheckSignals
 from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse, use, unuse, monotonic_now
 import enum
 import ipaddress
+import socket
 
 cdef extern from "<poll.h>" nogil:
     cdef struct pollfd_t "pollfd":
@@ -98,6 +99,9 @@ class AsyncEvent:
         return f"<AsyncEvent {self.type.name}{where}>"
 
 
+_ODP_OPS = (("send", IBV_ODP_SUPPORT_SEND), ("recv", IBV_ODP_SUPPORT_RECV), ("write", IBV_ODP_SUPPORT_WRITE),
+            ("read", IBV_ODP_SUPPORT_READ), ("atomic", IBV_ODP_SUPPORT_ATOMIC), ("srq_recv", IBV_ODP_SUPPORT_SRQ_RECV))
+
 _LINK_LAYERS = {IBV_LINK_LAYER_UNSPECIFIED: "InfiniBand",  # unspecified means IB in verbs
                 IBV_LINK_LAYER_INFINIBAND: "InfiniBand",
                 IBV_LINK_LAYER_ETHERNET: "Ethernet"}
@@ -130,17 +134,28 @@ class DeviceInfo:
 
 
 class GIDEntry:
-    """One GID table entry, with its type and, for IPv4-mapped GIDs, the IPv4 address."""
+    """One GID table entry: its type (IB, RoCEv1, RoCEv2), the netdev it belongs to (RoCE; None on
+    InfiniBand) and, for IPv4-mapped GIDs, the IPv4 address."""
 
-    def __init__(self, index, gid, gid_type):
-        self.index, self.gid, self.gid_type = index, bytes(gid), gid_type
+    def __init__(self, index, gid, gid_type, netdev=None):
+        self.index, self.gid, self.gid_type, self.netdev = index, bytes(gid), gid_type, netdev
         addr = ipaddress.IPv6Address(self.gid)
         self.gid_str = addr.exploded
         self.ipv4 = str(addr.ipv4_mapped) if addr.ipv4_mapped is not None else None
 
     def __repr__(self):
         extra = f", ipv4={self.ipv4!r}" if self.ipv4 else ""
+        extra += f", netdev={self.netdev!r}" if self.netdev else ""
         return f"GIDEntry(index={self.index}, gid={self.gid_str!r}, type={self.gid_type!r}{extra})"
+
+
+def _netdev_name(ifindex):
+    if not ifindex:
+        return None
+    try:
+        return socket.if_indextoname(ifindex)
+    except OSError:       # the netdev went away since the query
+        return None
 
 
 cdef str _guid_str(uint64_t be_guid):
@@ -367,7 +382,8 @@ cdef class Context(VerbsObject):
                 continue   # ENODATA: empty slot
             raw = bytes(e.gid.raw[:16])
             if raw != bytes(16):
-                entries.append(GIDEntry(i, raw, _GID_TYPES.get(e.gid_type, str(e.gid_type))))
+                entries.append(GIDEntry(i, raw, _GID_TYPES.get(e.gid_type, str(e.gid_type)),
+                                        _netdev_name(e.ndev_ifindex)))
         return entries
 
     def best_gid_index(self, int port=1):
@@ -387,6 +403,27 @@ cdef class Context(VerbsObject):
             best = min(entries, key=rank).index
         self._best_gid[port] = best
         return best
+
+    def query_odp(self):
+        """On-demand paging capabilities (ibv_query_device_ex): ``supported``, ``implicit`` and, per
+        transport (``rc``, ``uc``, ``ud``), the operations that may touch ODP memory. A device without ODP
+        (rxe on older kernels, say) reports supported=False; MemoryRegion(..., ACCESS_ON_DEMAND) then refuses."""
+        cdef ibv_device_attr_ex a
+        cdef int rc
+        self._check_open()
+        memset(&a, 0, sizeof(a))
+        rc = ibv_query_device_ex(self.ctx, NULL, &a)
+        if rc == EOPNOTSUPP or rc == ENOSYS:
+            return Attributes(supported=False, implicit=False, rc=(), uc=(), ud=())
+        if rc:
+            raise_errno("ibv_query_device_ex", rc, repr(self))
+        general = a.odp_caps.general_caps
+        def ops(uint32_t caps):
+            return tuple(name for name, bit in _ODP_OPS if caps & bit)
+        return Attributes(supported=bool(general & IBV_ODP_SUPPORT), implicit=bool(general & IBV_ODP_SUPPORT_IMPLICIT),
+                          rc=ops(a.odp_caps.per_transport_caps.rc_odp_caps),
+                          uc=ops(a.odp_caps.per_transport_caps.uc_odp_caps),
+                          ud=ops(a.odp_caps.per_transport_caps.ud_odp_caps))
 
     def dmabuf_supported(self):
         """Probe once, as NCCL does, whether ibv_reg_dmabuf_mr is implemented (needs a PD)."""

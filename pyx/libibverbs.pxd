@@ -321,6 +321,27 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         ibv_async_event_element element
         int event_type
 
+    cdef struct _ibv_odp_transport_caps:
+        uint32_t rc_odp_caps
+        uint32_t uc_odp_caps
+        uint32_t ud_odp_caps
+
+    cdef struct ibv_odp_caps:
+        uint64_t general_caps
+        _ibv_odp_transport_caps per_transport_caps
+
+    cdef struct ibv_device_attr_ex:
+        ibv_device_attr orig_attr
+        uint32_t comp_mask
+        ibv_odp_caps odp_caps
+
+    enum:
+        IBV_ODP_SUPPORT, IBV_ODP_SUPPORT_IMPLICIT, IBV_ACCESS_ON_DEMAND
+        IBV_ODP_SUPPORT_SEND, IBV_ODP_SUPPORT_RECV, IBV_ODP_SUPPORT_WRITE, IBV_ODP_SUPPORT_READ
+        IBV_ODP_SUPPORT_ATOMIC, IBV_ODP_SUPPORT_SRQ_RECV
+
+    int ibv_query_device_ex(ibv_context *context, const void *input, ibv_device_attr_ex *attr)
+
     int ibv_get_async_event(ibv_context *context, ibv_async_event *event)
     void ibv_ack_async_event(ibv_async_event *event)
     const char *ibv_event_type_str(int event)
@@ -370,6 +391,67 @@ cdef extern from "<infiniband/verbs.h>" nogil:
     int ibv_query_qp(ibv_qp *qp, ibv_qp_attr *attr, int attr_mask, ibv_qp_init_attr *init_attr)
     int ibv_post_send(ibv_qp *qp, ibv_send_wr *wr, ibv_send_wr **bad_wr)
     ibv_mw *ibv_alloc_mw(ibv_pd *pd, int type)
+
+    # the extended QP and its post API (ibv_wr_*); the op pointers are NULL for ops not enabled
+    cdef struct ibv_qp_init_attr_ex:
+        void *qp_context
+        ibv_cq *send_cq
+        ibv_cq *recv_cq
+        ibv_srq *srq
+        ibv_qp_cap cap
+        int qp_type
+        int sq_sig_all
+        uint32_t comp_mask
+        ibv_pd *pd
+        uint64_t send_ops_flags
+
+    cdef struct ibv_qp_ex:
+        ibv_qp qp_base
+        uint64_t wr_id
+        unsigned int wr_flags
+        void *wr_atomic_cmp_swp
+        void *wr_atomic_fetch_add
+        void *wr_bind_mw
+        void *wr_local_inv
+        void *wr_rdma_read
+        void *wr_rdma_write
+        void *wr_rdma_write_imm
+        void *wr_send
+        void *wr_send_imm
+        void *wr_send_inv
+        void *wr_set_ud_addr
+        void *wr_set_inline_data
+        void *wr_set_sge
+        void *wr_set_sge_list
+        void *wr_start
+        void *wr_complete
+        void *wr_abort
+
+    enum:
+        IBV_QP_INIT_ATTR_PD, IBV_QP_INIT_ATTR_SEND_OPS_FLAGS
+        IBV_QP_EX_WITH_RDMA_WRITE, IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM, IBV_QP_EX_WITH_SEND
+        IBV_QP_EX_WITH_SEND_WITH_IMM, IBV_QP_EX_WITH_RDMA_READ, IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+        IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD, IBV_QP_EX_WITH_LOCAL_INV, IBV_QP_EX_WITH_BIND_MW
+        IBV_QP_EX_WITH_SEND_WITH_INV
+
+    ibv_qp *ibv_create_qp_ex(ibv_context *context, ibv_qp_init_attr_ex *attr)
+    ibv_qp_ex *ibv_qp_to_qp_ex(ibv_qp *qp)
+    void ibv_wr_start(ibv_qp_ex *qp)
+    int ibv_wr_complete(ibv_qp_ex *qp)
+    void ibv_wr_abort(ibv_qp_ex *qp)
+    void ibv_wr_rdma_write(ibv_qp_ex *qp, uint32_t rkey, uint64_t remote_addr)
+    void ibv_wr_rdma_write_imm(ibv_qp_ex *qp, uint32_t rkey, uint64_t remote_addr, uint32_t imm_data)
+    void ibv_wr_rdma_read(ibv_qp_ex *qp, uint32_t rkey, uint64_t remote_addr)
+    void ibv_wr_send(ibv_qp_ex *qp)
+    void ibv_wr_send_imm(ibv_qp_ex *qp, uint32_t imm_data)
+    void ibv_wr_send_inv(ibv_qp_ex *qp, uint32_t invalidate_rkey)
+    void ibv_wr_atomic_cmp_swp(ibv_qp_ex *qp, uint32_t rkey, uint64_t remote_addr, uint64_t compare, uint64_t swap)
+    void ibv_wr_atomic_fetch_add(ibv_qp_ex *qp, uint32_t rkey, uint64_t remote_addr, uint64_t add)
+    void ibv_wr_local_inv(ibv_qp_ex *qp, uint32_t invalidate_rkey)
+    void ibv_wr_bind_mw(ibv_qp_ex *qp, ibv_mw *mw, uint32_t rkey, const ibv_mw_bind_info *bind_info)
+    void ibv_wr_set_sge(ibv_qp_ex *qp, uint32_t lkey, uint64_t addr, uint32_t length)
+    void ibv_wr_set_inline_data(ibv_qp_ex *qp, void *addr, size_t length)
+    void ibv_wr_set_ud_addr(ibv_qp_ex *qp, ibv_ah *ah, uint32_t remote_qpn, uint32_t remote_qkey)
     int ibv_dealloc_mw(ibv_mw *mw)
     int ibv_bind_mw(ibv_qp *qp, ibv_mw *mw, ibv_mw_bind *mw_bind)
     uint32_t ibv_inc_rkey(uint32_t rkey)

@@ -22,12 +22,14 @@ class Access(enum.IntFlag):
     REMOTE_READ = IBV_ACCESS_REMOTE_READ
     REMOTE_ATOMIC = IBV_ACCESS_REMOTE_ATOMIC
     MW_BIND = IBV_ACCESS_MW_BIND
+    ON_DEMAND = IBV_ACCESS_ON_DEMAND
 
 
 ACCESS_LOCAL_WRITE, ACCESS_REMOTE_WRITE = Access.LOCAL_WRITE, Access.REMOTE_WRITE
 ACCESS_REMOTE_READ, ACCESS_REMOTE_ATOMIC = Access.REMOTE_READ, Access.REMOTE_ATOMIC
 ACCESS_ALL = Access.LOCAL_WRITE | Access.REMOTE_WRITE | Access.REMOTE_READ | Access.REMOTE_ATOMIC
 ACCESS_MW_BIND = Access.MW_BIND     # memory windows may be bound to the MR (not part of ACCESS_ALL)
+ACCESS_ON_DEMAND = Access.ON_DEMAND  # on-demand paging, where Context.query_odp().supported
 cdef int _WRITE_BITS = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC
 PAGE_SIZE = 4096
 
@@ -45,11 +47,14 @@ def aligned_empty(size_t nbytes, size_t alignment=PAGE_SIZE):
     return raw[start:start + nbytes]
 
 
-cdef int _check_access(int access) except -1:
-    if access & ~(<int>ACCESS_ALL | IBV_ACCESS_MW_BIND):
+cdef int _check_access(ProtectionDomain pd, int access) except -1:
+    if access & ~(<int>ACCESS_ALL | IBV_ACCESS_MW_BIND | IBV_ACCESS_ON_DEMAND):
         raise UsageError(f"unknown access flags 0x{access:x}; use pyrdma.ACCESS_*")
     if access & (IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_ATOMIC) and not access & IBV_ACCESS_LOCAL_WRITE:
         raise UsageError("ACCESS_REMOTE_WRITE and ACCESS_REMOTE_ATOMIC require ACCESS_LOCAL_WRITE")
+    if access & IBV_ACCESS_ON_DEMAND and not pd.context.query_odp().supported:
+        raise UsageError(f"ACCESS_ON_DEMAND: {pd.context.name} has no on-demand paging "
+                         f"(Context.query_odp().supported is False)", obj=repr(pd))
     return 0
 
 
@@ -66,7 +71,7 @@ cdef class MemoryRegion(VerbsObject):
         cdef int flags
         self._begin_init()
         pd._check_open()
-        _check_access(access)
+        _check_access(pd, access)
         if buf is None:
             raise UsageError("buffer is None; pass a buffer-protocol object or use MemoryRegion.allocate")
         flags = PyBUF_C_CONTIGUOUS | (PyBUF_WRITABLE if access & _WRITE_BITS else 0)
@@ -130,7 +135,7 @@ cdef class MemoryRegion(VerbsObject):
         cdef MemoryRegion self = MemoryRegion.__new__(MemoryRegion)
         self._begin_init()
         pd._check_open()
-        _check_access(access)
+        _check_access(pd, access)
         if length == 0:
             raise UsageError("cannot register an empty range")
         self.is_device_memory = True
@@ -145,7 +150,7 @@ cdef class MemoryRegion(VerbsObject):
         cdef int err = 0
         self._begin_init()
         pd._check_open()
-        _check_access(access)
+        _check_access(pd, access)
         if length == 0:
             raise UsageError("cannot register an empty range")
         self.is_device_memory = True

@@ -54,6 +54,15 @@ cdef class MemoryWindow(VerbsObject):
         return self.mw.rkey
 
     cdef int _set_bound(self, object mr, unsigned long long addr, unsigned long long length, unsigned int rkey) except -1:
+        # A window bound to an MR is the MR's child: verbs refuses to deregister an MR with bound
+        # windows, so closing the MR (or its PD, in any order) closes the window first.
+        old = self.bound_mr
+        if old is not mr:
+            if old is not None:
+                (<VerbsObject>old)._children.pop(self._serial, None)
+                self._parents.remove(old)
+            if mr is not None:
+                (<VerbsObject>mr)._adopt(self)
         self.bound_mr = mr
         self.addr, self.length = addr, length
         if self.type == IBV_MW_TYPE_2:

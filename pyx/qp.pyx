@@ -4,7 +4,9 @@ from libc.errno cimport errno
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.stdint cimport uint32_t, uint64_t
+import contextlib
 import enum
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release, use, unuse, refuse
 from pyrdma._verbs.pd cimport ProtectionDomain
@@ -36,6 +38,20 @@ class QPState(enum.IntEnum):
     SQD = IBV_QPS_SQD
     SQE = IBV_QPS_SQE
     ERR = IBV_QPS_ERR
+
+
+class SendOps(enum.IntFlag):
+    """ibv_qp_create_send_ops_flags: the ibv_wr_* operations an extended QP (send_ops=) offers."""
+    RDMA_WRITE = IBV_QP_EX_WITH_RDMA_WRITE
+    RDMA_WRITE_WITH_IMM = IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    SEND = IBV_QP_EX_WITH_SEND
+    SEND_WITH_IMM = IBV_QP_EX_WITH_SEND_WITH_IMM
+    RDMA_READ = IBV_QP_EX_WITH_RDMA_READ
+    ATOMIC_CMP_AND_SWP = IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+    ATOMIC_FETCH_AND_ADD = IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
+    LOCAL_INV = IBV_QP_EX_WITH_LOCAL_INV
+    BIND_MW = IBV_QP_EX_WITH_BIND_MW
+    SEND_WITH_INV = IBV_QP_EX_WITH_SEND_WITH_INV
 
 
 QPT_RC, QPT_UC, QPT_UD = QPType.RC, QPType.UC, QPType.UD
@@ -81,8 +97,12 @@ cdef class QueuePair(VerbsObject):
     def __init__(self, ProtectionDomain pd not None, int qp_type, CompletionQueue send_cq not None,
                  CompletionQueue recv_cq=None, int max_send_wr=128, int max_recv_wr=128,
                  int max_send_sge=1, int max_recv_sge=1, int max_inline_data=0,
-                 SharedReceiveQueue srq=None, bint sq_sig_all=False, int port=1, gid_index=None):
+                 SharedReceiveQueue srq=None, bint sq_sig_all=False, int port=1, gid_index=None,
+                 send_ops=0):
+        """``send_ops`` (SendOps flags): create an extended QP (ibv_create_qp_ex) whose ibv_wr_* post
+        API (wr_start() ... wr_complete(), or ``with qp.wr_batch():``) offers those operations."""
         cdef ibv_qp_init_attr attr
+        cdef ibv_qp_init_attr_ex attrx
         cdef int err = 0
         self._begin_init()
         pd._check_open()
@@ -101,6 +121,9 @@ cdef class QueuePair(VerbsObject):
                 raise UsageError(f"{name}={value} outside 1..{limit} (device limit)", obj=repr(pd.context))
         if max_inline_data < 0:
             raise UsageError(f"max_inline_data must be >= 0, got {max_inline_data}")
+        send_ops = int(send_ops)
+        if send_ops & ~int(_ALL_SEND_OPS) or send_ops < 0:
+            raise UsageError(f"unknown send_ops flags 0x{send_ops:x}; use pyrdma.SendOps")
         if srq is not None:
             srq._check_open()
         # The kernel finds a CQ or SRQ by its handle number within the PD's context: one of another
@@ -129,9 +152,23 @@ cdef class QueuePair(VerbsObject):
         attr.cap.max_inline_data = max_inline_data
         attr.qp_type = qp_type
         attr.sq_sig_all = sq_sig_all
-        self.qp = ibv_create_qp(pd.pd, &attr)
+        if send_ops:
+            memset(&attrx, 0, sizeof(attrx))
+            attrx.send_cq, attrx.recv_cq, attrx.srq = attr.send_cq, attr.recv_cq, attr.srq
+            attrx.cap = attr.cap
+            attrx.qp_type, attrx.sq_sig_all = attr.qp_type, attr.sq_sig_all
+            attrx.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS
+            attrx.pd = pd.pd
+            attrx.send_ops_flags = send_ops
+            self.qp = ibv_create_qp_ex(pd.context.ctx, &attrx)
+            if self.qp != NULL:
+                self.qpx = ibv_qp_to_qp_ex(self.qp)
+                attr.cap = attrx.cap
+        else:
+            self.qp = ibv_create_qp(pd.pd, &attr)
         if self.qp != NULL:
             self._closed = False
+            self.send_ops = send_ops
         else:
             err = errno
         release(parents)
@@ -139,7 +176,9 @@ cdef class QueuePair(VerbsObject):
             self._abandon()
             hint = f" (max_inline_data={max_inline_data} may exceed what the device supports)" \
                 if max_inline_data else ""
-            raise_errno("ibv_create_qp", err, f"{_QP_TYPE_NAMES[qp_type]} QP in {pd!r}{hint}")
+            raise_errno("ibv_create_qp_ex" if send_ops else "ibv_create_qp", err,
+                        f"{_QP_TYPE_NAMES[qp_type]} QP in {pd!r}{hint}"
+                        + (f" with send_ops {SendOps(send_ops)!r}" if send_ops else ""))
         self.pd, self.send_cq, self.recv_cq, self.srq = pd, send_cq, recv_cq, srq
         self.qp_type = qp_type
         self.qp_num = self.qp.qp_num
@@ -157,6 +196,11 @@ cdef class QueuePair(VerbsObject):
 
     cdef int _destroy(self) except -1:
         cdef int rc
+        if self.qpx != NULL and self._wr_open:
+            ibv_wr_abort(self.qpx)
+            self._wr_open = False
+        self.qpx = NULL
+        self._wr_keep = None
         if self.qp != NULL:
             rc = ibv_destroy_qp(self.qp)
             self.qp = NULL
@@ -634,22 +678,30 @@ cdef class QueuePair(VerbsObject):
             raise UsageError(f"window access 0x{access:x}: use ACCESS_REMOTE_* flags the MR allows "
                              f"(remote write and atomics need an MR with ACCESS_LOCAL_WRITE)", obj=repr(self))
         memset(&bind, 0, sizeof(bind))
+        if mr is None and mw.type == IBV_MW_TYPE_1:
+            # unbinding is a bind of length 0; providers (rxe) read the MR's lkey even then
+            mr = mw.bound_mr
+            if mr is None:
+                raise UsageError(f"{mw!r} is not bound; there is nothing to unbind", obj=repr(self))
+            length = 0
         if mr is not None:
+            mr._check_open()
+            if mr.pd is not self.pd:
+                raise UsageError(f"{mr!r} belongs to another protection domain than the QP's", obj=repr(self))
+            bind.bind_info.mr = mr.mr
             size = mr.length - offset if length is None else length
+            if not size and mw.type == IBV_MW_TYPE_2:
+                raise UsageError("a type 2 window is bound to at least one byte", obj=repr(self))
             if size:
                 if offset < 0 or size < 0 or <size_t>offset > mr.length or <size_t>size > mr.length - offset:
                     raise UsageError(f"window [{offset}, {offset}+{size}) is outside the MR of {mr.length} bytes",
                                      obj=repr(self))
                 if not mr.access & IBV_ACCESS_MW_BIND:
                     raise UsageError("the MR was registered without ACCESS_MW_BIND", obj=repr(mr))
-                mr._check_open()
-                if mr.pd is not self.pd:
-                    raise UsageError(f"{mr!r} belongs to another protection domain than the QP's", obj=repr(self))
-                bind.bind_info.mr = mr.mr
                 bind.bind_info.addr = mr.addr + offset
                 bind.bind_info.length = size
                 bind.bind_info.mw_access_flags = access
-        elif mw.type == IBV_MW_TYPE_2:
+        else:
             raise UsageError("a type 2 window is revoked with post_local_invalidate(mw.rkey), not by an empty bind",
                              obj=repr(self))
         if self.qp == NULL or self._closing or self._state < IBV_QPS_RTS:
@@ -686,15 +738,235 @@ cdef class QueuePair(VerbsObject):
         mw._set_bound(mr if bound else None, bind.bind_info.addr if bound else 0, bind.bind_info.length, rkey)
         return rkey
 
-    def post_local_invalidate(self, uint32_t rkey, uint64_t wr_id=0, bint signaled=True):
-        """LOCAL_INV: revoke the type 2 window (or MR) with ``rkey``; later remote accesses with it fail."""
+    def post_local_invalidate(self, target, uint64_t wr_id=0, bint signaled=True):
+        """LOCAL_INV: revoke ``target``, a type 2 MemoryWindow (then marked unbound) or an rkey; later
+        remote accesses with that rkey fail."""
         cdef ibv_send_wr wr
+        cdef MemoryWindow mw = None
+        if isinstance(target, MemoryWindow):
+            mw = target
+            if mw.type != IBV_MW_TYPE_2:
+                raise UsageError("LOCAL_INV revokes type 2 windows; unbind type 1 with bind_mw(mw, None)",
+                                 obj=repr(self))
+            rkey = mw.rkey
+        else:
+            rkey = target
+            if not isinstance(rkey, int) or not 0 <= rkey <= 0xFFFFFFFF:
+                raise UsageError(f"post_local_invalidate takes a MemoryWindow or a 32-bit rkey, got {target!r}",
+                                 obj=repr(self))
         memset(&wr, 0, sizeof(wr))
         wr.wr_id = wr_id
         wr.opcode = IBV_WR_LOCAL_INV
         wr.send_flags = IBV_SEND_SIGNALED if signaled else 0
-        wr.invalidate_rkey = rkey
+        wr.invalidate_rkey = <uint32_t>rkey
         self._post_send(&wr)
+        if mw is not None:
+            mw._set_bound(None, 0, 0, mw.mw.rkey)
+
+    # ---- the extended post API (ibv_wr_*) ------------------------------------------------------------
+    # One batch at a time: wr_start(), then per work request an operation followed by its data
+    # (wr_set_sge / wr_set_inline_data, and wr_set_ud_addr on UD), then wr_complete() posts them all.
+    # The provider's op pointers are NULL for operations the QP was not created with: refused here.
+
+    def wr_start(self):
+        """Open a batch of work requests (ibv_wr_start)."""
+        if self.qpx == NULL:
+            self._check_open()
+            raise UsageError("the ibv_wr_* API needs a QP created with send_ops=SendOps...", obj=repr(self))
+        if self._closing or self._state < IBV_QPS_RTS:
+            self._check_open()
+            raise UsageError(f"cannot post on a QP in {_STATE_NAMES.get(self._state)}; bring it to RTS first",
+                             obj=repr(self))
+        if self._wr_open:
+            raise UsageError("wr_start() inside an open batch; wr_complete() or wr_abort() it first", obj=repr(self))
+        ibv_wr_start(self.qpx)
+        self._wr_open = True
+        self._wr_needs_data = self._wr_needs_addr = False
+        self._wr_keep = []
+
+    def wr_complete(self):
+        """Post the batch (ibv_wr_complete); on an error none of it is posted."""
+        cdef int rc
+        if not self._wr_open:
+            raise UsageError("wr_complete() without wr_start()", obj=repr(self))
+        if self._wr_needs_data or self._wr_needs_addr:
+            self.wr_abort()
+            raise UsageError("the last work request of the batch has no "
+                             f"{'data (wr_set_sge / wr_set_inline_data)' if self._wr_needs_data else 'destination (wr_set_ud_addr)'}"
+                             "; the batch was aborted", obj=repr(self))
+        self._users += 1
+        with nogil:
+            rc = ibv_wr_complete(self.qpx)
+        self._users -= 1
+        self._wr_open = False
+        self._wr_keep = None
+        if rc:
+            raise_errno("ibv_wr_complete", rc, repr(self))
+
+    def wr_abort(self):
+        """Drop the open batch (ibv_wr_abort); nothing of it is posted."""
+        if self._wr_open and self.qpx != NULL:
+            ibv_wr_abort(self.qpx)
+        self._wr_open = False
+        self._wr_keep = None
+
+    def wr_batch(self):
+        """``with qp.wr_batch(): ...``: wr_start() on entry, wr_complete() on exit, wr_abort() on an exception."""
+        return _wr_batch(self)
+
+    cdef int _wr_op(self, unsigned long long op, void *fn, str name, unsigned long long wr_id, unsigned int flags,
+                    bint data) except -1:
+        if not self._wr_open:
+            if self.qpx == NULL:
+                self._check_open()
+            raise UsageError(f"{name}() outside a batch; call wr_start() first", obj=repr(self))
+        if not self.send_ops & op or fn == NULL:
+            raise UsageError(f"{name}() needs {SendOps(op)!r} in the QP's send_ops", obj=repr(self))
+        if self._wr_needs_data or self._wr_needs_addr:
+            raise UsageError(f"{name}(): the previous work request has no "
+                             f"{'data yet (wr_set_sge / wr_set_inline_data)' if self._wr_needs_data else 'destination (wr_set_ud_addr)'}",
+                             obj=repr(self))
+        if flags & ~(IBV_SEND_FENCE | IBV_SEND_SIGNALED | IBV_SEND_SOLICITED | IBV_SEND_INLINE):
+            raise UsageError(f"unknown send flags 0x{flags:x}; use pyrdma.SEND_*", obj=repr(self))
+        self.qpx.wr_id = wr_id
+        self.qpx.wr_flags = flags
+        self._wr_needs_data = data
+        self._wr_needs_addr = self.qp_type == IBV_QPT_UD
+        return 0
+
+    cdef int _wr_data(self, void *fn, str name) except -1:
+        if not self._wr_open or not self._wr_needs_data:
+            raise UsageError(f"{name}() must follow an operation that takes data, inside a batch", obj=repr(self))
+        if fn == NULL:
+            raise UsageError(f"{name}() is not offered by this device's provider", obj=repr(self))
+        return 0
+
+    def wr_rdma_write(self, uint32_t rkey, uint64_t remote_addr, uint64_t wr_id=0,
+                      unsigned int flags=IBV_SEND_SIGNALED, imm=None):
+        """RDMA WRITE (WITH_IMM when ``imm`` is given); its data follows."""
+        if imm is None:
+            self._wr_op(IBV_QP_EX_WITH_RDMA_WRITE, self.qpx.wr_rdma_write if self.qpx else NULL,
+                        "wr_rdma_write", wr_id, flags, True)
+            ibv_wr_rdma_write(self.qpx, rkey, remote_addr)
+        else:
+            self._wr_op(IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM, self.qpx.wr_rdma_write_imm if self.qpx else NULL,
+                        "wr_rdma_write", wr_id, flags, True)
+            ibv_wr_rdma_write_imm(self.qpx, rkey, remote_addr, htonl(_imm32(imm)))
+
+    def wr_rdma_read(self, uint32_t rkey, uint64_t remote_addr, uint64_t wr_id=0,
+                     unsigned int flags=IBV_SEND_SIGNALED):
+        """RDMA READ into the SGE that follows."""
+        self._wr_op(IBV_QP_EX_WITH_RDMA_READ, self.qpx.wr_rdma_read if self.qpx else NULL, "wr_rdma_read",
+                    wr_id, flags, True)
+        ibv_wr_rdma_read(self.qpx, rkey, remote_addr)
+
+    def wr_send(self, uint64_t wr_id=0, unsigned int flags=IBV_SEND_SIGNALED, imm=None, invalidate_rkey=None):
+        """SEND (WITH_IMM when ``imm`` is given, WITH_INV with ``invalidate_rkey``); its data follows."""
+        if imm is not None and invalidate_rkey is not None:
+            raise UsageError("a send carries imm or invalidate_rkey, not both", obj=repr(self))
+        if imm is not None:
+            self._wr_op(IBV_QP_EX_WITH_SEND_WITH_IMM, self.qpx.wr_send_imm if self.qpx else NULL, "wr_send",
+                        wr_id, flags, True)
+            ibv_wr_send_imm(self.qpx, htonl(_imm32(imm)))
+        elif invalidate_rkey is not None:
+            self._wr_op(IBV_QP_EX_WITH_SEND_WITH_INV, self.qpx.wr_send_inv if self.qpx else NULL, "wr_send",
+                        wr_id, flags, True)
+            ibv_wr_send_inv(self.qpx, <uint32_t>invalidate_rkey)
+        else:
+            self._wr_op(IBV_QP_EX_WITH_SEND, self.qpx.wr_send if self.qpx else NULL, "wr_send", wr_id, flags, True)
+            ibv_wr_send(self.qpx)
+
+    def wr_atomic_fetch_add(self, uint32_t rkey, uint64_t remote_addr, uint64_t add, uint64_t wr_id=0,
+                            unsigned int flags=IBV_SEND_SIGNALED):
+        """Atomic fetch-and-add; an 8-byte SGE for the old value follows."""
+        if remote_addr % 8:
+            raise UsageError("atomics need an 8-byte aligned remote address", obj=repr(self))
+        self._wr_op(IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD, self.qpx.wr_atomic_fetch_add if self.qpx else NULL,
+                    "wr_atomic_fetch_add", wr_id, flags, True)
+        ibv_wr_atomic_fetch_add(self.qpx, rkey, remote_addr, add)
+
+    def wr_atomic_cmp_swp(self, uint32_t rkey, uint64_t remote_addr, uint64_t compare, uint64_t swap,
+                          uint64_t wr_id=0, unsigned int flags=IBV_SEND_SIGNALED):
+        """Atomic compare-and-swap; an 8-byte SGE for the old value follows."""
+        if remote_addr % 8:
+            raise UsageError("atomics need an 8-byte aligned remote address", obj=repr(self))
+        self._wr_op(IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP, self.qpx.wr_atomic_cmp_swp if self.qpx else NULL,
+                    "wr_atomic_cmp_swp", wr_id, flags, True)
+        ibv_wr_atomic_cmp_swp(self.qpx, rkey, remote_addr, compare, swap)
+
+    def wr_local_inv(self, uint32_t invalidate_rkey, uint64_t wr_id=0, unsigned int flags=IBV_SEND_SIGNALED):
+        """LOCAL_INV of a type 2 window's (or an MR's) rkey."""
+        self._wr_op(IBV_QP_EX_WITH_LOCAL_INV, self.qpx.wr_local_inv if self.qpx else NULL, "wr_local_inv",
+                    wr_id, flags, False)
+        ibv_wr_local_inv(self.qpx, invalidate_rkey)
+
+    def wr_bind_mw(self, MemoryWindow mw not None, MemoryRegion mr not None, Py_ssize_t offset, Py_ssize_t length,
+                   int access=IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, uint64_t wr_id=0,
+                   unsigned int flags=IBV_SEND_SIGNALED):
+        """BIND_MW of a type 2 window to mr[offset:offset+length]; returns the window's new rkey."""
+        cdef ibv_mw_bind_info info
+        cdef uint32_t rkey
+        mw._check_open()
+        mr._check_open()
+        if mw.type != IBV_MW_TYPE_2:
+            raise UsageError("wr_bind_mw binds type 2 windows; bind type 1 with bind_mw()", obj=repr(self))
+        if mw.pd is not self.pd or mr.pd is not self.pd:
+            raise UsageError("the window and the MR must belong to the QP's protection domain", obj=repr(self))
+        if not mr.access & IBV_ACCESS_MW_BIND:
+            raise UsageError("the MR was registered without ACCESS_MW_BIND", obj=repr(mr))
+        if access & ~_REMOTE_ACCESS:
+            raise UsageError(f"window access 0x{access:x}: use ACCESS_REMOTE_* flags", obj=repr(self))
+        if offset < 0 or length <= 0 or <size_t>offset > mr.length or <size_t>length > mr.length - offset:
+            raise UsageError(f"window [{offset}, {offset}+{length}) is outside the MR of {mr.length} bytes",
+                             obj=repr(self))
+        self._wr_op(IBV_QP_EX_WITH_BIND_MW, self.qpx.wr_bind_mw if self.qpx else NULL, "wr_bind_mw", wr_id,
+                    flags, False)
+        info.mr = mr.mr
+        info.addr = mr.addr + offset
+        info.length = length
+        info.mw_access_flags = access
+        rkey = ibv_inc_rkey(mw.mw.rkey)
+        ibv_wr_bind_mw(self.qpx, mw.mw, rkey, &info)
+        self._wr_keep.append(mw)
+        self._wr_keep.append(mr)
+        mw._set_bound(mr, info.addr, length, rkey)
+        return rkey
+
+    def wr_set_sge(self, MemoryRegion mr not None, Py_ssize_t offset, Py_ssize_t length):
+        """The data of the last operation: mr[offset:offset+length]."""
+        cdef ibv_sge sge
+        self._wr_data(self.qpx.wr_set_sge if self.qpx else NULL, "wr_set_sge")
+        fill_sge(&sge, mr, offset, length)
+        self._wr_keep.append(mr)
+        ibv_wr_set_sge(self.qpx, sge.lkey, sge.addr, sge.length)
+        self._wr_needs_data = False
+
+    def wr_set_inline_data(self, data):
+        """The data of the last operation, copied into the work request now (at most max_inline_data bytes)."""
+        cdef Py_buffer view
+        self._wr_data(self.qpx.wr_set_inline_data if self.qpx else NULL, "wr_set_inline_data")
+        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
+        try:
+            if <size_t>view.len > self.max_inline_data:
+                raise UsageError(f"inline data of {view.len} bytes exceeds max_inline_data={self.max_inline_data}",
+                                 obj=repr(self))
+            ibv_wr_set_inline_data(self.qpx, view.buf, view.len)
+        finally:
+            PyBuffer_Release(&view)
+        self._wr_needs_data = False
+
+    def wr_set_ud_addr(self, AddressHandle ah not None, uint32_t remote_qpn, uint32_t remote_qkey=DEFAULT_QKEY):
+        """The destination of the last operation on a UD QP."""
+        if self.qp_type != IBV_QPT_UD:
+            raise UsageError("wr_set_ud_addr is for UD QPs", obj=repr(self))
+        if not self._wr_open or self.qpx.wr_set_ud_addr == NULL:
+            raise UsageError("wr_set_ud_addr() must follow an operation, inside a batch", obj=repr(self))
+        ah._check_open()
+        if ah.pd is not self.pd:
+            raise UsageError(f"{ah!r} belongs to another protection domain than the QP's {self.pd!r}", obj=repr(self))
+        self._wr_keep.append(ah)
+        ibv_wr_set_ud_addr(self.qpx, ah.ah, remote_qpn, remote_qkey)
+        self._wr_needs_addr = False
 
     cdef int _fill_local(self, ibv_send_wr *wr, ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset,
                          Py_ssize_t length, unsigned long long wr_id, bint signaled, bint inline) except -1:
@@ -707,3 +979,19 @@ cdef class QueuePair(VerbsObject):
         wr.num_sge = 1 if length > 0 else 0
         wr.send_flags = (IBV_SEND_SIGNALED if signaled else 0) | (IBV_SEND_INLINE if inline else 0)
         return 0
+
+
+_ALL_SEND_OPS = SendOps(0)
+for _op in SendOps:
+    _ALL_SEND_OPS |= _op
+
+
+@contextlib.contextmanager
+def _wr_batch(QueuePair qp):
+    qp.wr_start()
+    try:
+        yield qp
+    except BaseException:
+        qp.wr_abort()
+        raise
+    qp.wr_complete()

@@ -15,7 +15,8 @@ SECTION_MODULES = {"Collectives": ["pyrdma.collectives", "pyrdma.collectives.com
                    "GPU": ["pyrdma.cuda", "pyrdma.cuda.collectives", "pyrdma.cuda.registration",
                            "pyrdma.cuda.buffers", "pyrdma.cuda.reduce", "pyrdma.cuda.staging",
                            "pyrdma.collectives", "pyrdma.collectives.transport"],
-                   "Out-of-band": ["pyrdma", "pyrdma.connect", "pyrdma.endpoint"]}
+                   "Out-of-band": ["pyrdma", "pyrdma.connect", "pyrdma.endpoint"],
+                   "asyncio": ["pyrdma.aio"]}
 DEFAULT_MODULES = ["pyrdma", "pyrdma.errors"]
 # sections about every verbs object: their calls are checked on one of them
 SECTION_CONTEXT = {"Lifetimes": "Context"}

@@ -18,19 +18,24 @@ def build_stack():
     ch = rd.CompChannel(ctx)
     cq = rd.CompletionQueue(ctx, 16, channel=ch)
     srq = rd.SharedReceiveQueue(pd, 8)
-    mr = rd.MemoryRegion.allocate(pd, 4096, rd.ACCESS_ALL)
-    qp = rd.QueuePair(pd, rd.QPT_RC, cq)
+    mr = rd.MemoryRegion.allocate(pd, 4096, rd.ACCESS_ALL | rd.ACCESS_MW_BIND)
+    qp = rd.QueuePair(pd, rd.QPT_RC, cq, send_ops=rd.SendOps.RDMA_WRITE | rd.SendOps.BIND_MW)
     qp.connect(qp.endpoint())
     ud = rd.QueuePair(pd, rd.QPT_UD, cq, srq=srq)
     ud.connect()
     ah = rd.AddressHandle(pd, ud.endpoint())
+    mw = rd.MemoryWindow(pd, rd.MW_TYPE_2)
+    qp.bind_mw(mw, mr, 0, 64, rd.ACCESS_REMOTE_WRITE)    # a bound window
     qp.post_write(mr, 0, 8, mr.addr + 8, mr.rkey)   # a completion left unpolled
-    return dict(ctx=ctx, pd=pd, ch=ch, cq=cq, srq=srq, mr=mr, qp=qp, ud=ud, ah=ah)
+    qp.wr_start()                                   # and an ibv_wr_* batch left open
+    qp.wr_rdma_write(mr.rkey, mr.addr + 16)
+    qp.wr_set_sge(mr, 0, 8)
+    return dict(ctx=ctx, pd=pd, ch=ch, cq=cq, srq=srq, mr=mr, qp=qp, ud=ud, ah=ah, mw=mw)
 
 
 ORDERS = [("ctx",), ("pd", "ctx"), ("cq", "ch", "ctx"), ("ch", "pd", "ctx"), ("mr", "srq", "qp", "ctx"),
           ("qp", "ud", "ah", "srq", "mr", "cq", "ch", "pd", "ctx"),
-          ("ah", "mr", "cq", "srq", "pd", "ch", "ud", "qp", "ctx")]
+          ("ah", "mr", "cq", "srq", "pd", "ch", "ud", "qp", "ctx"), ("mw", "qp", "ctx"), ("mr", "mw", "pd", "ctx")]
 
 
 @pytest.mark.parametrize("order", ORDERS, ids=["-".join(o) for o in ORDERS])
@@ -59,7 +64,7 @@ def test_closing_a_cq_closes_its_qps_first():
 
 
 def test_garbage_collection_in_any_order():
-    for names in itertools.islice(itertools.permutations(["ctx", "pd", "cq", "qp", "mr"]), 0, 120, 7):
+    for names in itertools.islice(itertools.permutations(["ctx", "pd", "cq", "qp", "mr", "mw"]), 0, 720, 41):
         objs = build_stack()
         for name in names:
             del objs[name]

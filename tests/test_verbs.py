@@ -1,4 +1,5 @@
 """Verbs binding on a real device (rxe0 in the Soft-RoCE VM): every opcode, data checked byte for byte."""
+import os
 import select
 
 import numpy as np
@@ -69,6 +70,11 @@ def test_device_queries(ctx):
     assert ctx.query_gid(1, best) == entry.gid
     if port.link_layer == "Ethernet":
         assert entry.gid_type == "RoCEv2"
+        # every RoCE GID names its netdev (rxe0's is lo), and both GID types of an address are listed
+        netdevs = {e.netdev for e in table}
+        assert None not in netdevs and all(os.path.exists(f"/sys/class/net/{n}") for n in netdevs)
+        assert {e.gid_type for e in table if e.gid == entry.gid} >= {"RoCEv2"}
+        assert f"netdev={entry.netdev!r}" in repr(entry)
     with pytest.raises(rd.UsageError, match="port 9"):
         ctx.query_port(9)
     with pytest.raises(rd.RDMAError, match="no RDMA device named"):

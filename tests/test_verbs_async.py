@@ -186,8 +186,9 @@ def test_memory_window_grants_then_revokes_a_remote_write(ctx, mw_type):
             owner.bind_mw(mw, None, wr_id=8)               # a bind of nothing unbinds a type 1 window
             expected = rd.WCOpcode.BIND_MW
         else:
-            owner.post_local_invalidate(rkey, wr_id=8)
+            owner.post_local_invalidate(mw, wr_id=8)      # the window's rkey, and it is marked unbound
             expected = rd.WCOpcode.LOCAL_INV
+        assert mw.bound_mr is None
         assert cq[0].poll_wait(wcs, timeout=TIMEOUT, check=True) == 1
         assert wcs[0]["opcode"] == expected and wcs[0]["wr_id"] == 8
 
@@ -220,6 +221,14 @@ def test_memory_window_misuse_is_refused_before_c(ctx):
             qp.bind_mw(mw, None)
         with pytest.raises(rd.UsageError, match="type"):
             rd.MemoryWindow(pd, 3)
+        with pytest.raises(rd.UsageError, match="32-bit rkey"):
+            qp.post_local_invalidate(-1)
+        # a bound window is the MR's child: deregistering the MR first closes the window
+        bindable = rd.MemoryRegion(pd, buf, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_MW_BIND)
+        win = rd.MemoryWindow(pd, rd.MW_TYPE_2)
+        qp.bind_mw(win, bindable, 0, 32)
+        bindable.close()
+        assert win.closed
         mw.close()
         with pytest.raises(rd.UsageError):
             mw.rkey
@@ -321,3 +330,157 @@ def test_async_event_wait_is_woken_by_close_and_bounded_by_timeout(ctx):
     assert not t.is_alive() and errors and "closed" in str(errors[0])
     with pytest.raises(rd.UsageError):
         ctx.fileno()
+
+
+# ---- device: the extended post API (ibv_wr_*) -----------------------------------------------------------
+
+ALL_OPS = (rd.SendOps.RDMA_WRITE | rd.SendOps.RDMA_WRITE_WITH_IMM | rd.SendOps.SEND | rd.SendOps.SEND_WITH_IMM
+           | rd.SendOps.RDMA_READ | rd.SendOps.ATOMIC_FETCH_AND_ADD | rd.SendOps.ATOMIC_CMP_AND_SWP
+           | rd.SendOps.LOCAL_INV | rd.SendOps.BIND_MW)
+
+
+@device
+def test_wr_api_posts_every_opcode_in_one_batch(ctx):
+    pd = rd.ProtectionDomain(ctx)
+    try:
+        cq = [rd.CompletionQueue(ctx, 64) for _ in range(2)]
+        a = rd.QueuePair(pd, rd.QPT_RC, cq[0], send_ops=ALL_OPS, max_inline_data=64)
+        b = rd.QueuePair(pd, rd.QPT_RC, cq[1])
+        a.connect(b.endpoint())
+        b.connect(a.endpoint())
+        assert a.send_ops == ALL_OPS
+        local = np.zeros(4096, np.uint8)
+        remote = np.zeros(4096, np.uint8)
+        lmr = rd.MemoryRegion(pd, local, rd.ACCESS_ALL)
+        rmr = rd.MemoryRegion(pd, remote, rd.ACCESS_ALL | rd.ACCESS_MW_BIND)
+        local[:256] = np.arange(256, dtype=np.uint8)
+        remote[1024:1280] = 255 - np.arange(256, dtype=np.uint8)
+        remote[2048:2056] = np.frombuffer(np.uint64(40).tobytes(), np.uint8)
+        remote[2056:2064] = np.frombuffer(np.uint64(5).tobytes(), np.uint8)
+        for i in range(3):
+            b.post_recv_buf(rmr, 3072 + 128 * i, 128, wr_id=100 + i)
+        b.post_recv_buf(rmr, 0, 0, wr_id=103)          # for the WRITE_WITH_IMM
+
+        with a.wr_batch():
+            a.wr_rdma_write(rmr.rkey, rmr.addr, wr_id=1)
+            a.wr_set_sge(lmr, 0, 256)
+            a.wr_rdma_write(rmr.rkey, rmr.addr + 256, wr_id=2, imm=0xabcd)
+            a.wr_set_sge(lmr, 0, 16)
+            a.wr_rdma_read(rmr.rkey, rmr.addr + 1024, wr_id=3)
+            a.wr_set_sge(lmr, 512, 256)
+            a.wr_atomic_fetch_add(rmr.rkey, rmr.addr + 2048, 2, wr_id=4)
+            a.wr_set_sge(lmr, 1024, 8)
+            a.wr_atomic_cmp_swp(rmr.rkey, rmr.addr + 2056, 5, 77, wr_id=5)
+            a.wr_set_sge(lmr, 1032, 8)
+            a.wr_send(wr_id=6)
+            a.wr_set_sge(lmr, 0, 100)
+            a.wr_send(wr_id=7, imm=9)
+            a.wr_set_inline_data(b"inline!")
+            a.wr_send(wr_id=8, flags=rd.SEND_SIGNALED | rd.SEND_INLINE)
+            a.wr_set_inline_data(bytes(range(10, 42)))
+
+        wcs = np.empty(16, rd.WC_DTYPE)
+        got = 0
+        while got < 8:
+            got += cq[0].poll_wait(wcs[got:], timeout=TIMEOUT, check=True)
+        assert sorted(wcs[:8]["wr_id"]) == list(range(1, 9))
+        got = 0
+        while got < 4:
+            got += cq[1].poll_wait(wcs[got:], timeout=TIMEOUT, check=True)
+        by_id = {int(w["wr_id"]): w for w in wcs[:4]}
+        assert by_id[103]["imm_data"] == 0xabcd and by_id[101]["imm_data"] == 9
+        assert np.array_equal(remote[:256], local[:256])
+        assert np.array_equal(remote[256:272], local[:16])
+        assert np.array_equal(local[512:768], 255 - np.arange(256, dtype=np.uint8))
+        assert int(local[1024:1032].view(np.uint64)[0]) == 40 and int(remote[2048:2056].view(np.uint64)[0]) == 42
+        assert int(local[1032:1040].view(np.uint64)[0]) == 5 and int(remote[2056:2064].view(np.uint64)[0]) == 77
+        assert np.array_equal(remote[3072:3172], local[:100])
+        assert bytes(remote[3200:3207]) == b"inline!"
+        assert bytes(remote[3328:3360]) == bytes(range(10, 42))
+
+        # a type 2 window bound and invalidated through the same API
+        mw = rd.MemoryWindow(pd, rd.MW_TYPE_2)
+        c = rd.QueuePair(pd, rd.QPT_RC, cq[1], send_ops=ALL_OPS)
+        with pytest.raises(rd.UsageError, match="RTS"):
+            c.wr_start()
+        with a.wr_batch():
+            rkey = a.wr_bind_mw(mw, rmr, 0, 512, rd.ACCESS_REMOTE_READ, wr_id=9)
+            a.wr_local_inv(rkey, wr_id=10)
+        got = 0
+        while got < 2:
+            got += cq[0].poll_wait(wcs[got:], timeout=TIMEOUT, check=True)
+        assert list(wcs[:2]["opcode"]) == [rd.WCOpcode.BIND_MW, rd.WCOpcode.LOCAL_INV]
+    finally:
+        pd.close()
+
+
+@device
+def test_wr_api_misuse_is_refused_not_crashed(ctx):
+    with rd.ProtectionDomain(ctx) as pd, rd.CompletionQueue(ctx, 16) as cq:
+        plain = rd.QueuePair(pd, rd.QPT_RC, cq)
+        plain.connect(plain.endpoint())
+        with pytest.raises(rd.UsageError, match="send_ops"):
+            plain.wr_start()
+        with pytest.raises(rd.UsageError, match="SendOps"):
+            rd.QueuePair(pd, rd.QPT_RC, cq, send_ops=1 << 40)
+        qp = rd.QueuePair(pd, rd.QPT_RC, cq, send_ops=rd.SendOps.RDMA_WRITE, max_inline_data=16)
+        qp.connect(qp.endpoint())
+        buf = np.zeros(64, np.uint8)
+        mr = rd.MemoryRegion(pd, buf, rd.ACCESS_ALL)
+        with pytest.raises(rd.UsageError, match="wr_start"):
+            qp.wr_rdma_write(mr.rkey, mr.addr)
+        qp.wr_start()
+        with pytest.raises(rd.UsageError, match="wr_start"):
+            qp.wr_start()
+        with pytest.raises(rd.UsageError, match="RDMA_READ"):      # an op the QP was not created with
+            qp.wr_rdma_read(mr.rkey, mr.addr)
+        with pytest.raises(rd.UsageError, match="must follow"):
+            qp.wr_set_sge(mr, 0, 8)
+        qp.wr_rdma_write(mr.rkey, mr.addr)
+        with pytest.raises(rd.UsageError, match="no data"):
+            qp.wr_rdma_write(mr.rkey, mr.addr)
+        with pytest.raises(rd.UsageError, match="outside the MR"):
+            qp.wr_set_sge(mr, 60, 8)
+        with pytest.raises(rd.UsageError, match="max_inline_data"):
+            qp.wr_set_inline_data(bytes(64))
+        with pytest.raises(rd.UsageError, match="no data"):
+            qp.wr_complete()                           # aborts the batch: nothing is posted
+        with pytest.raises(rd.UsageError, match="without wr_start"):
+            qp.wr_complete()
+        with pytest.raises(ZeroDivisionError):
+            with qp.wr_batch():
+                qp.wr_rdma_write(mr.rkey, mr.addr + 32)
+                qp.wr_set_sge(mr, 0, 8)
+                1 / 0                                  # the batch is aborted, not posted
+        assert cq.poll_into(np.empty(4, rd.WC_DTYPE)) == 0
+        qp.wr_start()
+        qp.wr_rdma_write(mr.rkey, mr.addr + 32)
+        qp.close()                                      # closing with a batch open aborts it
+        with pytest.raises(rd.UsageError, match="closed"):
+            qp.wr_start()
+        with pytest.raises(rd.UsageError, match="without wr_start"):
+            qp.wr_complete()
+
+
+# ---- device: on-demand paging ---------------------------------------------------------------------------
+
+@device
+def test_odp_capability_is_reported_and_registration_follows_it(ctx):
+    odp = ctx.query_odp()
+    assert isinstance(odp.supported, bool) and set(odp.rc) <= {"send", "recv", "write", "read", "atomic", "srq_recv"}
+    buf = np.zeros(8192, np.uint8)
+    with rd.ProtectionDomain(ctx) as pd:
+        if not odp.supported:
+            # rxe before Linux 6.13 has no ODP: the registration says so instead of failing in the kernel
+            with pytest.raises(rd.UsageError, match="on-demand paging"):
+                rd.MemoryRegion(pd, buf, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_ON_DEMAND)
+            return
+        pair_cq = rd.CompletionQueue(ctx, 4)
+        qp = rd.QueuePair(pd, rd.QPT_RC, pair_cq)
+        qp.connect(qp.endpoint())
+        odp_mr = rd.MemoryRegion(pd, buf, rd.ACCESS_ALL | rd.ACCESS_ON_DEMAND)
+        src = np.arange(4096, dtype=np.uint8)
+        src_mr = rd.MemoryRegion(pd, src, rd.ACCESS_LOCAL_WRITE)
+        qp.post_write(src_mr, 0, 4096, odp_mr.addr + 4096, odp_mr.rkey)
+        assert pair_cq.poll_wait(np.empty(2, rd.WC_DTYPE), timeout=TIMEOUT, check=True) == 1
+        assert np.array_equal(buf[4096:], src)
