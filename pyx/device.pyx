@@ -414,13 +414,14 @@ cdef class Context(VerbsObject):
         memset(&a, 0, sizeof(a))
         rc = ibv_query_device_ex(self.ctx, NULL, &a)
         if rc == EOPNOTSUPP or rc == ENOSYS:
-            return Attributes(supported=False, implicit=False, rc=(), uc=(), ud=())
+            return Attributes("OdpCaps", supported=False, implicit=False, rc=(), uc=(), ud=())
         if rc:
             raise_errno("ibv_query_device_ex", rc, repr(self))
         general = a.odp_caps.general_caps
         def ops(uint32_t caps):
             return tuple(name for name, bit in _ODP_OPS if caps & bit)
-        return Attributes(supported=bool(general & IBV_ODP_SUPPORT), implicit=bool(general & IBV_ODP_SUPPORT_IMPLICIT),
+        return Attributes("OdpCaps", supported=bool(general & IBV_ODP_SUPPORT),
+                          implicit=bool(general & IBV_ODP_SUPPORT_IMPLICIT),
                           rc=ops(a.odp_caps.per_transport_caps.rc_odp_caps),
                           uc=ops(a.odp_caps.per_transport_caps.uc_odp_caps),
                           ud=ops(a.odp_caps.per_transport_caps.ud_odp_caps))

@@ -53,20 +53,28 @@ cdef class MemoryWindow(VerbsObject):
         self._check_open()
         return self.mw.rkey
 
-    cdef int _set_bound(self, object mr, unsigned long long addr, unsigned long long length, unsigned int rkey) except -1:
-        # A window bound to an MR is the MR's child: verbs refuses to deregister an MR with bound
-        # windows, so closing the MR (or its PD, in any order) closes the window first.
-        old = self.bound_mr
-        if old is not mr:
-            if old is not None:
-                (<VerbsObject>old)._children.pop(self._serial, None)
-                self._parents.remove(old)
-            if mr is not None:
-                (<VerbsObject>mr)._adopt(self)
+    cdef int _set_bound(self, object mr, unsigned long long addr, unsigned long long length, unsigned int rkey,
+                        object qp=None) except -1:
+        # A bound window is a child of its MR (verbs refuses to deregister an MR with bound windows)
+        # and, type 2, of the QP that bound it (rxe pins that QP: destroying it first would hang), so
+        # closing either, or their PD or Context in any order, closes the window first.
+        self._reparent(self.bound_mr, mr)
+        self._reparent(self.bound_qp, qp if self.type == IBV_MW_TYPE_2 else None)
         self.bound_mr = mr
+        self.bound_qp = qp if self.type == IBV_MW_TYPE_2 else None
         self.addr, self.length = addr, length
         if self.type == IBV_MW_TYPE_2:
             self.mw.rkey = rkey    # verbs leaves this to the caller for type 2
+        return 0
+
+    cdef int _reparent(self, object old, object new) except -1:
+        if old is new:
+            return 0
+        if old is not None:
+            (<VerbsObject>old)._children.pop(self._serial, None)
+            self._parents.remove(old)
+        if new is not None:
+            (<VerbsObject>new)._adopt(self)
         return 0
 
     def __dealloc__(self):
@@ -77,7 +85,7 @@ cdef class MemoryWindow(VerbsObject):
         if self.mw != NULL:
             rc = ibv_dealloc_mw(self.mw)
             self.mw = NULL
-            self.bound_mr = None
+            self.bound_mr = self.bound_qp = None
             if rc:
                 raise_errno("ibv_dealloc_mw", rc, repr(self))
         return 0

@@ -735,7 +735,8 @@ cdef class QueuePair(VerbsObject):
             finally:
                 mw._users -= 1
         bound = bind.bind_info.length != 0
-        mw._set_bound(mr if bound else None, bind.bind_info.addr if bound else 0, bind.bind_info.length, rkey)
+        mw._set_bound(mr if bound else None, bind.bind_info.addr if bound else 0, bind.bind_info.length, rkey,
+                      self if bound else None)
         return rkey
 
     def post_local_invalidate(self, target, uint64_t wr_id=0, bint signaled=True):
@@ -832,6 +833,7 @@ cdef class QueuePair(VerbsObject):
         self.qpx.wr_flags = flags
         self._wr_needs_data = data
         self._wr_needs_addr = self.qp_type == IBV_QPT_UD
+        self._wr_inline = flags & IBV_SEND_INLINE != 0
         return 0
 
     cdef int _wr_data(self, void *fn, str name) except -1:
@@ -929,13 +931,16 @@ cdef class QueuePair(VerbsObject):
         ibv_wr_bind_mw(self.qpx, mw.mw, rkey, &info)
         self._wr_keep.append(mw)
         self._wr_keep.append(mr)
-        mw._set_bound(mr, info.addr, length, rkey)
+        mw._set_bound(mr, info.addr, length, rkey, self)
         return rkey
 
     def wr_set_sge(self, MemoryRegion mr not None, Py_ssize_t offset, Py_ssize_t length):
         """The data of the last operation: mr[offset:offset+length]."""
         cdef ibv_sge sge
         self._wr_data(self.qpx.wr_set_sge if self.qpx else NULL, "wr_set_sge")
+        if self._wr_inline:   # the provider would send its (empty) inline buffer instead
+            raise UsageError("wr_set_sge() after an operation flagged SEND_INLINE; use wr_set_inline_data()",
+                             obj=repr(self))
         fill_sge(&sge, mr, offset, length)
         self._wr_keep.append(mr)
         ibv_wr_set_sge(self.qpx, sge.lkey, sge.addr, sge.length)
@@ -945,6 +950,9 @@ cdef class QueuePair(VerbsObject):
         """The data of the last operation, copied into the work request now (at most max_inline_data bytes)."""
         cdef Py_buffer view
         self._wr_data(self.qpx.wr_set_inline_data if self.qpx else NULL, "wr_set_inline_data")
+        if not self._wr_inline:   # without the flag the provider reads the data as an SGE list
+            raise UsageError("wr_set_inline_data() needs the operation flagged SEND_INLINE "
+                             "(flags=SEND_SIGNALED | SEND_INLINE)", obj=repr(self))
         PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
         try:
             if <size_t>view.len > self.max_inline_data:

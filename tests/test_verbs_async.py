@@ -374,7 +374,7 @@ def test_wr_api_posts_every_opcode_in_one_batch(ctx):
             a.wr_set_sge(lmr, 1032, 8)
             a.wr_send(wr_id=6)
             a.wr_set_sge(lmr, 0, 100)
-            a.wr_send(wr_id=7, imm=9)
+            a.wr_send(wr_id=7, imm=9, flags=rd.SEND_SIGNALED | rd.SEND_INLINE)
             a.wr_set_inline_data(b"inline!")
             a.wr_send(wr_id=8, flags=rd.SEND_SIGNALED | rd.SEND_INLINE)
             a.wr_set_inline_data(bytes(range(10, 42)))
@@ -441,8 +441,16 @@ def test_wr_api_misuse_is_refused_not_crashed(ctx):
             qp.wr_rdma_write(mr.rkey, mr.addr)
         with pytest.raises(rd.UsageError, match="outside the MR"):
             qp.wr_set_sge(mr, 60, 8)
+        with pytest.raises(rd.UsageError, match="SEND_INLINE"):
+            qp.wr_set_inline_data(bytes(8))            # the operation was not flagged inline
+        with pytest.raises(rd.UsageError, match="no data"):
+            qp.wr_complete()
+        qp.wr_start()
+        qp.wr_rdma_write(mr.rkey, mr.addr, flags=rd.SEND_SIGNALED | rd.SEND_INLINE)
+        with pytest.raises(rd.UsageError, match="SEND_INLINE"):
+            qp.wr_set_sge(mr, 0, 8)                    # inline-flagged: the data must come inline
         with pytest.raises(rd.UsageError, match="max_inline_data"):
-            qp.wr_set_inline_data(bytes(64))
+            qp.wr_set_inline_data(bytes(qp.max_inline_data + 1))
         with pytest.raises(rd.UsageError, match="no data"):
             qp.wr_complete()                           # aborts the batch: nothing is posted
         with pytest.raises(rd.UsageError, match="without wr_start"):
