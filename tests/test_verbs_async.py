@@ -357,9 +357,9 @@ def test_wr_api_posts_every_opcode_in_one_batch(ctx):
         remote[1024:1280] = 255 - np.arange(256, dtype=np.uint8)
         remote[2048:2056] = np.frombuffer(np.uint64(40).tobytes(), np.uint8)
         remote[2056:2064] = np.frombuffer(np.uint64(5).tobytes(), np.uint8)
+        b.post_recv_buf(rmr, 0, 0, wr_id=103)          # receives are taken in order: the WRITE_WITH_IMM's first
         for i in range(3):
             b.post_recv_buf(rmr, 3072 + 128 * i, 128, wr_id=100 + i)
-        b.post_recv_buf(rmr, 0, 0, wr_id=103)          # for the WRITE_WITH_IMM
 
         with a.wr_batch():
             a.wr_rdma_write(rmr.rkey, rmr.addr, wr_id=1)
