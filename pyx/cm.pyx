@@ -493,7 +493,7 @@ cdef class CMID(VerbsObject):
         if recv_cq is None:
             recv_cq = send_cq
         for obj in (pd, send_cq, recv_cq) + ((srq,) if srq is not None else ()):
-            obj._check_open()
+            (<VerbsObject>obj)._check_open()
         if self.id.verbs == NULL:
             raise UsageError("the id has no device yet: bind_addr or resolve_addr first", obj=repr(self))
         if pd.context.ctx != self.id.verbs or send_cq.context.ctx != self.id.verbs \

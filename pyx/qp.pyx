@@ -174,7 +174,9 @@ cdef class QueuePair(VerbsObject):
 
     @property
     def state(self):
-        """The QP state as last set through this object (query() asks the device)."""
+        """The QP state as last set through this object or librdmacm (query() asks the device)."""
+        if self.qp != NULL and not self._closing:
+            self._state = self.qp.state
         return self._state
 
     @property
