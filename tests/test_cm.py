@@ -70,10 +70,18 @@ def cm_device():
         yield DEVICE
     finally:
         # librdmacm opens every device and keeps it open until the process exits, and rxe cannot
-        # take a device from a process that has it open: `rdma link delete` would wait for this
-        # process to end. Deleting the netdev unregisters rxecm0 in the background instead (it is
-        # gone at once from rdma_cm's view, with its address, and freed when this process exits).
-        _sh("ip", "link", "del", VETH, check=False, timeout=20)
+        # free a device a process has open: `rdma link delete` and `ip link del` both wait for this
+        # process to end. So the netdev is deleted in the background: the address and rxecm0 are
+        # gone from rdma_cm's view at once, and both are freed when this process exits.
+        _teardown.append(subprocess.Popen(["ip", "link", "del", VETH], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+        try:
+            _teardown[-1].wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+_teardown = []     # an `ip link del` still waiting for this process to let go of rxecm0
 
 
 def _start(cmd, timeout=120):
