@@ -394,16 +394,14 @@ cdef class CMID(VerbsObject):
         """(address, port) the id is bound to, or None."""
         if self._closed or self.id == NULL:
             return None
-        addr = _addr_tuple(rdma_get_local_addr(self.id))
-        return (addr[0], rdma_get_src_port(self.id)) if addr else None
+        return _addr_tuple(rdma_get_local_addr(self.id))
 
     @property
     def peer_addr(self):
         """(address, port) of the peer, or None."""
         if self._closed or self.id == NULL:
             return None
-        addr = _addr_tuple(rdma_get_peer_addr(self.id))
-        return (addr[0], rdma_get_dst_port(self.id)) if addr else None
+        return _addr_tuple(rdma_get_peer_addr(self.id))
 
     @property
     def qp(self):

@@ -95,7 +95,5 @@ cdef extern from "<rdma/rdma_cma.h>" nogil:
     int rdma_ack_cm_event(rdma_cm_event *event)
     sockaddr *rdma_get_local_addr(rdma_cm_id *id)
     sockaddr *rdma_get_peer_addr(rdma_cm_id *id)
-    uint16_t rdma_get_src_port(rdma_cm_id *id)
-    uint16_t rdma_get_dst_port(rdma_cm_id *id)
     const char *rdma_event_str(int event)
     int rdma_migrate_id(rdma_cm_id *id, rdma_event_channel *channel)

@@ -181,7 +181,7 @@ cdef class QueuePair(VerbsObject):
 
     @property
     def state_name(self):
-        return _STATE_NAMES.get(self._state)
+        return _STATE_NAMES.get(self.state)
 
     # ---- state machine -------------------------------------------------------------------------
 

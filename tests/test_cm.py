@@ -341,6 +341,7 @@ def _cm_stack(port):
     listener = rd.CMID()
     listener.bind_addr(ADDR, port)
     listener.listen()
+    assert listener.local_addr == (ADDR, port)
     client = _resolved(port)
     ctx = client.context
     pd = rd.ProtectionDomain(ctx)
@@ -498,3 +499,27 @@ def test_ctrl_c_interrupts_get_event(cm_device, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_interpreter_exit_with_live_cm_objects(cm_device, tmp_path):
+    """Live ids (a listener, an established pair, one on a caller's channel), their QPs, PDs and CQs,
+    some only reachable through a reference cycle, at interpreter exit: a clean exit."""
+    script = tmp_path / "live.py"
+    script.write_text(f"""
+import threading, pyrdma as rd
+listener = rd.CMID(); listener.bind_addr({ADDR!r}, 0); listener.listen()
+port = listener.local_addr[1]
+client = rd.CMID(); client.resolve_addr({ADDR!r}, port); client.resolve_route()
+ctx = client.context; pd = rd.ProtectionDomain(ctx); cq = rd.CompletionQueue(ctx, 16)
+qp = client.create_qp(pd, cq)
+t = threading.Thread(target=client.connect); t.start()
+server = listener.get_request(timeout=30); sqp = server.create_qp(pd, cq); server.accept(); t.join(30)
+ch = rd.CMEventChannel(); other = rd.CMID(ch); other.bind_addr({ADDR!r}, 0)
+mr = rd.MemoryRegion.allocate(pd, 64, rd.ACCESS_ALL)
+qp.post_write(mr, 0, 8, mr.addr + 8, mr.rkey)        # a completion left unpolled
+cycle = [sqp, server]; cycle.append(cycle)
+print("alive", qp.state_name, sqp.state_name)
+""")
+    proc = subprocess.run([os.sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "alive RTS RTS", proc.stdout
