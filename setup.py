@@ -6,10 +6,13 @@ from setuptools import Extension, find_packages, setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VERBS_HEADER = "infiniband/verbs.h"
+CM_HEADER = "rdma/rdma_cma.h"
 HEADER_DIRS = ["/usr/include", "/usr/local/include"]
 
 # Low-level modules, one per verbs object: pyx/<name>.pyx -> pyrdma._verbs.<name>
 VERBS_MODULES = ["base", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp"]
+# Modules over other rdma-core libraries: name -> libraries (rdma_cm needs librdmacm-dev)
+EXTRA_LIB_MODULES = {"cm": ["rdmacm", "ibverbs"]}
 # Other compiled modules: pyx/<name>.pyx -> pyrdma.<name>
 OTHER_MODULES = {"reduce": "pyrdma._reduce"}
 
@@ -17,8 +20,14 @@ OTHER_MODULES = {"reduce": "pyrdma._reduce"}
 def _check_libibverbs():
     # the compiler also searches CPATH / C_INCLUDE_PATH (rdma-core unpacked outside /usr, say)
     extra = [d for var in ("CPATH", "C_INCLUDE_PATH") for d in os.environ.get(var, "").split(os.pathsep) if d]
-    if any(os.path.exists(os.path.join(d, VERBS_HEADER)) for d in HEADER_DIRS + extra):
+    found = [h for h in (VERBS_HEADER, CM_HEADER)
+             if any(os.path.exists(os.path.join(d, h)) for d in HEADER_DIRS + extra)]
+    if found == [VERBS_HEADER, CM_HEADER]:
         return
+    if VERBS_HEADER in found:
+        sys.exit("pyrdma: cannot find <rdma/rdma_cma.h>. Install the librdmacm development files:\n"
+                 "    Debian/Ubuntu: apt-get install librdmacm-dev\n"
+                 "    RHEL/Fedora:   dnf install rdma-core-devel")
     sys.exit("pyrdma: cannot find <infiniband/verbs.h>. Install the rdma-core development files:\n"
              "    Debian/Ubuntu: apt-get install libibverbs-dev rdma-core ibverbs-providers\n"
              "    RHEL/Fedora:   dnf install rdma-core-devel")
@@ -44,6 +53,8 @@ def _extensions():
                   extra_compile_args=["-O3", "-Wno-unused-function"])
     exts = [Extension(f"pyrdma._verbs.{m}", [f"pyx/{m}.pyx"], libraries=["ibverbs"], **common)
             for m in VERBS_MODULES]
+    exts += [Extension(f"pyrdma._verbs.{m}", [f"pyx/{m}.pyx"], libraries=libs, **common)
+             for m, libs in EXTRA_LIB_MODULES.items()]
     for src, name in OTHER_MODULES.items():
         if os.path.exists(os.path.join(HERE, "pyx", src + ".pyx")):
             exts.append(Extension(name, [f"pyx/{src}.pyx"], **common))

@@ -7,6 +7,9 @@ cdef class Context(VerbsObject):
     cdef object _device_attr
     cdef dict _port_attr
     cdef dict _best_gid
+    cdef bint _borrowed        # another library's context (librdmacm's): closing it only forgets it
     cdef bint _has_active_port(self)
     cdef int _check_port(self, int port) except -1
     cdef object _take_event(self, ibv_async_event *ev)
+
+cdef Context borrow_context(ibv_context *ctx)

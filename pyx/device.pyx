@@ -242,7 +242,9 @@ cdef class Context(VerbsObject):
 
     cdef int _destroy(self) except -1:
         cdef int rc
-        if self.ctx != NULL:
+        if self.ctx != NULL and self._borrowed:
+            self.ctx = NULL      # its owner (librdmacm) closes it
+        elif self.ctx != NULL:
             rc = ibv_close_device(self.ctx)
             self.ctx = NULL
             if rc:
@@ -432,6 +434,20 @@ cdef class Context(VerbsObject):
         from pyrdma._verbs.mr import probe_dmabuf
         with ProtectionDomain(self) as pd:
             return probe_dmabuf(pd)
+
+
+cdef Context borrow_context(ibv_context *ctx):
+    """A Context over a device context another library opened and closes (librdmacm's id->verbs):
+    its children (PDs, CQs, ...) work as on any Context; close() closes them and forgets the handle."""
+    cdef Context self = Context.__new__(Context)
+    self._initialised = True
+    self._port_attr = {}
+    self._best_gid = {}
+    self.ctx = ctx
+    self._borrowed = True
+    self.name = ibv_get_device_name(ctx.device).decode()
+    self._closed = False
+    return self
 
 
 cdef int _errno() noexcept:

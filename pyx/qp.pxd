@@ -31,6 +31,9 @@ cdef class QueuePair(VerbsObject):
     cdef list _wr_keep
     cdef int _wr_op(self, unsigned long long op, void *fn, str name, unsigned long long wr_id, unsigned int flags, bint data) except -1
     cdef int _wr_data(self, void *fn, str name) except -1
+    # A QP that librdmacm created on a CM id (rdma_create_qp): destroyed through _cm_destroy_qp(_cm_id)
+    cdef void *_cm_id
+    cdef void (*_cm_destroy_qp)(void *cm_id) noexcept nogil
     cdef int _post_send(self, ibv_send_wr *wr, list ahs=*) except -1
     cdef int _post_recv(self, ibv_recv_wr *wr) except -1
     cdef int _post_send_ahs(self, ibv_send_wr *chain, list owners) except -1
@@ -38,3 +41,7 @@ cdef class QueuePair(VerbsObject):
     cdef _check_wr(self, SendWR wr)
     cdef _post_atomic(self, int opcode, MemoryRegion mr, Py_ssize_t offset, unsigned long long remote_addr, unsigned int rkey, unsigned long long compare_add, unsigned long long swap, unsigned long long wr_id, bint signaled)
     cdef int _fill_local(self, ibv_send_wr *wr, ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset, Py_ssize_t length, unsigned long long wr_id, bint signaled, bint inline) except -1
+
+cdef QueuePair wrap_cm_qp(ibv_qp *qp, void *cm_id, void (*destroy)(void *) noexcept nogil, list parents,
+                          ProtectionDomain pd, CompletionQueue send_cq, CompletionQueue recv_cq,
+                          SharedReceiveQueue srq, int port, dict cap)

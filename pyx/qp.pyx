@@ -17,6 +17,7 @@ from pyrdma._verbs.ah cimport AddressHandle
 from pyrdma._verbs.mw cimport MemoryWindow
 from pyrdma._verbs.wr cimport SendWR, RecvWR, SendWRList, RecvWRList, fill_sge
 import secrets
+import weakref
 
 from pyrdma._verbs.base import Attributes
 from pyrdma.endpoint import Endpoint
@@ -201,7 +202,11 @@ cdef class QueuePair(VerbsObject):
             self._wr_open = False
         self.qpx = NULL
         self._wr_keep = None
-        if self.qp != NULL:
+        if self.qp != NULL and self._cm_id != NULL:
+            self.qp = NULL
+            self._cm_destroy_qp(self._cm_id)    # rdma_destroy_qp: ibv_destroy_qp, and the id forgets it
+            self._cm_id = NULL
+        elif self.qp != NULL:
             rc = ibv_destroy_qp(self.qp)
             self.qp = NULL
             if rc:
@@ -214,12 +219,14 @@ cdef class QueuePair(VerbsObject):
 
     @property
     def state(self):
-        """The QP state as last set through this object (query() asks the device)."""
+        """The QP state as last set through this object or librdmacm (query() asks the device)."""
+        if self.qp != NULL and not self._closing:
+            self._state = self.qp.state
         return self._state
 
     @property
     def state_name(self):
-        return _STATE_NAMES.get(self._state)
+        return _STATE_NAMES.get(self.state)
 
     # ---- state machine -------------------------------------------------------------------------
 
@@ -402,6 +409,8 @@ cdef class QueuePair(VerbsObject):
         # what refuses it.
         if self.qp == NULL or self._closing or self._state < IBV_QPS_RTS:
             self._check_open()
+            self._state = self.qp.state    # librdmacm moves a CM id's QP itself (ibv_modify_qp records it)
+        if self._state < IBV_QPS_RTS:
             raise UsageError(f"cannot post a send on a QP in {_STATE_NAMES.get(self._state)}; "
                              f"bring it to RTS first (connect())", obj=repr(self))
         if ahs is not None:
@@ -443,6 +452,8 @@ cdef class QueuePair(VerbsObject):
         cdef int rc
         if self.qp == NULL or self._closing or self._state == IBV_QPS_RESET:
             self._check_open()
+            self._state = self.qp.state
+        if self._state == IBV_QPS_RESET:
             raise UsageError("cannot post a receive on a QP in RESET; call to_init() first", obj=repr(self))
         if self.srq is not None:
             raise UsageError("this QP takes receives from its SRQ; post to the SharedReceiveQueue", obj=repr(self))
@@ -706,6 +717,8 @@ cdef class QueuePair(VerbsObject):
                              obj=repr(self))
         if self.qp == NULL or self._closing or self._state < IBV_QPS_RTS:
             self._check_open()
+            self._state = self.qp.state    # librdmacm moves a CM id's QP itself
+        if self._state < IBV_QPS_RTS:
             raise UsageError(f"cannot bind a window on a QP in {_STATE_NAMES.get(self._state)}; bring it to RTS "
                              f"first", obj=repr(self))
         if mw.type == IBV_MW_TYPE_1:
@@ -1003,3 +1016,30 @@ def _wr_batch(QueuePair qp):
         qp.wr_abort()
         raise
     qp.wr_complete()
+
+
+cdef QueuePair wrap_cm_qp(ibv_qp *qp, void *cm_id, void (*destroy)(void *) noexcept nogil, list parents,
+                          ProtectionDomain pd, CompletionQueue send_cq, CompletionQueue recv_cq,
+                          SharedReceiveQueue srq, int port, dict cap):
+    """A QueuePair over the QP librdmacm created on ``cm_id`` (rdma_create_qp). ``parents`` (the PD,
+    CQs, SRQ and the CM id) were adopt()ed by the caller; closing any of them closes this QP, whose one
+    teardown path is ``destroy(cm_id)`` (rdma_destroy_qp)."""
+    cdef QueuePair self = QueuePair.__new__(QueuePair)
+    self._initialised = True
+    for parent in parents:
+        (<VerbsObject>parent)._children[self._serial] = weakref.ref(self)
+        self._parents.append(parent)
+    self.qp = qp
+    self._cm_id = cm_id
+    self._cm_destroy_qp = destroy
+    self.pd, self.send_cq, self.recv_cq, self.srq = pd, send_cq, recv_cq, srq
+    self.qp_type = qp.qp_type
+    self.qp_num = qp.qp_num
+    self.psn = 0
+    self.cap = cap
+    self.max_inline_data = cap["max_inline_data"]
+    self.port = port
+    self.gid_index = 0
+    self._state = qp.state
+    self._closed = False
+    return self
