@@ -118,6 +118,12 @@ def test_sysfs_best_gid_index(tmp_path):
     assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 0      # then any RoCEv2
     (port / "link_layer").write_text("InfiniBand\n")
     assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 0
+    # a host's device on a veth: its fe80 GID comes first in the table, its IPv4 one wins
+    (port / "link_layer").write_text("Ethernet\n")
+    (port / "gids" / "3").write_text("0000:0000:0000:0000:0000:ffff:c612:0001\n")
+    (port / "gids" / "1").write_text("0000:0000:0000:0000:0000:ffff:a9fe:0001\n")       # 169.254.0.1
+    (port / "gid_attrs" / "types" / "1").write_text("RoCE v2\n")
+    assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 3
 
 
 # ---------------------------------------------------------------- the guest script and vng command line
