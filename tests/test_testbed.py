@@ -2,6 +2,7 @@
 (pyrdma.testing.junit), the device fixtures (conftest) and the multi-process helper (mp).
 Host tests use fakes (a fake vng, a fake sysfs); device tests prove the device is real."""
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -514,6 +515,8 @@ def test_scripts_are_valid_bash():
         subprocess.run(["bash", "-n", os.path.join(REPO, script)], check=True, timeout=30)
     with open(os.path.join(REPO, ".ci/run")) as f:
         assert "scripts/test.sh" in f.read()
+    with open(os.path.join(REPO, "scripts/test.sh")) as f:     # so tests/test_multihost.py never skips in CI
+        assert re.search(r"-m pyrdma\.testing\.vm --hosts 4 ", f.read())
 
 
 # ---------------------------------------------------------------- conftest: device tests fail when a device is required
