@@ -104,13 +104,20 @@ def test_each_host_has_its_device_address_ipv4_gid_and_mtu():
         assert ib_config(environ=h.env()) == (h.device, 1, h.gid_index)
 
 
-def test_ping_between_hosts_crosses_the_veths():
+def test_ip_between_hosts_crosses_the_veths():
+    """A UDP datagram from host 1's address to host 2's leaves through host 1's veth (the policy
+    routing), not through lo, and arrives."""
     a, b = need(2)
-    before = tx(a)
-    r = subprocess.run(["ping", "-c", "2", "-W", "5", "-I", a.address, b.address], capture_output=True, text=True,
-                       timeout=30)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert tx(a) - before >= 2 * 84, "the echo requests did not leave through the sender's veth"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sx:
+        rx.bind((b.address, 0))
+        rx.settimeout(10)
+        sx.bind((a.address, 0))
+        before = tx(a)
+        sx.sendto(b"x" * 1000, rx.getsockname())
+        data, source = rx.recvfrom(2000)
+        assert data == b"x" * 1000 and source[0] == a.address
+        assert tx(a) - before >= 1000, "the datagram did not leave through the sender's veth"
 
 
 # ------------------------------------------------------------------------------------ verbs
@@ -358,7 +365,7 @@ def test_write_bw_client_on_one_host_server_on_another(pair):
 
 # ------------------------------------------------------------------------------------ faults
 
-def _write_stream(a, b, nbytes, chunk=1 << 16, depth=16, qp_timeout=FAST_QP_TIMEOUT, retry_cnt=7, connect_mtu=None):
+def _write_stream(a, b, nbytes, chunk=1 << 16, depth=16, qp_timeout=FAST_QP_TIMEOUT, retry_cnt=7, wait=120):
     """RC WRITEs of ``nbytes`` from host a to host b in ``chunk`` pieces, ``depth`` in flight; returns
     (seconds, path MTUs) after checking every byte. CompletionError when the wire fails them."""
     import pyrdma as rd
@@ -385,7 +392,7 @@ def _write_stream(a, b, nbytes, chunk=1 << 16, depth=16, qp_timeout=FAST_QP_TIME
                     n = min(chunk, nbytes - off)
                     qp_a.post_write(mr_a, off, n, ep_b.addr + off, ep_b.rkey, wr_id=posted)
                     posted += 1
-                done += len(_poll(cq_a, 1, timeout=120))
+                done += len(_poll(cq_a, 1, timeout=wait))
             elapsed = time.monotonic() - start
         finally:
             pd_a.close()
@@ -396,12 +403,15 @@ def _write_stream(a, b, nbytes, chunk=1 << 16, depth=16, qp_timeout=FAST_QP_TIME
 
 FAULTS = [("none", None), ("loss 1%", "loss 1%"), ("loss 5%", "loss 5%"),
           ("reorder", "delay 2ms reorder 25% 50%")]
+# Bytes of the WRITE stream per fault: under 5% loss or reordering the emulated VM moves ~0.3 MB/s
+# (every gap costs a go-back-N resend), so 16 MiB would take a minute each; 4 MiB shows the same.
+STREAM_BYTES = {"none": 16 << 20, "loss 1%": 16 << 20, "loss 5%": 4 << 20, "reorder": 4 << 20}
 
 
 @pytest.mark.parametrize("name,spec", FAULTS, ids=[f[0].replace(" ", "") for f in FAULTS])
 def test_rdma_write_stream_is_exact_under_netem(name, spec, record_property):
     a, b = need(2)
-    nbytes = 16 << 20
+    nbytes = STREAM_BYTES[name]
     with testbed.netem(a, spec) if spec else _nothing():
         elapsed, _ = _write_stream(a, b, nbytes)
     record_property("seconds", round(elapsed, 2))
@@ -563,25 +573,27 @@ def test_link_down_shorter_than_the_retry_window_completes_exactly():
 
 def test_mtu_mismatch_negotiates_down_or_fails_clearly():
     """Host 2's interface at MTU 9000 (RoCE 4096) on a 1500 wire while host 1 stays at 1500: the path
-    MTU is the smaller, 1024, and 4 MiB arrive exact. Both interfaces at 9000 on that 1500 wire: the
-    4096-byte packets die at the bridge, and the WRITE fails with a completion error (retries
-    exhausted) instead of completing wrong."""
+    MTU is the smaller, 1024, and 4 MiB arrive exact. Both interfaces at 9000 on that 1500 wire (a
+    misconfigured wire: both ends agree on 4096): the 4 KiB packets die at the bridge ports. rxe then
+    neither completes the WRITE nor fails it (no retry-exhausted completion, seen on Debian 6.1), so
+    what the caller gets is its own timeout; the check is that it is an error, never wrong data."""
     import pyrdma as rd
     a, b = need(2)
     testbed.set_mtu(b, 9000)
     _wait_active_mtu(b.device, 4096)
-    start = time.monotonic()
     elapsed, mtus = _write_stream(a, b, 4 << 20)
     assert mtus == (rd.MTU_1024, rd.MTU_1024), mtus
     print(f"MTU 1500 vs 9000: path MTU 1024 both ways, 4 MiB exact in {elapsed:.2f} s")
     testbed.set_mtu(a, 9000)
     _wait_active_mtu(a.device, 4096)
     start = time.monotonic()
-    with pytest.raises(rd.CompletionError) as info:
-        _write_stream(a, b, 1 << 20, qp_timeout=10, retry_cnt=2)
+    with pytest.raises((rd.CompletionError, rd.RDMATimeoutError)) as info:
+        _write_stream(a, b, 1 << 20, qp_timeout=10, retry_cnt=2, wait=10)
     took = time.monotonic() - start
-    print(f"both 9000 on a 1500 wire: {info.value} after {took:.2f} s")
-    assert info.value.status == rd.WCStatus.RETRY_EXC_ERR and took < 30, info.value
+    print(f"both 9000 on a 1500 wire: {type(info.value).__name__}: {info.value} after {took:.2f} s")
+    assert took < 40
+    if isinstance(info.value, rd.CompletionError):
+        assert info.value.status == rd.WCStatus.RETRY_EXC_ERR, info.value
     testbed.set_mtu(a, a.mtu)
     testbed.set_mtu(b, b.mtu)
     _wait_active_mtu(a.device, 1024)
