@@ -261,6 +261,9 @@ def test_guest_script_builds_the_hosts_between_rxe0_and_the_command(tmp_path):
     script = vm.guest_script(["mycmd"], "/", {}, str(tmp_path), hosts=2, mtu=9000)
     assert script.index("rdma link add rxe0") < script.index("rdma link add rxeh1") < script.index("mycmd")
     assert f"export PYRDMA_TEST_HOSTS={tmp_path}/hosts.json" in script and "mtu 9000" in script
+    # a PYRDMA_TEST_HOSTS passed from the host (every PYRDMA_* is) cannot override the guest's own
+    script = vm.guest_script(["mycmd"], "/", {"PYRDMA_TEST_HOSTS": "/stale.json"}, str(tmp_path), hosts=2)
+    assert script.index("PYRDMA_TEST_HOSTS=/stale.json") < script.index(f"PYRDMA_TEST_HOSTS={tmp_path}/hosts.json")
 
 
 def test_hosts_module(tmp_path, monkeypatch):

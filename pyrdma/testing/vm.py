@@ -227,7 +227,8 @@ done
 grep -q ACTIVE {port_state} 2>/dev/null || fail "rxe0 port 1 not ACTIVE after {PORT_ACTIVE_WAIT_S} s: $(cat {port_state} 2>&1)"
 ibv_devices 2>/dev/null | grep -q rxe0 || fail "ibv_devices does not list rxe0"
 echo "pyrdma-vm: rxe0 is ACTIVE on lo"
-{topology}{exports}
+{exports}
+{topology}
 cd {shlex.quote(cwd)} || fail cannot cd to {shlex.quote(cwd)}
 {shlex.join(cmd)}
 status=$?
