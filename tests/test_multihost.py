@@ -1,8 +1,8 @@
 """Across the hosts of the multi-host test bed (``python -m pyrdma.testing.vm --hosts 4``; scripts/test.sh
 boots it so): each host has its own rxe device, address, RoCE v2 GID and a veth to one bridge, at
 Ethernet MTU 1500 (RoCE active MTU 1024). Connect/accept with every RC opcode, UD with address handles,
-the collectives with ranks on different hosts, pyrdma-perf and perftest across hosts, torchrun-style
-bootstrap; then faults on the wire (netem loss and reordering, a link cut for good or for a moment, an
+the collectives with ranks on 2, 3 (formed torchrun-style, MASTER_ADDR another host's) and 4 hosts,
+pyrdma-perf and perftest across hosts; then faults on the wire (netem loss and reordering, a link cut for good or for a moment, an
 MTU mismatch). Every check that data crossed the wire reads the veths' byte counters.
 
 Skips only when PYRDMA_TEST_HOSTS is unset (not inside such a VM); the CI verdict fails on a skip."""
@@ -47,14 +47,14 @@ def tx(host):
     return testbed.tx_bytes(host.netdev)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def clean_wire():
-    """Whatever a test did to the wire, the next one starts with every link up, no qdisc, MTU as built."""
+    """For the fault tests: whatever a test did to the wire, the next one starts with every link up, no
+    qdisc, the MTU as built (one shell for all of it: each process start is slow in the VM)."""
     yield
-    for h in HOSTS:
-        for dev in (h.netdev, h.bridge_port):
-            subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
-            subprocess.run(["ip", "link", "set", dev, "mtu", str(h.mtu), "up"], capture_output=True, timeout=30)
+    script = "; ".join(f"tc qdisc del dev {dev} root 2>/dev/null; ip link set {dev} mtu {h.mtu} up"
+                       for h in HOSTS for dev in (h.netdev, h.bridge_port))
+    subprocess.run(["sh", "-c", script], capture_output=True, timeout=60)
 
 
 def _wait_active_mtu(device, nbytes, timeout=30):
@@ -223,19 +223,33 @@ def test_ud_with_address_handles_across_hosts():
 
 # ------------------------------------------------------------------------------------ collectives
 
-def _spread(rank, size, port, hosts_path, algorithms, rooted):
-    """One rank on host (rank % hosts), default GID: every allreduce algorithm, every rooted algorithm of
-    broadcast and reduce, allgather, reduce_scatter. Returns results and what the QPs use."""
+def _placement(rank, size, hosts, torchrun):
+    """The host of ``rank``: rank k on host k+1; torchrun-style, rank 0 on host 2 (MASTER_ADDR's) and the
+    others after it, so MASTER_ADDR is another host than host 1."""
+    return hosts[(rank + 1) % len(hosts)] if torchrun else hosts[rank % len(hosts)]
+
+
+def _spread(rank, size, port, hosts_path, algorithms, rooted, torchrun):
+    """One rank per host, default GID: every allreduce algorithm, every rooted algorithm of broadcast and
+    reduce, allgather, reduce_scatter. ``torchrun``: the group forms from MASTER_ADDR (host 2's address),
+    MASTER_PORT, RANK, WORLD_SIZE. Returns results and what the QPs use."""
     from pyrdma.testing import hosts as testbed
     hosts = testbed.load(hosts_path)
-    me = hosts[rank % len(hosts)]
+    me = _placement(rank, size, hosts, torchrun)
     os.environ["PYRDMA_IB_HCA"] = me.device            # the GID is left to the automatic choice
     os.environ.pop("PYRDMA_IB_GID_INDEX", None)
-    from pyrdma.collectives import Communicator
+    from pyrdma.collectives import Communicator, init_from_env
     out = {}
-    with Communicator(rank, size, f"{hosts[0].address}:{port}", transport="rdma", timeout=120,
-                      slot_bytes=64 * 1024) as comm:
+    if torchrun:
+        env = {"MASTER_ADDR": hosts[1].address, "MASTER_PORT": str(port), "RANK": str(rank),
+               "WORLD_SIZE": str(size)}
+        comm = init_from_env(environ=env, transport="rdma", timeout=120, slot_bytes=64 * 1024)
+    else:
+        comm = Communicator(rank, size, f"{hosts[0].address}:{port}", transport="rdma", timeout=120,
+                            slot_bytes=64 * 1024)
+    with comm:
         t = comm.transport
+        out["transport"] = type(t).__name__
         out["gids"] = {p: (t.qp[p].gid_index, t.qp[p].query().path_mtu) for p in t.peers}
         for algo in algorithms:
             for n, dtype in ((1, "int64"), (100003, "float64"), (300000, "int32")):
@@ -255,16 +269,25 @@ def _spread(rank, size, port, hosts_path, algorithms, rooted):
     return out
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
-def test_collectives_with_ranks_on_different_hosts(size):
+# 3 ranks form torchrun-style (MASTER_ADDR is host 2, rank 1 and 2 on hosts 3 and 4): one spawn less
+COLLECTIVE_GROUPS = [(2, False), (3, True), (4, False)]
+
+
+@pytest.mark.parametrize("size,torchrun", COLLECTIVE_GROUPS,
+                         ids=[f"{n}ranks" + ("-torchrun" if t else "") for n, t in COLLECTIVE_GROUPS])
+def test_collectives_with_ranks_on_different_hosts(size, torchrun):
     from pyrdma.collectives.costmodel import ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS
-    hosts = need(size)
+    need(size + 1 if torchrun else size)
+    hosts = [_placement(r, size, HOSTS, torchrun) for r in range(size)]
+    assert len({h.name for h in hosts}) == size
     before = [tx(h) for h in hosts]
-    res = run_ranks(_spread, size, free_port(hosts[0].address), os.environ[testbed.HOSTS_ENV],
-                    ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, timeout=RANKS_TIMEOUT)
+    master = HOSTS[1].address if torchrun else HOSTS[0].address
+    res = run_ranks(_spread, size, free_port(master), os.environ[testbed.HOSTS_ENV],
+                    ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, torchrun, timeout=RANKS_TIMEOUT)
     import pyrdma as rd
     for rank, out in enumerate(res):
-        me = hosts[rank % len(hosts)]
+        me = hosts[rank]
+        assert out["transport"] == "RdmaTransport"
         for peer, (gid_index, path_mtu) in out["gids"].items():
             assert gid_index == me.gid_index and path_mtu == rd.MTU_1024, (rank, peer, out["gids"])
         for algo in ALLREDUCE_ALGORITHMS:
@@ -283,28 +306,6 @@ def test_collectives_with_ranks_on_different_hosts(size):
         assert np.array_equal(out["reduce_scatter"], full[lo:hi])
     for h, b in zip(hosts, before):
         assert tx(h) - b > 1 << 20, f"{h.name}'s veth carried too little: the ranks did not use the wire"
-
-
-def _from_env(rank, size, hosts_path, master, port):
-    from pyrdma.testing import hosts as testbed
-    hosts = testbed.load(hosts_path)
-    me = hosts[(rank + 1) % len(hosts)]          # rank 0 sits on host 2, MASTER_ADDR's host
-    os.environ.update(me.env())
-    from pyrdma.collectives import init_from_env
-    env = {"MASTER_ADDR": master, "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(size)}
-    with init_from_env(environ=env, transport="rdma", timeout=120) as comm:
-        x = np.full(100000, rank + 1.0)
-        comm.allreduce(x)
-        return type(comm.transport).__name__, x
-
-
-def test_torchrun_style_bootstrap_with_master_on_another_host():
-    hosts = need(3)
-    master = hosts[1].address
-    res = run_ranks(_from_env, 3, os.environ[testbed.HOSTS_ENV], master, free_port(master),
-                    timeout=RANKS_TIMEOUT)
-    for kind, x in res:
-        assert kind == "RdmaTransport" and (x == 6.0).all()
 
 
 # ------------------------------------------------------------------------------------ perf tools
@@ -409,7 +410,7 @@ STREAM_BYTES = {"none": 16 << 20, "loss 1%": 16 << 20, "loss 5%": 4 << 20, "reor
 
 
 @pytest.mark.parametrize("name,spec", FAULTS, ids=[f[0].replace(" ", "") for f in FAULTS])
-def test_rdma_write_stream_is_exact_under_netem(name, spec, record_property):
+def test_rdma_write_stream_is_exact_under_netem(name, spec, record_property, clean_wire):
     a, b = need(2)
     nbytes = STREAM_BYTES[name]
     with testbed.netem(a, spec) if spec else _nothing():
@@ -459,7 +460,7 @@ def _allreduce_under_faults(rank, size, port, hosts_path, faults, nbytes):
     return times, correct
 
 
-def test_allreduce_is_exact_under_loss_and_reordering():
+def test_allreduce_is_exact_under_loss_and_reordering(clean_wire):
     hosts = need(2)
     nbytes = 4 << 20
     res = run_ranks(_allreduce_under_faults, 2, free_port(hosts[0].address), os.environ[testbed.HOSTS_ENV],
@@ -470,6 +471,9 @@ def test_allreduce_is_exact_under_loss_and_reordering():
           ", ".join(f"{name} {res[0][0][name]:.2f} s" for name, _ in FAULTS))
 
 
+CUT_TIMEOUT = 10     # the Communicator's timeout in the link-down test
+
+
 def _cut(rank, size, port, hosts_path, victim):
     """Ranks on hosts 1..size; after a barrier the victim's host loses its wire for good (its bridge port
     goes down), and everyone runs an allreduce. Returns (outcome, seconds, peer named)."""
@@ -478,7 +482,7 @@ def _cut(rank, size, port, hosts_path, victim):
     hosts = testbed.load(hosts_path)
     os.environ.update(hosts[rank].env())
     from pyrdma.collectives import Communicator
-    comm = Communicator(rank, size, f"{hosts[0].address}:{port}", transport="rdma", timeout=15,
+    comm = Communicator(rank, size, f"{hosts[0].address}:{port}", transport="rdma", timeout=CUT_TIMEOUT,
                         qp_timeout=FAST_QP_TIMEOUT)
     try:
         comm.barrier()
@@ -499,7 +503,7 @@ def _cut(rank, size, port, hosts_path, victim):
             pass
 
 
-def test_link_down_for_good_every_survivor_names_the_unreachable_rank():
+def test_link_down_for_good_every_survivor_names_the_unreachable_rank(clean_wire):
     hosts = need(3)
     victim = 2
     try:
@@ -514,7 +518,7 @@ def test_link_down_for_good_every_survivor_names_the_unreachable_rank():
         assert status == "ok", value
         outcome, elapsed, peer, text = value
         print(f"rank {rank}: {outcome} after {elapsed:.1f} s naming rank {peer}: {text[:200]}")
-        assert outcome == "PeerError" and elapsed < 15 + 10, value
+        assert outcome == "PeerError" and elapsed < CUT_TIMEOUT + 10, value
         assert peer == victim, f"rank {rank} named rank {peer}, not the unreachable rank {victim}: {text}"
 
 
@@ -557,7 +561,7 @@ def _blip(rank, size, port, hosts_path, down_s):
         return ok, rounds, time.monotonic() - start, cut.get("back", 0) - cut.get("at", 0)
 
 
-def test_link_down_shorter_than_the_retry_window_completes_exactly():
+def test_link_down_shorter_than_the_retry_window_completes_exactly(clean_wire):
     hosts = need(2)
     try:
         res = run_ranks(_blip, 2, free_port(hosts[0].address), os.environ[testbed.HOSTS_ENV], 2.0,
@@ -571,7 +575,7 @@ def test_link_down_shorter_than_the_retry_window_completes_exactly():
           f"{res[0][2]:.1f} s in all")
 
 
-def test_mtu_mismatch_negotiates_down_or_fails_clearly():
+def test_mtu_mismatch_negotiates_down_or_fails_clearly(clean_wire):
     """Host 2's interface at MTU 9000 (RoCE 4096) on a 1500 wire while host 1 stays at 1500: the path
     MTU is the smaller, 1024, and 4 MiB arrive exact. Both interfaces at 9000 on that 1500 wire (a
     misconfigured wire: both ends agree on 4096): the 4 KiB packets die at the bridge ports. rxe then
