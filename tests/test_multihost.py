@@ -2,8 +2,9 @@
 boots it so): each host has its own rxe device, address, RoCE v2 GID and a veth to one bridge, at
 Ethernet MTU 1500 (RoCE active MTU 1024). Connect/accept with every RC opcode, UD with address handles,
 the collectives with ranks on 2, 3 (formed torchrun-style, MASTER_ADDR another host's) and 4 hosts,
-pyrdma-perf and perftest across hosts; then faults on the wire (netem loss and reordering, a link cut for good or for a moment, an
-MTU mismatch). Every check that data crossed the wire reads the veths' byte counters.
+pyrdma-perf and perftest across hosts; then faults on the wire (netem loss and reordering, a link cut
+for good or for a moment, an MTU mismatch). Every check that data crossed the wire reads the veths'
+byte counters.
 
 Skips only when PYRDMA_TEST_HOSTS is unset (not inside such a VM); the CI verdict fails on a skip."""
 import ipaddress
