@@ -8,8 +8,8 @@ from pyrdma.errors import (RDMAError, UsageError, CompletionError, RDMATimeoutEr
                            PeerError)
 from pyrdma.endpoint import Endpoint
 
-from pyrdma._verbs.device import (get_device_list, Context, DeviceInfo, GIDEntry, mtu_to_bytes, bytes_to_mtu,
-                                  MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096, PORT_DOWN, PORT_INIT,
+from pyrdma._verbs.device import (get_device_list, Context, DeviceInfo, GIDEntry, gid_preference, mtu_to_bytes,
+                                  bytes_to_mtu, MTU_256, MTU_512, MTU_1024, MTU_2048, MTU_4096, PORT_DOWN, PORT_INIT,
                                   PORT_ARMED, PORT_ACTIVE, ATOMIC_NONE, ATOMIC_HCA, ATOMIC_GLOB, MTU, PortState,
                                   AtomicCap, AsyncEvent, AsyncEventType)
 from pyrdma._verbs.pd import ProtectionDomain

@@ -148,6 +148,24 @@ class GIDEntry:
         extra += f", netdev={self.netdev!r}" if self.netdev else ""
         return f"GIDEntry(index={self.index}, gid={self.gid_str!r}, type={self.gid_type!r}{extra})"
 
+    @property
+    def local_scope(self):
+        """True for a GID no other host can reach: IPv6 link-local (fe80::/10) or loopback (::1), an
+        IPv4-mapped loopback (127/8) or link-local (169.254/16) address."""
+        if self.ipv4 is not None:
+            v4 = ipaddress.IPv4Address(self.ipv4)
+            return v4.is_loopback or v4.is_link_local
+        addr = ipaddress.IPv6Address(self.gid)
+        return addr.is_link_local or addr.is_loopback
+
+
+def gid_preference(entry):
+    """Sort key of a RoCE port's GID entries, best first: RoCEv2, then a GID other hosts can reach
+    (not link-local, not loopback: a device on a veth has an fe80 GID beside its IPv4 one), then
+    IPv4-mapped (what perftest users pass with -x), then the lowest index. rxe0 on lo has only local
+    GIDs; its IPv4-mapped 127.0.0.1 still wins."""
+    return (entry.gid_type != "RoCEv2", entry.local_scope, entry.ipv4 is None, entry.index)
+
 
 def _netdev_name(ifindex):
     if not ifindex:
@@ -389,8 +407,9 @@ cdef class Context(VerbsObject):
         return entries
 
     def best_gid_index(self, int port=1):
-        """The GID index to use by default: 0 on InfiniBand; on RoCE prefer RoCEv2 with an
-        IPv4-mapped address (routable, what perftest users pass with -x), then any RoCEv2, then RoCEv1."""
+        """The GID index to use by default: 0 on InfiniBand; on RoCE the first by ``gid_preference``:
+        RoCEv2, reachable from other hosts (not link-local or loopback), IPv4-mapped, lowest index;
+        e.g. ::ffff:198.18.0.1 on a device whose netdev has that address, never its fe80 GID."""
         if port in self._best_gid:
             return self._best_gid[port]
         if self.query_port(port).link_layer != "Ethernet":
@@ -400,9 +419,7 @@ cdef class Context(VerbsObject):
             if not entries:
                 raise RDMAError(f"port {port} has an empty GID table (no IP address on its netdev?)",
                                 obj=repr(self))
-            def rank(e):
-                return (e.gid_type != "RoCEv2", e.ipv4 is None, e.gid_str.startswith("fe80"), e.index)
-            best = min(entries, key=rank).index
+            best = min(entries, key=gid_preference).index
         self._best_gid[port] = best
         return best
 

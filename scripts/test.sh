@@ -2,8 +2,8 @@
 # The test command (README; .ci/run calls exactly this):
 #   1. scripts/setup.sh: apt + pip dependencies (skipped when present), build the extension in place;
 #   2. host tests:   pytest -m "not device"                -> build/test-reports/host.xml
-#   3. device tests: pytest -m "device and not gpu" on a real RDMA device (rxe0 in the Soft-RoCE VM when the
-#      host has none, via pyrdma.testing.vm)             -> build/test-reports/device.xml
+#   3. device tests: pytest -m "device and not gpu" in the Soft-RoCE VM (pyrdma.testing.vm; rxe0 on lo, plus
+#      the 4-host test bed of --hosts 4 for tests/test_multihost.py) -> build/test-reports/device.xml
 #   4. the verdict: fails if the set-up or build failed, the VM or rxe0 did not come up, any test
 #      failed, no device test ran, or any device test was skipped (pyrdma.testing.junit).
 # Environment: PYTHON (default python3), PYRDMA_TEST_TIMEOUT (total seconds, default 5100 = 85 min).
@@ -43,7 +43,8 @@ esac
 echo "== device tests (real RDMA device; the Soft-RoCE VM when the host has none)"
 device_timeout=$(( $(remaining) - 60 ))
 if [ "$device_timeout" -lt 300 ]; then device_timeout=300; fi
-PYRDMA_REQUIRE_DEVICE=1 "$PYTHON" -m pyrdma.testing.vm --rwdir "$REPORTS" --timeout "$device_timeout" -- \
+# --hosts 4: the multi-host test bed (tests/test_multihost.py) beside rxe0, which every other test uses.
+PYRDMA_REQUIRE_DEVICE=1 "$PYTHON" -m pyrdma.testing.vm --hosts 4 --rwdir "$REPORTS" --timeout "$device_timeout" -- \
   "$PYTHON" -m pytest -m "device and not gpu" -p no:cacheprovider -q -rs --durations=10 \
   --junitxml="$PWD/$REPORTS/device.xml" tests 2>&1 | tee "$REPORTS/device.log"
 device=${PIPESTATUS[0]}

@@ -88,7 +88,8 @@ def _read(path):
 
 
 def sysfs_best_gid_index(device, port=1, sysfs=SYSFS_INFINIBAND):
-    """Like Context.best_gid_index, from sysfs: InfiniBand -> 0; RoCE -> RoCEv2 IPv4-mapped, RoCEv2, any."""
+    """Like Context.best_gid_index, from sysfs: InfiniBand -> 0; RoCE -> RoCEv2 first, then reachable
+    (not link-local or loopback), then IPv4-mapped, then the lowest index."""
     base = os.path.join(sysfs, device, "ports", str(port))
     if _read(os.path.join(base, "link_layer")) == "InfiniBand":
         return 0
@@ -100,8 +101,10 @@ def sysfs_best_gid_index(device, port=1, sysfs=SYSFS_INFINIBAND):
             continue
         v2 = _read(os.path.join(base, "gid_attrs", "types", str(index))) == "RoCE v2"
         ipv4 = gid.startswith("0000:0000:0000:0000:0000:ffff:")
-        ranked.append((not (v2 and ipv4), not v2, index))
-    return min(ranked)[2] if ranked else 0
+        local = bool(gid.startswith("fe8") or gid == "0000:0000:0000:0000:0000:0000:0000:0001"
+                 or ipv4 and (gid[30:32] == "7f" or gid[30:34] == "a9fe"))    # ::1, fe80::/10, 127/8, 169.254/16
+        ranked.append((not v2, local, not ipv4, index))
+    return min(ranked)[-1] if ranked else 0
 
 
 @pytest.fixture(scope="session")

@@ -100,3 +100,30 @@ def test_objects_made_without_init_are_closed():
     with pytest.raises(rd.UsageError, match="closed"):
         cq.poll(4)
     qp.close()   # harmless
+
+
+def test_gid_preference_picks_the_reachable_roce_v2_ipv4_gid():
+    """A device on a host's interface (rxeh1 on a veth in the multi-host test bed) has an fe80 GID
+    before its IPv4 one: the default must be ::ffff:<the interface's address>, RoCE v2."""
+    import ipaddress
+    from pyrdma._verbs.device import gid_preference
+
+    def entry(index, address, kind="RoCEv2"):
+        ip = ipaddress.ip_address(address)
+        raw = (ipaddress.IPv6Address(f"::ffff:{ip}") if ip.version == 4 else ip).packed
+        return rd.GIDEntry(index, raw, kind)
+
+    def best(*entries):
+        return min(entries, key=gid_preference).index
+
+    veth = [entry(0, "fe80::c6ff:fe12:1"), entry(1, "198.18.0.1"), entry(2, "198.18.0.1", "RoCEv1")]
+    assert best(*veth) == 1
+    assert best(*reversed(veth)) == 1
+    assert entry(0, "fe80::1").local_scope and entry(0, "::1").local_scope
+    assert entry(0, "127.0.0.1").local_scope and entry(0, "169.254.3.4").local_scope
+    assert not entry(0, "198.18.0.1").local_scope and not entry(0, "2001:db8::1").local_scope
+    # a loopback IPv4 GID loses to any reachable one, even IPv6; on lo it is the only choice and wins
+    assert best(entry(0, "127.0.0.1"), entry(1, "2001:db8::1")) == 1
+    assert best(entry(0, "2001:db8::1"), entry(1, "198.18.0.2")) == 1
+    assert best(entry(0, "::1"), entry(1, "127.0.0.1"), entry(2, "127.0.0.1", "RoCEv1")) == 1
+    assert best(entry(0, "198.18.0.1", "RoCEv1"), entry(1, "fe80::1")) == 1        # v2 before v1

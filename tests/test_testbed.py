@@ -2,6 +2,7 @@
 (pyrdma.testing.junit), the device fixtures (conftest) and the multi-process helper (mp).
 Host tests use fakes (a fake vng, a fake sysfs); device tests prove the device is real."""
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -118,6 +119,12 @@ def test_sysfs_best_gid_index(tmp_path):
     assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 0      # then any RoCEv2
     (port / "link_layer").write_text("InfiniBand\n")
     assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 0
+    # a host's device on a veth: its fe80 GID comes first in the table, its IPv4 one wins
+    (port / "link_layer").write_text("Ethernet\n")
+    (port / "gids" / "3").write_text("0000:0000:0000:0000:0000:ffff:c612:0001\n")
+    (port / "gids" / "1").write_text("0000:0000:0000:0000:0000:ffff:a9fe:0001\n")       # 169.254.0.1
+    (port / "gid_attrs" / "types" / "1").write_text("RoCE v2\n")
+    assert conftest.sysfs_best_gid_index("rxe0", sysfs=str(tmp_path)) == 3
 
 
 # ---------------------------------------------------------------- the guest script and vng command line
@@ -143,6 +150,163 @@ def test_guest_script_is_valid_bash_and_quotes_everything(tmp_path):
     # rxe0 comes up before the command runs, and the status is recorded after it
     assert script.index("rdma link add") < script.index("python3 -c") < script.index("/status")
 
+
+
+# ---------------------------------------------------------------- the multi-host test bed (--hosts)
+
+def test_host_layout_names_sort_after_rxe0_and_stay_in_the_test_range():
+    layout = vm.host_layout(4, 9000)
+    assert [h["device"] for h in layout] == ["rxeh1", "rxeh2", "rxeh3", "rxeh4"]
+    assert sorted(["rxe0"] + [h["device"] for h in layout])[0] == "rxe0"    # rxe0 stays the first device
+    assert [h["address"] for h in layout] == ["198.18.0.1", "198.18.0.2", "198.18.0.3", "198.18.0.4"]
+    assert all(len(h["bridge_port"]) <= 15 and h["mtu"] == 9000 for h in layout)   # IFNAMSIZ
+    assert len({h["mac"] for h in layout}) == 4 and len({h["table"] for h in layout}) == 4
+    for bad in ((1, 1500), (5, 1500), (2, 1234)):
+        with pytest.raises(ValueError):
+            vm.host_layout(*bad)
+
+
+def test_topology_script_routes_each_pair_across_the_bridge(tmp_path):
+    script = vm.topology_script(3, 1500, "/st ate/hosts.json")
+    path = tmp_path / "topo.sh"
+    path.write_text("fail() { exit 1; }\n" + script)
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+    lines = script.splitlines()
+    for needed in ("ip link add rdbr0 mtu 1500 type bridge",
+                   "ip link add rdh2 mtu 1500 address 02:00:c6:12:00:02 type veth peer name rdh2b mtu 1500",
+                   "ip link set rdh2b master rdbr0 up", "net.ipv4.conf.rdh2.accept_local=1",
+                   "net.ipv4.conf.rdh2.rp_filter=0", "net.ipv4.conf.all.rp_filter=0",
+                   "ip addr add 198.18.0.2/24 dev rdh2",
+                   "ip route add 198.18.0.0/24 dev rdh2 src 198.18.0.2 table 102",
+                   "ip rule add pref 100 iif lo from 198.18.0.1 to 198.18.0.3 lookup 101",
+                   "ip rule add pref 100 iif lo from 198.18.0.3 to 198.18.0.2 lookup 103",
+                   "ip neigh replace 198.18.0.3 lladdr 02:00:c6:12:00:03 dev rdh1 nud permanent",
+                   "rdma link add rxeh3 type rxe netdev rdh3", "export PYRDMA_TEST_HOSTS='/st ate/hosts.json'"):
+        assert any(needed in line for line in lines), needed
+    assert sum("ip rule add pref 100 " in line for line in lines) == 3 * 2       # every ordered pair
+    # the pair rules exist before the local table's rule moves behind them
+    last_pair_rule = max(i for i, line in enumerate(lines) if "ip rule add pref 100 " in line)
+    assert last_pair_rule < next(i for i, line in enumerate(lines) if "lookup local" in line and "add" in line) \
+        < next(i for i, line in enumerate(lines) if line.startswith("ip rule del pref 0 lookup local"))
+    assert "198.19." not in script and "10." not in script.replace("1000", "")
+    assert "mtu 9000" in vm.topology_script(2, 9000, "/h.json")
+
+
+FAKE_NET_TOOLS = ("ip", "tc", "sysctl", "rdma")
+
+
+def _fake_guest(tmp_path, gids):
+    """A fake PATH (ip, sysctl, rdma log their arguments; ibv_devices lists rxe0 first) and sysfs
+    (``gids``: {device: [(gid, type), ...]}, every port ACTIVE)."""
+    bindir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bindir.mkdir()
+    for tool in FAKE_NET_TOOLS:
+        (bindir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {log}\n')
+        (bindir / tool).chmod(0o755)
+    (bindir / "ibv_devices").write_text("#!/bin/sh\necho '    device  node GUID'\necho '    ------  ---'\n"
+                                        "echo '    rxe0    0'\necho '    rxeh1   0'\n")
+    (bindir / "ibv_devices").chmod(0o755)
+    sysfs = tmp_path / "sysfs"
+    for dev, table in gids.items():
+        port = sysfs / dev / "ports" / "1"
+        (port / "gids").mkdir(parents=True)
+        (port / "gid_attrs" / "types").mkdir(parents=True)
+        (port / "state").write_text("4: ACTIVE\n")
+        for i, (gid, kind) in enumerate(table):
+            (port / "gids" / str(i)).write_text(gid + "\n")
+            (port / "gid_attrs" / "types" / str(i)).write_text(kind + "\n")
+    return bindir, log, sysfs
+
+
+def test_topology_script_writes_the_hosts_the_hosts_module_reads(tmp_path):
+    from pyrdma.testing import hosts
+    empty = "0000:0000:0000:0000:0000:0000:0000:0000"
+    gids = {"rxeh1": [("fe80:0000:0000:0000:0000:c6ff:fe12:0001", "RoCE v2"),
+                      ("0000:0000:0000:0000:0000:ffff:c612:0001", "IB/RoCE v1"),
+                      ("0000:0000:0000:0000:0000:ffff:c612:0001", "RoCE v2")],
+            "rxeh2": [("fe80:0000:0000:0000:0000:c6ff:fe12:0002", "RoCE v2"),
+                      ("0000:0000:0000:0000:0000:ffff:c612:0002", "RoCE v2"), (empty, "")]}
+    bindir, log, sysfs = _fake_guest(tmp_path, gids)
+    out = tmp_path / "hosts.json"
+    script = tmp_path / "topo.sh"
+    script.write_text('set -u\nfail() { echo "FAIL: $*"; exit 9; }\n' + vm.topology_script(2, 1500, str(out), str(sysfs))
+                      + 'echo "env=$PYRDMA_TEST_HOSTS"\n')
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"env={out}" in r.stdout
+    h1, h2 = hosts.load(str(out))
+    assert (h1.name, h1.device, h1.netdev, h1.bridge_port, h1.address, h1.gid_index) == \
+        ("h1", "rxeh1", "rdh1", "rdh1b", "198.18.0.1", 2)           # the RoCE v2 one, not v1 nor fe80
+    assert (h2.device, h2.address, h2.gid_index, h2.mtu) == ("rxeh2", "198.18.0.2", 1, 1500)
+    assert "rdma link add rxeh2 type rxe netdev rdh2" in log.read_text()
+
+
+def test_topology_script_fails_without_the_hosts_ipv4_gid(tmp_path, monkeypatch):
+    monkeypatch.setattr(vm, "PORT_ACTIVE_WAIT_S", 0.3)
+    gids = {"rxeh1": [("0000:0000:0000:0000:0000:ffff:c612:0001", "RoCE v2")],
+            "rxeh2": [("fe80:0000:0000:0000:0000:c6ff:fe12:0002", "RoCE v2")]}   # no IPv4 GID (yet)
+    bindir, _, sysfs = _fake_guest(tmp_path, gids)
+    script = tmp_path / "topo.sh"
+    script.write_text('fail() { echo "FAIL: $*"; exit 9; }\n'
+                      + vm.topology_script(2, 1500, str(tmp_path / "h.json"), str(sysfs)))
+    r = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}"))
+    assert r.returncode == 9 and "FAIL: rxeh2 not ACTIVE with a RoCE v2 GID for 198.18.0.2" in r.stdout
+
+
+def test_guest_script_builds_the_hosts_between_rxe0_and_the_command(tmp_path):
+    plain = vm.guest_script(["true"], "/", {}, str(tmp_path))
+    assert "rdbr0" not in plain and "PYRDMA_TEST_HOSTS" not in plain
+    script = vm.guest_script(["mycmd"], "/", {}, str(tmp_path), hosts=2, mtu=9000)
+    assert script.index("rdma link add rxe0") < script.index("rdma link add rxeh1") < script.index("mycmd")
+    assert f"export PYRDMA_TEST_HOSTS={tmp_path}/hosts.json" in script and "mtu 9000" in script
+    # a PYRDMA_TEST_HOSTS passed from the host (every PYRDMA_* is) cannot override the guest's own
+    script = vm.guest_script(["mycmd"], "/", {"PYRDMA_TEST_HOSTS": "/stale.json"}, str(tmp_path), hosts=2)
+    assert script.index("PYRDMA_TEST_HOSTS=/stale.json") < script.index(f"PYRDMA_TEST_HOSTS={tmp_path}/hosts.json")
+
+
+def test_hosts_module(tmp_path, monkeypatch):
+    from pyrdma.testing import hosts
+    monkeypatch.delenv("PYRDMA_TEST_HOSTS", raising=False)
+    assert hosts.load() == []
+    path = tmp_path / "h.json"
+    path.write_text('{"bridge": "rdbr0", "hosts": [{"name": "h1", "netdev": "rdh1", "bridge_port": "rdh1b", '
+                    '"address": "198.18.0.1", "device": "rxeh1", "gid_index": 1, "mtu": 1500, "port": 1, '
+                    '"prefix": 24, "mac": "02:00:c6:12:00:01", "future_field": 3}]}')
+    monkeypatch.setenv("PYRDMA_TEST_HOSTS", str(path))
+    (h1,) = hosts.load()
+    assert h1.env(X=2) == {"PYRDMA_IB_HCA": "rxeh1", "PYRDMA_IB_PORT": "1", "PYRDMA_IB_GID_INDEX": "1",
+                           "PYRDMA_TCP_HOST": "198.18.0.1", "PYRDMA_TEST_HOST": "h1", "X": "2"}
+    assert h1.perf_args() == ["-d", "rxeh1", "-i", "1", "-x", "1"]
+    r = h1.run([sys.executable, "-c", "import os; print(os.environ['PYRDMA_IB_HCA'])"], timeout=60,
+               capture_output=True, text=True)
+    assert r.stdout.strip() == "rxeh1"
+    add, delete = hosts.netem_commands(h1, "loss 5%")
+    assert add == [["tc", "qdisc", "replace", "dev", "rdh1", "root", "netem", "loss", "5%"],
+                   ["tc", "qdisc", "replace", "dev", "rdh1b", "root", "netem", "loss", "5%"]]
+    assert delete[0] == ["tc", "qdisc", "del", "dev", "rdh1", "root"]
+    assert len(hosts.netem_commands(h1, "delay 1ms reorder 25%", both=False)[0]) == 1
+
+
+def test_cli_hosts(monkeypatch):
+    calls = []
+    monkeypatch.setattr(vm, "run_with_device", lambda *a, **k: calls.append((a, k)) or (0, ""))
+    assert vm.main(["--hosts", "3", "--mtu", "9000", "--", "true"]) == 0
+    assert calls[-1][1]["hosts"] == 3 and calls[-1][1]["mtu"] == 9000
+    assert vm.main(["--", "true"]) == 0 and calls[-1][1]["hosts"] == 0
+    for bad in (["--hosts", "5"], ["--hosts", "1"], ["--hosts", "2", "--mtu", "1400"]):
+        with pytest.raises(SystemExit):
+            vm.main(bad + ["--", "true"])
+
+
+def test_hosts_always_use_the_vm(monkeypatch):
+    monkeypatch.setattr(vm, "host_has_active_rdma_port", lambda *a: True)
+    seen = []
+    monkeypatch.setattr(vm, "run_in_vm", lambda *a, **k: seen.append(k) or (0, ""))
+    monkeypatch.setattr(vm, "run_on_host", lambda *a, **k: (1, "on host"))
+    assert vm.run_with_device(["true"], hosts=2, stream=None)[0] == 0 and seen[-1]["hosts"] == 2
+    assert vm.run_with_device(["true"], stream=None)[0] == 1          # without hosts: the host's device
 
 def test_vng_command(monkeypatch, tmp_path):
     fake = tmp_path / "vng"
@@ -354,6 +518,8 @@ def test_scripts_are_valid_bash():
         subprocess.run(["bash", "-n", os.path.join(REPO, script)], check=True, timeout=30)
     with open(os.path.join(REPO, ".ci/run")) as f:
         assert "scripts/test.sh" in f.read()
+    with open(os.path.join(REPO, "scripts/test.sh")) as f:     # so tests/test_multihost.py never skips in CI
+        assert re.search(r"-m pyrdma\.testing\.vm --hosts 4 ", f.read())
 
 
 # ---------------------------------------------------------------- conftest: device tests fail when a device is required

@@ -1,7 +1,7 @@
 """Run a command where a real RDMA device exists: on the host if it has an ACTIVE RDMA port,
 otherwise inside a virtme-ng VM with the kernel's Soft-RoCE driver (rxe0 on lo).
 
-    python -m pyrdma.testing.vm [--rwdir DIR] [--timeout S] -- CMD [ARGS...]
+    python -m pyrdma.testing.vm [--rwdir DIR] [--timeout S] [--hosts N [--mtu 1500|9000]] -- CMD [ARGS...]
 
 The VM boots the newest /boot/vmlinuz-* that has the rdma_rxe module, with this machine's files
 as its root filesystem (read-only, with a throw-away overlay; each ``--rwdir`` directory is writable
@@ -9,6 +9,13 @@ and shared back to the host). A guest script loads rdma_rxe, creates rxe0 on lo,
 to be ACTIVE, then runs CMD from the current directory with the caller's environment variables
 (PYTHONPATH, PYRDMA_*, ... see ``PASSED_ENV``; the guest's PATH is its own, so name the host's
 Python by absolute path, e.g. ``sys.executable``). CMD's output streams through.
+
+``--hosts N`` (2..4) also builds a multi-host test bed in the guest (``topology_script``): N "hosts",
+each the end of a veth pair whose other end is a port of one bridge, with its own address
+198.18.0.k/24, Ethernet MTU ``--mtu`` and Soft-RoCE device rxehk; policy routing sends the
+traffic between two hosts' addresses across the veths and the bridge instead of lo. rxe0 on lo stays
+the first device. The hosts are described in the JSON file named by ``PYRDMA_TEST_HOSTS``
+(pyrdma.testing.hosts reads it).
 
 Exit status: CMD's own; 125 (``VM_FAILED``) when the VM did not boot or rxe0 did not come up;
 124 (``TIMED_OUT``) when the timeout expired (the VM is killed).
@@ -37,6 +44,112 @@ PASSED_ENV = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTE
 STDOUT = "stdout"
 # How long the guest waits for rxe0's port to become ACTIVE (software emulation is slow).
 PORT_ACTIVE_WAIT_S = 60
+# The multi-host test bed (--hosts): at most this many hosts, addresses HOST_NET.k/24 (198.18.0.0/15
+# is the benchmarking range, RFC 2544; only 198.18.0.0/24 is used), one bridge joining them.
+MAX_HOSTS = 4
+HOST_NET = "198.18.0"
+HOST_BRIDGE = "rdbr0"
+HOST_MTUS = (1500, 9000)
+# Policy-routing preferences: the per-pair rules come before the local table, which moves from 0 to here.
+LOCAL_RULE_PREF = 1000
+HOSTS_ENV = "PYRDMA_TEST_HOSTS"
+
+
+def host_layout(n, mtu=1500):
+    """The hosts of a ``--hosts n`` test bed, as pyrdma.testing.hosts describes them (GID index
+    excepted: the guest reads it from sysfs once the device has its address)."""
+    if not 2 <= n <= MAX_HOSTS:
+        raise ValueError(f"--hosts wants 2..{MAX_HOSTS}, got {n}")
+    if mtu not in HOST_MTUS:
+        raise ValueError(f"--mtu wants one of {', '.join(map(str, HOST_MTUS))}, got {mtu}")
+    return [{"name": f"h{k}", "netdev": f"rdh{k}", "bridge_port": f"rdh{k}b", "address": f"{HOST_NET}.{k}",
+             "prefix": 24, "mac": f"02:00:c6:12:00:{k:02x}", "device": f"rxeh{k}", "table": 100 + k, "mtu": mtu}
+            for k in range(1, n + 1)]
+
+
+def topology_script(n, mtu, hosts_json, sysfs=SYSFS_INFINIBAND):
+    """Bash (run as root in the guest, after rxe0 is up) that builds the ``n``-host test bed and
+    writes its description to ``hosts_json``; it calls ``fail`` (defined by guest_script) on error.
+
+    Why it is built so: rxe's UDP socket lives in the initial network namespace only, so every host
+    lives in the one namespace; a host is a veth end with its address and rxe device. Without more,
+    a packet between two local addresses goes through lo: the rules at preference 100 (``iif lo``:
+    locally generated only) send it out of the source host's veth, to the bridge, into the
+    destination's veth, ahead of the local table (moved to LOCAL_RULE_PREF). The receiving end must
+    accept a local source address (accept_local) and skip the reverse-path check (rp_filter). The
+    neighbours are static, so no ARP reply can come from the wrong veth. ``sysfs``: where the devices'
+    ports are read (a fake one in tests)."""
+    hosts = host_layout(n, mtu)
+    q = shlex.quote
+    lines = [f"# the {n}-host test bed (pyrdma.testing.vm.topology_script)",
+             "sysctl -qw net.ipv4.conf.all.rp_filter=0 net.ipv4.conf.default.rp_filter=0 || fail sysctl rp_filter",
+             f"ip link add {HOST_BRIDGE} mtu {mtu} type bridge || fail cannot add bridge {HOST_BRIDGE}",
+             f"ip link set {HOST_BRIDGE} up || fail cannot set {HOST_BRIDGE} up"]
+    for h in hosts:
+        dev, port = h["netdev"], h["bridge_port"]
+        lines += [
+            f"ip link add {dev} mtu {mtu} address {h['mac']} type veth peer name {port} mtu {mtu} "
+            f"|| fail cannot add veth {dev}",
+            f"ip link set {port} master {HOST_BRIDGE} up || fail cannot attach {port} to {HOST_BRIDGE}",
+            f"sysctl -qw net.ipv4.conf.{dev}.rp_filter=0 net.ipv4.conf.{dev}.accept_local=1 "
+            f"net.ipv4.conf.{dev}.arp_ignore=1 net.ipv4.conf.{dev}.arp_announce=2 || fail sysctl {dev}",
+            f"ip addr add {h['address']}/{h['prefix']} dev {dev} || fail cannot address {dev}",
+            f"ip link set {dev} up || fail cannot set {dev} up",
+            f"ip route add {HOST_NET}.0/{h['prefix']} dev {dev} src {h['address']} table {h['table']} "
+            f"|| fail cannot add the route of table {h['table']}",
+        ]
+    for h in hosts:
+        for other in hosts:
+            if other is h:
+                continue
+            lines += [
+                f"ip rule add pref 100 iif lo from {h['address']} to {other['address']} lookup {h['table']} "
+                f"|| fail cannot add the rule {h['name']} to {other['name']}",
+                f"ip neigh replace {other['address']} lladdr {other['mac']} dev {h['netdev']} nud permanent "
+                f"|| fail cannot add the neighbour {other['address']} on {h['netdev']}",
+            ]
+    lines += [f"ip rule add pref {LOCAL_RULE_PREF} lookup local || fail cannot add the local rule",
+              "ip rule del pref 0 lookup local || fail cannot move the local rule"]
+    for h in hosts:
+        lines.append(f"rdma link add {h['device']} type rxe netdev {h['netdev']} "
+                     f"|| fail cannot add {h['device']} on {h['netdev']}")
+    # Each device's port must be ACTIVE and its RoCE v2 GID for the host's IPv4 present; its index goes
+    # to the JSON (sysfs: gids/<i> is the GID as 8 colon-separated groups, gid_attrs/types/<i> its type).
+    lines += [
+        "roce_v2_ipv4_gid_index() {  # device address: the index of the RoCE v2 GID ::ffff:address",
+        "  local want i",
+        "  want=$(printf '0000:0000:0000:0000:0000:ffff:%02x%02x:%02x%02x' ${2//./ })",
+        f"  for i in $(ls {sysfs}/$1/ports/1/gids 2>/dev/null | sort -n); do",
+        f"    [ \"$(cat {sysfs}/$1/ports/1/gids/$i 2>/dev/null)\" = \"$want\" ] || continue",
+        f"    [ \"$(cat {sysfs}/$1/ports/1/gid_attrs/types/$i 2>/dev/null)\" = \"RoCE v2\" ] "
+        "&& { echo $i; return 0; }",
+        "  done",
+        "  return 1",
+        "}",
+    ]
+    entries = []
+    for h in hosts:
+        dev, gid_var = h["device"], f"gid_{h['name']}"
+        lines += [
+            f"for _ in $(seq {PORT_ACTIVE_WAIT_S * 10}); do",
+            f"  grep -q ACTIVE {sysfs}/{dev}/ports/1/state 2>/dev/null "
+            f"&& {gid_var}=$(roce_v2_ipv4_gid_index {dev} {h['address']}) && break",
+            "  sleep 0.1",
+            "done",
+            f"[ -n \"${{{gid_var}:-}}\" ] || fail \"{dev} not ACTIVE with a RoCE v2 GID for {h['address']} "
+            f"after {PORT_ACTIVE_WAIT_S} s: $(cat {sysfs}/{dev}/ports/1/state 2>&1)\"",
+        ]
+        fields = ", ".join(f'"{k}": "{h[k]}"' for k in ("name", "netdev", "bridge_port", "address", "mac", "device"))
+        entries.append("{" + fields + f', "prefix": {h["prefix"]}, "mtu": {mtu}, "port": 1, '
+                       f'"gid_index": ${gid_var}' + "}")
+    body = '{"bridge": "' + HOST_BRIDGE + '", "hosts": [' + ", ".join(entries) + "]}"
+    lines += [f"cat > {q(hosts_json)} <<PYRDMA_HOSTS_EOF", body, "PYRDMA_HOSTS_EOF",
+              f"ibv_devices 2>/dev/null | awk 'NR>2 {{print $1}}' | head -1 | grep -qx rxe0 "
+              f"|| fail \"rxe0 is not the first device: $(ibv_devices 2>&1)\"",
+              f"echo \"pyrdma-vm: {n} hosts on {HOST_BRIDGE} (MTU {mtu}): "
+              + ", ".join(f"{h['name']}={h['address']}/{h['device']}" for h in hosts) + "\"",
+              f"export {HOSTS_ENV}={q(hosts_json)}"]
+    return "\n".join(lines) + "\n"
 
 
 def active_rdma_devices(sysfs=SYSFS_INFINIBAND):
@@ -91,13 +204,15 @@ def guest_environment(env=None, environ=None):
     return out
 
 
-def guest_script(cmd, cwd, env, state_dir):
-    """The bash script the guest runs: bring up rxe0, run ``cmd`` in ``cwd`` with ``env``, and
-    leave markers in ``state_dir`` (shared with the host): ``booted``, then either ``vm-error``
-    (the set-up failed, with the reason) or ``status`` (cmd's exit status)."""
+def guest_script(cmd, cwd, env, state_dir, hosts=0, mtu=1500):
+    """The bash script the guest runs: bring up rxe0 (and with ``hosts`` the test bed of
+    topology_script), run ``cmd`` in ``cwd`` with ``env``, and leave markers in ``state_dir`` (shared
+    with the host): ``booted``, then either ``vm-error`` (the set-up failed, with the reason) or
+    ``status`` (cmd's exit status)."""
     state = shlex.quote(state_dir)
     port_state = "/sys/class/infiniband/rxe0/ports/1/state"
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+    topology = topology_script(hosts, mtu, os.path.join(state_dir, "hosts.json")) if hosts else ""
     return f"""exec 2>&1   # one ordered stream back to the host
 set -u
 echo booted > {state}/booted
@@ -113,6 +228,7 @@ grep -q ACTIVE {port_state} 2>/dev/null || fail "rxe0 port 1 not ACTIVE after {P
 ibv_devices 2>/dev/null | grep -q rxe0 || fail "ibv_devices does not list rxe0"
 echo "pyrdma-vm: rxe0 is ACTIVE on lo"
 {exports}
+{topology}
 cd {shlex.quote(cwd)} || fail cannot cd to {shlex.quote(cwd)}
 {shlex.join(cmd)}
 status=$?
@@ -207,16 +323,19 @@ def _read(path):
 
 
 def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G", cpus=2, kvm=False,
-              stream=STDOUT):
+              stream=STDOUT, hosts=0, mtu=1500):
     """Run ``cmd`` (a list of arguments) in the Soft-RoCE VM; returns ``(returncode, output)``.
 
     ``rwdir``: a directory (or a list) the command may write, shared back to the host (created if missing).
     ``env``: variables to set in the guest on top of ``guest_environment()``'s defaults.
     ``stream``: where output is echoed as it arrives (None: nowhere). ``output`` has it all.
+    ``hosts``: build the multi-host test bed of ``hosts`` hosts (2..4; 0: none) at Ethernet MTU ``mtu``.
     returncode is cmd's own, ``VM_FAILED`` if the VM or rxe0 did not come up, ``TIMED_OUT`` after
     ``timeout`` seconds (the VM is killed).
     """
     cmd = [os.fspath(c) for c in cmd]
+    if hosts:
+        host_layout(hosts, mtu)     # ValueError before anything boots
     kernel = find_rxe_kernel()
     if kernel is None:
         return VM_FAILED, _say(stream, "VM failed: no /boot/vmlinuz-* whose /lib/modules has rdma_rxe "
@@ -228,7 +347,7 @@ def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G"
     try:
         script_path = os.path.join(state_dir, "guest.sh")
         with open(script_path, "w") as f:
-            f.write(guest_script(cmd, os.getcwd(), guest_environment(env), state_dir))
+            f.write(guest_script(cmd, os.getcwd(), guest_environment(env), state_dir, hosts, mtu))
         try:
             argv = vng_command(kernel, script_path, [state_dir, *rwdirs], memory, cpus, kvm)
         except FileNotFoundError as exc:
@@ -264,8 +383,9 @@ def run_on_host(cmd, timeout=DEFAULT_TIMEOUT, env=None, *, stream=STDOUT):
 
 def run_with_device(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, force_vm=False, stream=STDOUT,
                     **vm_options):
-    """Run ``cmd`` on the host's RDMA device if it has an ACTIVE port, else in the Soft-RoCE VM."""
-    if not force_vm and host_has_active_rdma_port():
+    """Run ``cmd`` on the host's RDMA device if it has an ACTIVE port, else in the Soft-RoCE VM.
+    A multi-host test bed (``hosts=``) is only ever built in the VM: this machine's network is left alone."""
+    if not force_vm and not vm_options.get("hosts") and host_has_active_rdma_port():
         note = _say(stream, f"host has an ACTIVE RDMA port ({', '.join(active_rdma_devices())}); running on the host")
         for d in _as_list(rwdir):
             os.makedirs(d, exist_ok=True)
@@ -297,11 +417,18 @@ def main(argv=None):
     parser.add_argument("--cpus", type=int, default=2, help="VM CPUs (default 2)")
     parser.add_argument("--kvm", action="store_true",
                         help="use KVM instead of software emulation (only where nested KVM really works)")
+    parser.add_argument("--hosts", type=int, default=0, metavar="N",
+                        help=f"build a test bed of N (2..{MAX_HOSTS}) hosts on one bridge in the VM; "
+                             f"{HOSTS_ENV} names their description (always in the VM)")
+    parser.add_argument("--mtu", type=int, default=1500, choices=HOST_MTUS,
+                        help="the test bed's Ethernet MTU (default 1500: RoCE active MTU 1024)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     args = parser.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         parser.error("no command given (use: pyrdma-vm [options] -- CMD ...)")
+    if args.hosts and not 2 <= args.hosts <= MAX_HOSTS:
+        parser.error(f"--hosts wants 2..{MAX_HOSTS}, got {args.hosts}")
     try:
         env = _parse_env(args.env)
     except argparse.ArgumentTypeError as exc:
@@ -311,7 +438,7 @@ def main(argv=None):
     previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         code, _ = run_with_device(cmd, args.rwdir, args.timeout, env, force_vm=args.force_vm,
-                                  memory=args.memory, cpus=args.cpus, kvm=args.kvm)
+                                  memory=args.memory, cpus=args.cpus, kvm=args.kvm, hosts=args.hosts, mtu=args.mtu)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
