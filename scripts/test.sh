@@ -45,7 +45,7 @@ device_timeout=$(( $(remaining) - 60 ))
 if [ "$device_timeout" -lt 300 ]; then device_timeout=300; fi
 # --hosts 4: the multi-host test bed (tests/test_multihost.py) beside rxe0, which every other test uses.
 PYRDMA_REQUIRE_DEVICE=1 "$PYTHON" -m pyrdma.testing.vm --hosts 4 --rwdir "$REPORTS" --timeout "$device_timeout" -- \
-  "$PYTHON" -m pytest -m "device and not gpu" -p no:cacheprovider -q -rs --durations=10 \
+  "$PYTHON" -m pytest -m "device and not gpu and not torch_vm" -p no:cacheprovider -q -rs --durations=10 \
   --junitxml="$PWD/$REPORTS/device.xml" tests 2>&1 | tee "$REPORTS/device.log"
 device=${PIPESTATUS[0]}
 case $device in

@@ -84,7 +84,11 @@ def _assert_dead_rank_named(tmp_path, dead):
     assert outcome["seconds"] < 15 + 10, outcome
 
 
+# Over RDMA in the emulated VM each torchrun spends minutes importing torch per process, which does
+# not fit the CI budget next to everything else: scripts/test.sh deselects the "torch_vm" marker and
+# these run on demand (python -m pyrdma.testing.vm -- python -m pytest -m torch_vm tests/test_torch.py).
 @pytest.mark.device
+@pytest.mark.torch_vm
 def test_torchrun_collectives_ddp_and_a_dead_rank_over_rdma(tmp_path):
     # one torchrun for everything: importing torch in the emulated VM takes about a minute per process
     _assert_all_passed(_torchrun(2, tmp_path, "rdma", "--dead-rank"), "rdma")
@@ -92,6 +96,7 @@ def test_torchrun_collectives_ddp_and_a_dead_rank_over_rdma(tmp_path):
 
 
 @pytest.mark.device
+@pytest.mark.torch_vm
 def test_torchrun_ddp_four_ranks_over_rdma(tmp_path):
     _assert_all_passed(_torchrun(4, tmp_path, "rdma", "--only", "ddp", "--steps", "2"), "rdma")
 
