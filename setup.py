@@ -13,8 +13,8 @@ HEADER_DIRS = ["/usr/include", "/usr/local/include"]
 VERBS_MODULES = ["base", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp"]
 # Modules over other rdma-core libraries: name -> libraries (rdma_cm needs librdmacm-dev)
 EXTRA_LIB_MODULES = {"cm": ["rdmacm", "ibverbs"]}
-# Other compiled modules: pyx/<name>.pyx -> pyrdma.<name>
-OTHER_MODULES = {"reduce": "pyrdma._reduce"}
+# Other compiled modules: pyx/<name>.pyx -> (pyrdma.<name>, libraries)
+OTHER_MODULES = {"reduce": ("pyrdma._reduce", []), "engine": ("pyrdma._engine", ["ibverbs"])}
 
 
 def _check_libibverbs():
@@ -55,9 +55,8 @@ def _extensions():
             for m in VERBS_MODULES]
     exts += [Extension(f"pyrdma._verbs.{m}", [f"pyx/{m}.pyx"], libraries=libs, **common)
              for m, libs in EXTRA_LIB_MODULES.items()]
-    for src, name in OTHER_MODULES.items():
-        if os.path.exists(os.path.join(HERE, "pyx", src + ".pyx")):
-            exts.append(Extension(name, [f"pyx/{src}.pyx"], **common))
+    for src, (name, libs) in OTHER_MODULES.items():
+        exts.append(Extension(name, [f"pyx/{src}.pyx"], libraries=libs, **common))
     return cythonize(exts, include_path=[_pxd_include_path(), os.path.join(HERE, "pyx")],
                      language_level=3, compiler_directives={"embedsignature": True},
                      nthreads=os.cpu_count() or 1)

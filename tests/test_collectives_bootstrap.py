@@ -1,5 +1,6 @@
 """Rendezvous (TCP store, environment, MPI), transport agreement, wire validation and the cost
 model. Ranks run as threads here: the TCP store and TcpTransport need no separate processes."""
+import functools
 import os
 import shutil
 import socket
@@ -401,7 +402,7 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
     def rank_fn(rank):
         with Communicator(rank, 3, f"127.0.0.1:{port}", transport="tcp", max_message=256, timeout=20) as comm:
             x = np.arange(1001, dtype=np.int32) * (rank + 1)
-            reduce = comm._reducer(code, "avg")
+            reduce = functools.partial(_reduce.reduce_bytes, dtype=code, op=_reduce.op_code("sum"))
             divided = []
 
             def divide(work, n):

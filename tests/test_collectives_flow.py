@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pyrdma.collectives import ring, tree
+from pyrdma.collectives.schedule import consumer, execute
 from pyrdma.errors import RDMATimeoutError
 
 TIMEOUT = 10.0
@@ -106,10 +107,16 @@ def _run(size, slots, max_message, count, body, send_window=1, events=None):
     return results
 
 
+def _execute(t, plan):
+    """Run a schedule with the Python executor; returns where the result lies."""
+    execute(t, plan, consumer(t.buffer(0), _add))
+    return plan.result_offset
+
+
 ALLREDUCES = {
-    "ring": lambda t, count: ring.ring_allreduce(t, count, 8, _add),
-    "halving_doubling": lambda t, count: tree.halving_doubling_allreduce(t, count, 8, _add),
-    "recursive_doubling": lambda t, count: tree.recursive_doubling_allreduce(t, count, 8, _add),
+    name: (lambda t, count, planner=planner: _execute(t, planner(t.size, t.rank, count, 8, t.max_message)))
+    for name, planner in [("ring", ring.allreduce), ("halving_doubling", tree.halving_doubling_allreduce),
+                          ("recursive_doubling", tree.recursive_doubling_allreduce)]
 }
 
 
@@ -143,14 +150,12 @@ def test_rooted_and_barrier_flow_with_one_slot(slots):
     size, count = 4, 333
 
     def body(t, count):
-        tree.binomial_broadcast(t, count, 8, root=1)
-        ring.chain_broadcast(t, count, 8, root=2)
-        ring.chain_reduce(t, count, 8, _add, root=3)
-        ring.chain_broadcast(t, count, 8, root=3)
-        tree.binomial_reduce(t, count, 8, _add, root=0)
-        tree.binomial_broadcast(t, count, 8, root=0)
-        tree.dissemination_barrier(t)
-        tree.dissemination_barrier(t)
+        n, r, m = t.size, t.rank, t.max_message
+        for planner, root in [(tree.binomial_broadcast, 1), (ring.chain_broadcast, 2), (ring.chain_reduce, 3),
+                              (ring.chain_broadcast, 3), (tree.binomial_reduce, 0), (tree.binomial_broadcast, 0)]:
+            _execute(t, planner(n, r, count, 8, m, root))
+        _execute(t, tree.dissemination_barrier(n, r))
+        _execute(t, tree.dissemination_barrier(n, r))
     results = _run(size, slots, 64, count, body)
     # rank 1's data (2x) goes to all, two reductions of 4 copies each make it 2 * 4 * 4
     for got in results:

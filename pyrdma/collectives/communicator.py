@@ -32,7 +32,6 @@ it and build a new one. ``close()`` may come from any thread: a collective block
 raises UsageError within a fraction of a second, as Ctrl-C raises KeyboardInterrupt.
 """
 import contextlib
-import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +43,7 @@ from pyrdma.collectives import ring, tree
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, CostModel
 from pyrdma.collectives.pieces import scale_down, scale_down_bfloat16, segment_bounds
+from pyrdma.collectives.schedule import consumer
 from pyrdma.collectives.transport import LEFT, MISMATCH, NO_CULPRIT, PEER_FAILED, closed_error, describe
 from pyrdma.cuda.buffers import is_cuda_array
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
@@ -55,6 +55,11 @@ GPU_PATHS = ("auto", "staged", "direct")
 DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
+# algorithm name -> planner(size, rank, count, itemsize, max_message[, root]) -> Schedule
+ALLREDUCE_PLANS = {"ring": ring.allreduce, "halving_doubling": tree.halving_doubling_allreduce,
+                   "recursive_doubling": tree.recursive_doubling_allreduce}
+BROADCAST_PLANS = {"chain": ring.chain_broadcast, "binomial": tree.binomial_broadcast}
+REDUCE_PLANS = {"chain": ring.chain_reduce, "binomial": tree.binomial_reduce}
 
 
 class Handle:
@@ -497,9 +502,6 @@ class Communicator:
         err.peer = getattr(exc, "peer", None)
         raise err
 
-    def _reducer(self, code, op):
-        return functools.partial(_reduce.reduce_bytes, dtype=code, op=_reduce.op_code("sum" if op == "avg" else op))
-
     def _pieces(self, count, itemsize, factor=1):
         """Element ranges of at most max_work_bytes / factor bytes each (at least one range)."""
         per = max(1, self.max_work_bytes // (itemsize * factor))
@@ -564,7 +566,7 @@ class Communicator:
 
     def _allreduce(self, src, dst, op, plan):
         t = self.transport
-        reduce = self._reducer(src.code, op)
+        opc = _op_code(op)
         itemsize = src.itemsize
         for lo, hi, algo, tag in plan:
             a, b = lo * itemsize, hi * itemsize
@@ -577,13 +579,9 @@ class Communicator:
                 if op == "avg" and src.code in _FLOAT_CODES:
                     prescale(work[:nbytes], src.code, self.size)
                 t.set_tag(tag)
-                at = 0                                   # where in work the result lies
-                if algo == "ring":
-                    ring.ring_allreduce(t, hi - lo, itemsize, reduce)
-                elif algo == "halving_doubling":
-                    tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
-                else:
-                    at = tree.recursive_doubling_allreduce(t, hi - lo, itemsize, reduce)
+                schedule = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
+                t.run(schedule, src.code, opc)
+                at = schedule.result_offset              # where in work the result lies
                 if op == "avg" and src.code not in _FLOAT_CODES:
                     _reduce.divide_bytes(work[at:at + nbytes], src.code, self.size)
                 if not in_place:
@@ -636,10 +634,8 @@ class Communicator:
             t.use_buffer(work, a, b)
             try:
                 t.set_tag(tag)
-                if algo == "ring":
-                    ring.ring_allreduce(t, hi - lo, itemsize, reduce)
-                else:
-                    tree.halving_doubling_allreduce(t, hi - lo, itemsize, reduce)
+                plan = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
+                t.run(plan, consume=consumer(t.buffer(0), reduce))
             finally:
                 t.use_buffer(None)
             if op == "avg" and prescale is None:
@@ -660,10 +656,8 @@ class Communicator:
             t.use_buffer(work, lo, hi)
             try:
                 t.set_tag(tag)
-                if algo == "chain":
-                    ring.chain_broadcast(t, hi - lo, 1, root)
-                else:
-                    tree.binomial_broadcast(t, hi - lo, 1, root)
+                plan = BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root)
+                t.run(plan, consume=consumer(t.buffer(0), None))
             finally:
                 t.use_buffer(None)
 
@@ -713,7 +707,7 @@ class Communicator:
 
     def _reduce_to_root(self, src, dst, op, root, plan):
         t = self.transport
-        reduce = self._reducer(src.code, op)
+        opc = _op_code(op)
         itemsize = src.itemsize
         for lo, hi, algo, tag in plan:
             a, b = lo * itemsize, hi * itemsize
@@ -722,10 +716,7 @@ class Communicator:
             if op == "avg" and src.code in _FLOAT_CODES:
                 prescale(work[:b - a], src.code, self.size)
             t.set_tag(tag)
-            if algo == "chain":
-                ring.chain_reduce(t, hi - lo, itemsize, reduce, root)
-            else:
-                tree.binomial_reduce(t, hi - lo, itemsize, reduce, root)
+            t.run(REDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message, root), src.code, opc)
             if self.rank == root:
                 if op == "avg" and src.code not in _FLOAT_CODES:
                     _reduce.divide_bytes(work[:b - a], src.code, self.size)
@@ -769,10 +760,7 @@ class Communicator:
                 if self.rank == root and not in_place:
                     work[:hi - lo] = data[lo:hi]
                 t.set_tag(tag)
-                if algo == "chain":
-                    ring.chain_broadcast(t, hi - lo, 1, root)
-                else:
-                    tree.binomial_broadcast(t, hi - lo, 1, root)
+                t.run(BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root))
                 if self.rank != root and not in_place:
                     data[lo:hi] = work[:hi - lo]
         return obj
@@ -819,7 +807,8 @@ class Communicator:
             work[self.rank * block:(self.rank + 1) * block] = src_bytes
             t.set_tag(tag)
             # blocks as "elements" of one byte: boundaries at multiples of the block size
-            ring.ring_allgather(t, total, 1, bounds=[i * block for i in range(self.size + 1)])
+            t.run(ring.allgather(self.size, self.rank, total, 1, t.max_message,
+                                 tuple(i * block for i in range(self.size + 1))))
             if not in_place:
                 dst_bytes[:] = work[:total]
         return out
@@ -857,7 +846,8 @@ class Communicator:
         if op == "avg" and src.code in _FLOAT_CODES:
             prescale(work[:src.nbytes], src.code, self.size)
         t.set_tag(tag)
-        ring.ring_reduce_scatter(t, src.count, src.itemsize, self._reducer(src.code, op), bounds)
+        t.run(ring.reduce_scatter(self.size, self.rank, src.count, src.itemsize, t.max_message, tuple(bounds)),
+              src.code, _op_code(op))
         mine = work[bounds[self.rank] * src.itemsize:bounds[self.rank + 1] * src.itemsize]
         if op == "avg" and src.code not in _FLOAT_CODES:
             _reduce.divide_bytes(mine, src.code, self.size)
@@ -877,7 +867,12 @@ class Communicator:
 
     def _barrier(self, tag):
         self.transport.set_tag(tag)
-        tree.dissemination_barrier(self.transport)
+        self.transport.run(tree.dissemination_barrier(self.size, self.rank))
+
+
+def _op_code(op):
+    """pyrdma._reduce's code of the element-wise op of a collective's op (avg sums)."""
+    return _reduce.op_code("sum" if op == "avg" else op)
 
 
 def _check_plain(arr, name):

@@ -1,109 +1,113 @@
-"""Ring algorithms, bandwidth-optimal for large messages.
+"""Ring algorithms, bandwidth-optimal for large messages, planned as schedules (schedule.py).
 
-Every function works in place on the transport's work buffer ``t.buffer()``, which holds ``count``
-elements of ``itemsize`` bytes from offset 0. ``reduce(dst, a, b)`` computes dst = op(a, b) on
-uint8 views. Messages are cut into chunks of at most ``t.max_message`` bytes and pipelined: sends
-run up to the transport's send window ahead of the reductions (pieces.pipelined_step).
+Every plan works in place on a work area that holds ``count`` elements of ``itemsize`` bytes from
+offset 0. Messages are cut into chunks of at most ``max_message`` bytes and pipelined: sends run
+ahead of the reductions (schedule.pipelined_step). Plans are cached: every call of the same shape
+on the same rank has the same steps.
 
-- ring_allreduce: reduce-scatter then allgather around the ring, 2(n-1) steps, each rank sends
+- allreduce: reduce-scatter then allgather around the ring, 2(n-1) steps, each rank sends
   2(n-1)/n of the buffer. Every element's reduction is done by one rank and then copied, so every
   rank ends with bit-identical results.
-- ring_reduce_scatter: rank r ends with segment r (pieces.segment_bounds) reduced.
-- ring_allgather: rank r's block r is copied to every rank.
+- reduce_scatter: rank r ends with segment r (pieces.segment_bounds, or ``bounds``) reduced.
+- allgather: rank r's block r is copied to every rank.
 - chain_broadcast / chain_reduce: a pipelined chain along the ring from / to ``root``; for large
   messages (each link carries the data once; n-1 + chunks - 1 steps).
 """
-from pyrdma.collectives.pieces import Segments, copier, pipelined_step, reducer, store, whole_chunks
+import functools
+
+from pyrdma.collectives.pieces import Segments, chunk_ranges, nchunks_for
+from pyrdma.collectives.schedule import COPY, REDUCE, Builder
+
+_cached = functools.lru_cache(maxsize=512)
 
 
-def _reduce_scatter(t, segs, reduce, last_seg):
+def _reduce_scatter(b, n, r, segs, last_seg):
     """n-1 steps; at step s rank r sends segment (last_seg - 1 - s) to the right and reduces
     segment (last_seg - 2 - s) from the left, ending with segment ``last_seg`` of rank r complete."""
-    n, r = t.size, t.rank
     right, left = (r + 1) % n, (r - 1) % n
-    work = t.buffer(0)
-    consume = reducer(reduce, work)
     first = last_seg - 1
     for s in range(n - 1):
-        pipelined_step(t, right, segs.chunks((first - s) % n), left, segs.chunks((first - s - 1) % n), consume)
+        b.exchange(right, segs.chunks((first - s) % n), left, segs.chunks((first - s - 1) % n), REDUCE)
 
 
-def _allgather(t, segs, own_seg):
+def _allgather(b, n, r, segs, own_seg):
     """n-1 steps; at step s rank r forwards segment (own_seg - s) and stores (own_seg - s - 1)."""
-    n, r = t.size, t.rank
     right, left = (r + 1) % n, (r - 1) % n
-    consume = copier(t.buffer(0))
     for s in range(n - 1):
-        pipelined_step(t, right, segs.chunks((own_seg - s) % n), left, segs.chunks((own_seg - s - 1) % n), consume)
+        b.exchange(right, segs.chunks((own_seg - s) % n), left, segs.chunks((own_seg - s - 1) % n), COPY)
 
 
-def ring_allreduce(t, count, itemsize, reduce):
-    n, r = t.size, t.rank
-    if n == 1:
-        return
-    segs = Segments(count, itemsize, n, t.max_message)
-    _reduce_scatter(t, segs, reduce, last_seg=(r + 1) % n)
-    _allgather(t, segs, own_seg=(r + 1) % n)
-    t.wait_sends()
+@_cached
+def allreduce(n, r, count, itemsize, max_message):
+    b = Builder()
+    if n > 1:
+        segs = Segments(count, itemsize, n, max_message)
+        _reduce_scatter(b, n, r, segs, last_seg=(r + 1) % n)
+        _allgather(b, n, r, segs, own_seg=(r + 1) % n)
+        b.wait_sends()
+    return b.build()
 
 
-def ring_reduce_scatter(t, count, itemsize, reduce, bounds=None):
-    """Afterwards this rank's segment ``t.rank`` (of ``bounds``, default segment_bounds) is reduced."""
-    if t.size == 1:
-        return
-    segs = Segments(count, itemsize, t.size, t.max_message, bounds)
-    _reduce_scatter(t, segs, reduce, last_seg=t.rank)
-    t.wait_sends()
+@_cached
+def reduce_scatter(n, r, count, itemsize, max_message, bounds=None):
+    """Afterwards this rank's segment r (of ``bounds``, a tuple; default segment_bounds) is reduced."""
+    b = Builder()
+    if n > 1:
+        segs = Segments(count, itemsize, n, max_message, bounds)
+        _reduce_scatter(b, n, r, segs, last_seg=r)
+        b.wait_sends()
+    return b.build()
 
 
-def ring_allgather(t, count, itemsize, bounds=None):
-    """``count`` elements in t.size blocks (``bounds``, default equal); block t.rank goes to all."""
-    if t.size == 1:
-        return
-    segs = Segments(count, itemsize, t.size, t.max_message, bounds)
-    _allgather(t, segs, own_seg=t.rank)
-    t.wait_sends()
+@_cached
+def allgather(n, r, count, itemsize, max_message, bounds=None):
+    """``count`` elements in n blocks (``bounds``, default equal); block r goes to every rank."""
+    b = Builder()
+    if n > 1:
+        segs = Segments(count, itemsize, n, max_message, bounds)
+        _allgather(b, n, r, segs, own_seg=r)
+        b.wait_sends()
+    return b.build()
 
 
-def chain_broadcast(t, count, itemsize, root):
+def whole_chunks(count, itemsize, max_message):
+    """The chunks (byte offset, length) of a whole buffer of ``count`` elements sent to one peer."""
+    return chunk_ranges(0, count, nchunks_for(count, itemsize, max_message), itemsize)
+
+
+@_cached
+def chain_broadcast(n, r, count, itemsize, max_message, root):
     """Pipelined chain root -> root+1 -> ...: each rank forwards chunk k as soon as it has it, while
     chunk k+1 is on its way."""
-    n, r = t.size, t.rank
-    if n == 1:
-        return
-    pos = (r - root) % n
-    chunks = whole_chunks(t, count, itemsize)
-    right, left = (r + 1) % n, (r - 1) % n
-    work = t.buffer(0)
-    for off, nb in chunks:
-        if pos > 0:
-            store(work, off, t.recv(left, nb))
-            t.release(left)
-        if pos < n - 1:
-            t.send(right, off, nb)
-    t.wait_sends()
-
-
-def chain_reduce(t, count, itemsize, reduce, root):
-    """Pipelined chain root+1 -> root+2 -> ... -> root: each rank adds its data to chunk k and
-    passes it on. Only ``root``'s buffer holds the result afterwards."""
-    n, r = t.size, t.rank
-    if n == 1:
-        return
-    pos = (r - root - 1) % n          # root+1 starts (pos 0), root ends (pos n-1)
-    chunks = whole_chunks(t, count, itemsize)
-    right, left = (r + 1) % n, (r - 1) % n
-    work = t.buffer(0)
-    consume = reducer(reduce, work)
-    if pos == 0:
-        for off, nb in chunks:
-            t.send(right, off, nb)
-    else:
-        # receive chunk k, reduce it, then forward it: the forward must follow the reduction
-        for k, (off, nb) in enumerate(chunks):
-            data = t.recv(left, nb)
-            consume(k, off, data)
-            t.release(left)
+    b = Builder()
+    if n > 1:
+        pos = (r - root) % n
+        right, left = (r + 1) % n, (r - 1) % n
+        for chunk in whole_chunks(count, itemsize, max_message):
+            if pos > 0:
+                b.recv(left, (chunk,), COPY)
             if pos < n - 1:
-                t.send(right, off, nb)
-    t.wait_sends()
+                b.send(right, (chunk,))
+        b.wait_sends()
+    return b.build()
+
+
+@_cached
+def chain_reduce(n, r, count, itemsize, max_message, root):
+    """Pipelined chain root+1 -> root+2 -> ... -> root: each rank adds its data to chunk k and
+    passes it on. Only ``root``'s work area holds the result afterwards."""
+    b = Builder()
+    if n > 1:
+        pos = (r - root - 1) % n          # root+1 starts (pos 0), root ends (pos n-1)
+        right, left = (r + 1) % n, (r - 1) % n
+        chunks = whole_chunks(count, itemsize, max_message)
+        if pos == 0:
+            b.send(right, chunks)
+        else:
+            # receive chunk k, reduce it, then forward it: the forward must follow the reduction
+            for chunk in chunks:
+                b.recv(left, (chunk,), REDUCE)
+                if pos < n - 1:
+                    b.send(right, (chunk,))
+        b.wait_sends()
+    return b.build()

@@ -1,6 +1,6 @@
 """Point-to-point channels the collective algorithms are written against (gloo's "pair"/"buffer").
 
-The algorithms see only this interface; a transport never knows the algorithm.
+A transport executes schedules (schedule.py); it never knows the algorithm.
 
     t.rank, t.size, t.max_message        who we are; the largest message in bytes
     t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
@@ -8,6 +8,13 @@ The algorithms see only this interface; a transport never knows the algorithm.
                                          instead (zero copy); t.use_buffer(None) goes back
     t.set_tag(desc)                      the description of the collective now running (describe();
                                          every message carries it, the receiver compares it exactly)
+    t.run(schedule, dtype, op, consume)  execute a schedule on the work area (RDMA: the C engine, one
+                                         call without the GIL; TCP: schedule.execute in Python)
+    t.abort(culprit, reason)             best effort: tell every peer this group is failing
+    t.interrupt(), t.close()
+
+The point-to-point calls schedule.execute runs on (TcpTransport, and the tests' model transports):
+
     t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
     t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
     t.send_window                        how many messages a step may send to a peer ahead of the
@@ -16,8 +23,6 @@ The algorithms see only this interface; a transport never knows the algorithm.
                                          the order they were sent); valid until release(peer)
     t.release(peer)                      that view has been consumed (its slot may be reused)
     t.wait_sends(peer=None)              every posted send has left local memory (work may change)
-    t.abort(culprit, reason)             best effort: tell every peer this group is failing
-    t.close()
 
 RdmaTransport: one RC QP per peer. Each rank registers, once, ``slots`` receive slots of
 ``max_message`` bytes per peer. A message is one RDMA WRITE_WITH_IMM from the sender's registered
@@ -46,6 +51,7 @@ follows the chain; the rank at its end, one that does not answer, is the one tha
 died. So in a ring where rank 2 hangs, ranks 3 and 0 both name rank 2, not their neighbour.
 """
 import collections
+import functools
 import hmac
 import secrets
 import socket
@@ -55,6 +61,8 @@ import time
 
 import numpy as np
 
+from pyrdma import _reduce
+from pyrdma.collectives.schedule import consumer, execute
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
 # Each message costs a post, a completion and a Python step, so large chunks matter once messages
@@ -379,31 +387,19 @@ class RdmaTransport(_Waits):
         self.slot_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * per_peer,
                                                 rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
         self.slot_array = self.slot_mr.array()
-        self.slot_base = {p: i * per_peer for i, p in enumerate(self.peers)}
         # The headers of the messages in flight: one per credit and peer, reused slot by slot (a
         # credit comes back only after its message, and so its header, has arrived).
         self.header_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * self.slots * HEADER_ROOM,
                                                   rd.ACCESS_LOCAL_WRITE)
-        self.header_array = self.header_mr.array()
-        self.header_base = {p: i * self.slots * HEADER_ROOM for i, p in enumerate(self.peers)}
         self.qp, self.remote = {}, {}
-        self.peer_of_qpn = {}
-        self.credits = {p: self.slots for p in self.peers}
-        self.unreturned = {p: 0 for p in self.peers}
-        self.send_seq = {p: 0 for p in self.peers}
-        self.recv_seq = {p: 0 for p in self.peers}
-        self.outstanding = {p: 0 for p in self.peers}     # posted WRs not completed yet
-        self.data_outstanding = {p: 0 for p in self.peers}
-        self.arrivals = {p: collections.deque() for p in self.peers}
-        self._recv_wr = rd.RecvWR([], wr_id=0)   # WRITE_WITH_IMM consumes a receive but no buffer
         for p in self.peers:
             qp = rd.QueuePair(self.pd, rd.QPT_RC, self.cq, max_send_wr=self.sq_depth, max_recv_wr=self.rq_depth,
                               port=port, gid_index=gid_index)
             qp.to_init()     # the port is the QP's already; to_init(port=) would re-pick the GID
+            recv = rd.RecvWR([], wr_id=p << 2)    # WRITE_WITH_IMM consumes a receive but no buffer
             for _ in range(self.rq_depth):
-                qp.post_recv(self._recv_wr)
+                qp.post_recv(recv)
             self.qp[p] = qp
-            self.peer_of_qpn[qp.qp_num] = p
         self._own_mr = self._own = None
         self._work_mr = self._work = None
         self._work_offset = 0          # where the work area starts in _work_mr
@@ -431,8 +427,11 @@ class RdmaTransport(_Waits):
             # our slots in the peer's region: it orders its peers by rank, skipping itself
             their_index = self.rank if self.rank < p else self.rank - 1
             self.remote[p] = (ep.addr + their_index * self.slots * self.slot_stride, ep.rkey)
+        from pyrdma._engine import Engine
+        self.engine = Engine(self.cq, [self.qp.get(p) for p in range(self.size)], self.slot_mr, self.header_mr,
+                             [self.remote.get(p, (0, 0)) for p in range(self.size)], self.rank, self.size,
+                             self.slots, self.slot_stride, self.max_message, self.sq_depth, self.timeout, self.spin)
         exchange.allgather(b"rdma-connected")   # nobody writes before every QP is ready to receive
-        self._wcs = np.empty(64, rd.WC_DTYPE)
 
     # ---- the interface ------------------------------------------------------------------------
 
@@ -443,8 +442,7 @@ class RdmaTransport(_Waits):
             return self._work
         if self._own is None or self._own.nbytes < nbytes:
             if self._own_mr is not None:
-                self.wait_sends()
-                self._own_mr.close()
+                self._own_mr.close()         # every schedule ends with its sends completed
             self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
             self._own = self._own_mr.array()
         self._work, self._work_mr, self._work_offset = self._own, self._own_mr, 0
@@ -460,7 +458,6 @@ class RdmaTransport(_Waits):
             self._gpu_sync = None
             self.buffer(0)
             return
-        self.wait_sends()
         on_gpu = not isinstance(whole, np.ndarray)
         addr, nbytes = (whole.data.ptr if on_gpu else whole.ctypes.data), whole.nbytes
         for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
@@ -487,57 +484,62 @@ class RdmaTransport(_Waits):
     def set_tag(self, desc):
         self._desc = _as_desc(desc)
 
-    def can_send(self, peer):
-        return self.credits[peer] > 0 and self.outstanding[peer] + 2 <= self.sq_depth
-
-    def send(self, peer, offset, nbytes):
-        if nbytes > self.max_message:
-            raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
+    def run(self, schedule, dtype=0, op=0, consume=None):
+        """Execute ``schedule`` (schedule.Schedule) on the work area in the C engine: one call,
+        without the GIL. ``dtype``/``op``: pyrdma._reduce codes; ``consume(kind, chunk, data)``:
+        the consumer of received chunks for a GPU work area (None: host memory, reduced in C)."""
         if self._gpu_sync is not None:
             self._gpu_sync()
-        if not self.can_send(peer):
-            self._wait(lambda: self.can_send(peer), peer, "a free receive slot (a credit)")
-        addr, rkey = self.remote[peer]
-        slot = self.send_seq[peer] % self.slots
-        remote = addr + slot * self.slot_stride
-        # the header first, unsignaled (the payload's completion retires it): RC places it before
-        # the payload's immediate arrives
-        h = self.header_base[peer] + slot * HEADER_ROOM
-        self.header_array[h:h + HEADER.size] = np.frombuffer(HEADER.pack(self._desc, nbytes), np.uint8)
-        self.qp[peer].post_write(self.header_mr, h, HEADER.size, remote, rkey, wr_id=(peer << 2) | 2,
-                                 signaled=False)
-        self.outstanding[peer] += 1
-        self._post(peer, offset, nbytes, remote + HEADER_ROOM, rkey, _imm_data(nbytes), data=True)
-        self.credits[peer] -= 1
-        self.send_seq[peer] += 1
+        callback = None
+        if consume is not None:
+            slots = self.slot_array
 
-    def recv(self, peer, nbytes):
-        arrivals = self.arrivals[peer]
-        if not arrivals:
-            self._wait(lambda: len(arrivals) > 0, peer, f"a {nbytes}-byte message")
-        got = arrivals.popleft()
-        start = self.slot_base[peer] + (self.recv_seq[peer] % self.slots) * self.slot_stride
-        desc, length = HEADER.unpack(self.slot_array[start:start + HEADER.size].tobytes())
-        if desc != self._desc or length != nbytes or got != nbytes:
-            check_header(peer, self.rank, desc, length if length != nbytes else got, self._desc, nbytes)
-        self.recv_seq[peer] += 1
-        start += HEADER_ROOM
-        return self.slot_array[start:start + nbytes]
+            def callback(kind, off, nbytes, aux, at):
+                consume(kind, (off, nbytes, aux), slots[at:at + nbytes])
+        if self.failure is None:
+            failed = self.engine.run(schedule.steps, schedule.chunks, self._work_mr.addr + self._work_offset,
+                                     self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback)
+            if failed:
+                self.failure = self._engine_error()
+        if self.failure is not None:
+            raise self.failure
 
-    def release(self, peer):
-        self.unreturned[peer] += 1
-        if self.unreturned[peer] >= self.credit_batch:
-            if self.outstanding[peer] >= self.sq_depth:
-                self._wait(lambda: self.outstanding[peer] < self.sq_depth, peer, "send queue space")
+    def _engine_error(self):
+        """The exception of the engine's failure, in the one hierarchy."""
+        from pyrdma import _engine
+        kind, peer, what, a, b, desc = self.engine.failure()
+        name = _engine.FAILURES.get(kind)
+        if name == "python":
+            return self.engine.python_error()
+        if name == "closed":
+            return closed_error()
+        if name == "abort":
+            return abort_error(peer, a, b)
+        if name == "mismatch":
+            try:
+                check_header(peer, self.rank, desc, a, self._desc, b)
+            except UsageError as exc:
+                return exc
+        if name == "link":
+            rd = self.rd
+            return PeerError(f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(a)} "
+                             f"({rd.wc_status_str(a)}); rank {peer} died or left", peer=peer)
+        if name == "timeout":
+            self.reports = self.engine.reports()
+            waits = {"credit": "a free receive slot (a credit)", "arrival": f"a {a}-byte message",
+                     "send queue": "send queue space", "sends": "the completion of its sends"}
+            return self._stall_error(peer, waits.get(_engine.WAITS.get(what), "progress"))
+        if name == "malformed":
+            return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
+                                    f"(immediate {a:#x})")
+        if name == "post":
+            return PeerError(f"posting to rank {peer} failed (errno {a}): its queue pair is in error; rank {peer} "
+                             f"died or left", peer=peer)
+        return RDMAError(f"the completion queue failed (errno {a})", call="ibv_poll_cq")
 
-            addr, rkey = self.remote[peer]
-            self._post(peer, 0, 0, addr, rkey, _imm_credit(self.unreturned[peer]), data=False)
-            self.unreturned[peer] = 0
-
-    def wait_sends(self, peer=None):
-        for p in (self.peers if peer is None else (peer,)):
-            if self.data_outstanding[p]:
-                self._wait(lambda: self.data_outstanding[p] == 0, p, "the completion of its sends")
+    def interrupt(self):
+        super().interrupt()
+        self.engine.interrupt()
 
     def abort(self, culprit, reason):
         """Tell every peer (best effort, no waiting) that this group failed because of ``culprit``."""
@@ -556,79 +558,12 @@ class RdmaTransport(_Waits):
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _post(self, peer, offset, nbytes, remote_addr, rkey, imm, data):
-        self.qp[peer].post_write(self._work_mr, self._work_offset + offset, nbytes, remote_addr, rkey,
-                                 wr_id=(peer << 2) | int(data), imm=imm)
-        self.outstanding[peer] += 1
-        if data:
-            self.data_outstanding[peer] += 1
-
     def _post_control(self, peer, imm):
         """A zero-byte message outside flow control; dropped when the send queue is full."""
-        if self.outstanding[peer] >= self.sq_depth:
-            return
-        addr, rkey = self.remote[peer]
-        try:
-            self._post(peer, 0, 0, addr, rkey, imm, data=False)
-        except RDMAError:
-            pass
+        self.engine.post_control(peer, imm)
 
     def _send_query(self, peer, epoch):
         self._post_control(peer, _imm_control(_CTRL_QUERY, epoch))
-
-    def _step(self, seconds):
-        """Handle the completions there are; if none, wait up to ``seconds`` for one (spin first,
-        then sleep on the completion channel)."""
-        cq = self.cq
-        n = cq.poll_into(self._wcs)
-        if n == 0 and seconds > 0:
-            try:
-                n = cq.poll_wait(self._wcs, 1, timeout=min(self.spin, seconds))
-            except self.rd.RDMATimeoutError:
-                n = 0
-            if n == 0 and seconds > self.spin:
-                cq.req_notify()
-                n = cq.poll_into(self._wcs)   # one that came before the arming
-                if n == 0:
-                    cq.wait(timeout=min(seconds, CLOSE_POLL))
-                    n = cq.poll_into(self._wcs)
-        if n:
-            self._handle(n)
-
-    def _handle(self, n):
-        wcs = self._wcs[:n]
-        rd = self.rd
-        for wr_id, status, opcode, imm, qpn in zip(wcs["wr_id"].tolist(), wcs["status"].tolist(),
-                                                   wcs["opcode"].tolist(), wcs["imm_data"].tolist(),
-                                                   wcs["qp_num"].tolist()):
-            peer = self.peer_of_qpn.get(qpn, wr_id >> 2)
-            if status != rd.WC_SUCCESS:
-                if self.failure is None:
-                    self.failure = PeerError(
-                        f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(status)} "
-                        f"({rd.wc_status_str(status)}); rank {peer} died or left", peer=peer)
-                continue
-            if opcode == rd.WC_RECV_RDMA_WITH_IMM:
-                self.qp[peer].post_recv(self._recv_wr)
-                kind = imm >> 30
-                if kind == _KIND_DATA:
-                    self.arrivals[peer].append(imm & _LEN_MASK)
-                elif kind == _KIND_CREDIT:
-                    self.credits[peer] += imm & 0xFFFF
-                elif kind == _KIND_ABORT:
-                    if self.failure is None:
-                        self.failure = abort_error(peer, imm & 0xFFFFFF, (imm >> 24) & 0x3F)
-                else:
-                    sub, epoch, value = (imm >> 28) & 3, (imm >> 16) & 0xFFF, imm & 0xFFFF
-                    if sub == _CTRL_QUERY and self.waiting_on is not None:
-                        self._post_control(peer, _imm_control(_CTRL_REPORT, epoch, self.waiting_on))
-                    elif sub == _CTRL_REPORT and epoch == self.epoch:
-                        self.reports[peer] = value
-            else:
-                self.outstanding[peer] -= 1
-                if wr_id & 1:                      # a payload: its header's WR is retired with it
-                    self.outstanding[peer] -= 1
-                    self.data_outstanding[peer] -= 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -707,6 +642,7 @@ class TcpTransport(_Waits):
         self.socks = {}
         self._own = self._work = None
         self._lent = False
+        self.buffer(0)
         host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
         try:      # listen only where the peers are told to connect
             listener = socket.create_server((host, 0))
@@ -801,6 +737,12 @@ class TcpTransport(_Waits):
 
     def set_tag(self, desc):
         self._desc = _as_desc(desc)
+
+    def run(self, schedule, dtype=0, op=0, consume=None):
+        """Execute ``schedule`` on the work area, in Python (schedule.execute)."""
+        if consume is None:
+            consume = consumer(self._work, functools.partial(_reduce.reduce_bytes, dtype=dtype, op=op))
+        execute(self, schedule, consume)
 
     def can_send(self, peer):
         return True   # the peer's reader thread drains its socket, so a send never waits on it

@@ -1,5 +1,5 @@
-"""Logarithmic algorithms for small and medium messages (same conventions as ring.py: in place on
-``t.buffer()``, ``count`` elements of ``itemsize`` bytes from offset 0, ``reduce(dst, a, b)``).
+"""Logarithmic algorithms for small and medium messages, planned as schedules (same conventions
+as ring.py: in place on a work area of ``count`` elements of ``itemsize`` bytes from offset 0).
 
 Any rank count works. With p the largest power of two <= n, the ranks r >= p first fold their
 data into rank r - p, sit out the power-of-two algorithm, and get the result back at the end
@@ -10,47 +10,37 @@ data into rank r - p, sit out the power-of-two algorithm, and get the result bac
   doubling. 2 log p messages per rank, 2(p-1)/p of the buffer sent: good from small to large sizes.
 - recursive_doubling_allreduce: log p steps exchanging the whole buffer; the fewest messages, for
   tiny buffers. Each step computes op(lower ranks' part, higher ranks' part), so every rank
-  evaluates the same expression and results are bit-identical across ranks.
+  evaluates the same expression and results are bit-identical across ranks. It needs a work area
+  of twice the data (a double buffer); the schedule's result_offset says which half holds the result.
 - binomial_broadcast / binomial_reduce: binomial tree from / to ``root``, pipelined per chunk.
 - dissemination_barrier: ceil(log2 n) rounds of zero-byte messages, any n.
 """
 import functools
 
-from pyrdma.collectives.pieces import (chunk_ranges, copier, nchunks_for, pipelined_step, reducer, store,
-                                       segment_bounds, whole_chunks)
+from pyrdma.collectives.pieces import chunk_ranges, nchunks_for, segment_bounds
+from pyrdma.collectives.ring import whole_chunks
+from pyrdma.collectives.schedule import COPY, NONE, REDUCE, REDUCE_LOWER, REDUCE_UPPER, Builder
+
+_cached = functools.lru_cache(maxsize=512)
 
 
 def _pow2_floor(n):
     return 1 << (n.bit_length() - 1)
 
 
-def _send_all(t, peer, count, itemsize, offset=0):
-    for off, nb in whole_chunks(t, count, itemsize):
-        t.send(peer, offset + off, nb)
-
-
-def _recv_all(t, peer, count, itemsize, consume):
-    for k, (off, nb) in enumerate(whole_chunks(t, count, itemsize)):
-        data = t.recv(peer, nb)
-        consume(k, off, data)
-        t.release(peer)
-
-
-def _fold_in(t, p, count, itemsize, reduce, work):
+def _fold_in(b, n, r, p, chunks):
     """The start of a power-of-two algorithm on any n: rank r >= p hands its data to rank r - p and
     waits for the result (returns True: it is done); rank r < p adds rank r + p's data, if any."""
-    n, r = t.size, t.rank
     if r >= p:
-        _send_all(t, r - p, count, itemsize)
-        _recv_all(t, r - p, count, itemsize, copier(work))
-        t.wait_sends()
+        b.send(r - p, chunks)
+        b.recv(r - p, chunks, COPY)
+        b.wait_sends()
         return True
     if r + p < n:
-        _recv_all(t, r + p, count, itemsize, reducer(reduce, work))
+        b.recv(r + p, chunks, REDUCE)
     return False
 
 
-@functools.lru_cache(maxsize=256)      # every call of the same size on the same rank has the same steps
 def _halving_doubling_steps(count, itemsize, p, r, max_message):
     """(halving, doubling): the (peer, send chunks, receive chunks) of each step of rank r < p."""
     bounds = segment_bounds(count, p)            # block b belongs to rank b at the end of halving
@@ -76,65 +66,56 @@ def _halving_doubling_steps(count, itemsize, p, r, max_message):
         doubling.append(step(r ^ mask, (lo, hi), other))
         lo, hi = min(lo, other[0]), max(hi, other[1])
         mask <<= 1
-    return tuple(halving), tuple(doubling)
+    return halving, doubling
 
 
-def halving_doubling_allreduce(t, count, itemsize, reduce):
-    n, r = t.size, t.rank
+@_cached
+def halving_doubling_allreduce(n, r, count, itemsize, max_message):
+    b = Builder()
     if n == 1:
-        return
+        return b.build()
     p = _pow2_floor(n)
-    work = t.buffer(0)
-    if _fold_in(t, p, count, itemsize, reduce, work):
-        return
-    halving, doubling = _halving_doubling_steps(count, itemsize, p, r, t.max_message)
-    consume = reducer(reduce, work)
+    chunks = whole_chunks(count, itemsize, max_message)
+    if _fold_in(b, n, r, p, chunks):
+        return b.build()
+    halving, doubling = _halving_doubling_steps(count, itemsize, p, r, max_message)
     for peer, send_chunks, recv_chunks in halving:
-        pipelined_step(t, peer, send_chunks, peer, recv_chunks, consume)
-    t.wait_sends()                               # the given halves are about to be overwritten
-    consume = copier(work)
+        b.exchange(peer, send_chunks, peer, recv_chunks, REDUCE)
+    b.wait_sends()                               # the given halves are about to be overwritten
     for peer, send_chunks, recv_chunks in doubling:
-        pipelined_step(t, peer, send_chunks, peer, recv_chunks, consume)
+        b.exchange(peer, send_chunks, peer, recv_chunks, COPY)
     if r + p < n:
-        _send_all(t, r + p, count, itemsize)
-    t.wait_sends()
+        b.send(r + p, chunks)
+    b.wait_sends()
+    return b.build()
 
 
-def recursive_doubling_allreduce(t, count, itemsize, reduce):
-    """Needs t.buffer(2 * count * itemsize): the second half is the other side of a double buffer
-    (a step reads the current half while its sends may still be in flight). Returns the byte
-    offset in t.buffer() where the result lies (0 or count * itemsize): taking it from there saves
-    a copy of the whole buffer after an odd number of steps."""
-    n, r = t.size, t.rank
+@_cached
+def recursive_doubling_allreduce(n, r, count, itemsize, max_message):
+    """Needs a work area of 2 * count * itemsize bytes (see the module's docstring)."""
+    b = Builder()
     if n == 1:
-        return 0
+        return b.build()
     p = _pow2_floor(n)
     nbytes = count * itemsize
-    work = t.buffer(2 * nbytes)
-    if _fold_in(t, p, count, itemsize, reduce, work):
-        return 0
+    chunks = whole_chunks(count, itemsize, max_message)
+    if _fold_in(b, n, r, p, chunks):
+        return b.build()
     cur, nxt = 0, nbytes
     mask = 1
     while mask < p:
         peer = r ^ mask
-        lower = r < peer
-
-        def consume(k, off, data, cur=cur, nxt=nxt, lower=lower):
-            mine = work[cur + off:cur + off + data.nbytes]
-            dst = work[nxt + off:nxt + off + data.nbytes]
-            if lower:
-                reduce(dst, mine, data)
-            else:
-                reduce(dst, data, mine)
-        chunks = whole_chunks(t, count, itemsize)
-        pipelined_step(t, peer, [(cur + off, nb) for off, nb in chunks], peer, chunks, consume)
-        t.wait_sends(peer)                       # next step writes where these sends read
+        # the received chunk meets ours at cur and the result goes to nxt: lower op higher
+        b.exchange(peer, [(cur + off, nb) for off, nb in chunks], peer,
+                   [(nxt + off, nb, cur + off) for off, nb in chunks],
+                   REDUCE_LOWER if r < peer else REDUCE_UPPER)
+        b.wait_sends(peer)                       # next step writes where these sends read
         cur, nxt = nxt, cur
         mask <<= 1
     if r + p < n:
-        _send_all(t, r + p, count, itemsize, offset=cur)
-    t.wait_sends()
-    return cur
+        b.send(r + p, [(cur + off, nb) for off, nb in chunks])
+    b.wait_sends()
+    return b.build(result_offset=cur)
 
 
 def _binomial(n, v):
@@ -154,50 +135,48 @@ def _binomial(n, v):
     return parent, children
 
 
-def binomial_broadcast(t, count, itemsize, root):
-    n, r = t.size, t.rank
-    if n == 1:
-        return
+def _tree(n, r, root):
     parent, children = _binomial(n, (r - root) % n)
     parent = None if parent is None else (parent + root) % n
-    children = [(c + root) % n for c in children]
-    work = t.buffer(0)
-    for off, nb in whole_chunks(t, count, itemsize):
-        if parent is not None:
-            store(work, off, t.recv(parent, nb))
-            t.release(parent)
-        for c in children:
-            t.send(c, off, nb)
-    t.wait_sends()
+    return parent, [(c + root) % n for c in children]
 
 
-def binomial_reduce(t, count, itemsize, reduce, root):
-    """Only ``root``'s buffer holds the result afterwards."""
-    n, r = t.size, t.rank
-    if n == 1:
-        return
-    parent, children = _binomial(n, (r - root) % n)
-    parent = None if parent is None else (parent + root) % n
-    children = [(c + root) % n for c in reversed(children)]   # smallest subtree first: ready first
-    work = t.buffer(0)
-    for off, nb in whole_chunks(t, count, itemsize):
-        dst = work[off:off + nb]
-        for c in children:
-            data = t.recv(c, nb)
-            reduce(dst, dst, data)
-            t.release(c)
-        if parent is not None:
-            t.send(parent, off, nb)
-    t.wait_sends()
+@_cached
+def binomial_broadcast(n, r, count, itemsize, max_message, root):
+    b = Builder()
+    if n > 1:
+        parent, children = _tree(n, r, root)
+        for chunk in whole_chunks(count, itemsize, max_message):
+            if parent is not None:
+                b.recv(parent, (chunk,), COPY)
+            for c in children:
+                b.send(c, (chunk,))
+        b.wait_sends()
+    return b.build()
 
 
-def dissemination_barrier(t):
-    n, r = t.size, t.rank
-    t.buffer(0)
+@_cached
+def binomial_reduce(n, r, count, itemsize, max_message, root):
+    """Only ``root``'s work area holds the result afterwards."""
+    b = Builder()
+    if n > 1:
+        parent, children = _tree(n, r, root)
+        children.reverse()                       # smallest subtree first: ready first
+        for chunk in whole_chunks(count, itemsize, max_message):
+            for c in children:
+                b.recv(c, (chunk,), REDUCE)
+            if parent is not None:
+                b.send(parent, (chunk,))
+        b.wait_sends()
+    return b.build()
+
+
+@_cached
+def dissemination_barrier(n, r):
+    b = Builder()
     dist = 1
     while dist < n:
-        t.send((r + dist) % n, 0, 0)
-        t.recv((r - dist) % n, 0)
-        t.release((r - dist) % n)
+        b.exchange((r + dist) % n, ((0, 0),), (r - dist) % n, ((0, 0),), NONE)
         dist <<= 1
-    t.wait_sends()
+    b.wait_sends()
+    return b.build()

@@ -1,0 +1,169 @@
+"""Schedules: a collective planned once as a flat list of steps, then executed.
+
+The algorithms (ring.py, tree.py) plan; they never send. A Schedule holds two int64 arrays:
+
+    steps   (S, 8): kind, send_peer, recv_peer, send_first, nsend, recv_first, nrecv, consume
+    chunks  (C, 3): offset, nbytes, aux              (byte offsets into the work area)
+
+A step of kind EXCHANGE sends chunks[send_first:+nsend] to send_peer while it receives
+chunks[recv_first:+nrecv] from recv_peer and consumes each received one: COPY stores it at
+``offset``, REDUCE does work[offset] = op(work[offset], data), REDUCE_LOWER work[offset] =
+op(work[aux], data) and REDUCE_UPPER work[offset] = op(data, work[aux]) (the operand order that
+keeps recursive doubling bit-identical across ranks). NONE drops it (zero-byte barrier messages).
+Sends run ahead of the consumption (pipelined_step). WAIT_SENDS waits until every send to
+send_peer (-1: to every peer) has left local memory.
+
+Two executors run the same schedules: the C engine (pyrdma._engine, RDMA: one call per collective,
+no GIL) and ``execute`` below, in Python over the transport contract (TCP, and the host tests
+that model flow control).
+"""
+import numpy as np
+
+EXCHANGE, WAIT_SENDS = 0, 1
+NONE, COPY, REDUCE, REDUCE_LOWER, REDUCE_UPPER = 0, 1, 2, 3, 4
+STEP_COLUMNS, CHUNK_COLUMNS = 8, 3
+
+
+class Schedule:
+    """A planned collective. ``result_offset``: where in the work area the result lies afterwards
+    (recursive doubling may end in the second half of its double buffer)."""
+
+    __slots__ = ("steps", "chunks", "result_offset", "_rows", "_chunk_rows")
+
+    def __init__(self, steps, chunks, result_offset=0):
+        self.steps = np.array(steps, np.int64).reshape(-1, STEP_COLUMNS)
+        self.chunks = np.array(chunks, np.int64).reshape(-1, CHUNK_COLUMNS)
+        self.steps.flags.writeable = False       # cached and shared: nobody may edit one
+        self.chunks.flags.writeable = False
+        self.result_offset = result_offset
+        self._rows = self._chunk_rows = None
+
+    def rows(self):
+        """(steps, chunks) as tuples of Python ints, for the Python executor."""
+        if self._rows is None:
+            self._rows = tuple(tuple(r) for r in self.steps.tolist())
+            self._chunk_rows = tuple(tuple(c) for c in self.chunks.tolist())
+        return self._rows, self._chunk_rows
+
+    def __repr__(self):
+        return f"<Schedule {len(self.steps)} steps, {len(self.chunks)} chunks>"
+
+
+class Builder:
+    """Accumulates the steps of one rank's part of a collective."""
+
+    def __init__(self):
+        self.steps = []
+        self.chunks = []
+
+    def _add_chunks(self, chunks):
+        first = len(self.chunks)
+        self.chunks.extend((c[0], c[1], c[2] if len(c) > 2 else 0) for c in chunks)
+        return first
+
+    def exchange(self, send_peer, send_chunks, recv_peer, recv_chunks, consume):
+        """Send ``send_chunks`` to send_peer while receiving ``recv_chunks`` from recv_peer (either
+        peer may be None)."""
+        send_chunks = send_chunks if send_peer is not None else ()
+        recv_chunks = recv_chunks if recv_peer is not None else ()
+        s0 = self._add_chunks(send_chunks)
+        r0 = self._add_chunks(recv_chunks)
+        self.steps.append((EXCHANGE, -1 if send_peer is None else send_peer, -1 if recv_peer is None else recv_peer,
+                           s0, len(send_chunks), r0, len(recv_chunks), consume))
+
+    def send(self, peer, chunks):
+        self.exchange(peer, chunks, None, (), NONE)
+
+    def recv(self, peer, chunks, consume):
+        self.exchange(None, (), peer, chunks, consume)
+
+    def wait_sends(self, peer=None):
+        self.steps.append((WAIT_SENDS, -1 if peer is None else peer, -1, 0, 0, 0, 0, NONE))
+
+    def build(self, result_offset=0):
+        return Schedule(self.steps, self.chunks, result_offset)
+
+
+def execute(t, schedule, consume):
+    """Run ``schedule`` in Python over a transport's contract (send, recv, release, can_send,
+    wait_sends, send_window). ``consume(kind, chunk, data)`` handles each received chunk."""
+    steps, chunks = schedule.rows()
+    for kind, sp, rp, s0, ns, r0, nr, ck in steps:
+        if kind == WAIT_SENDS:
+            t.wait_sends(None if sp < 0 else sp)
+            continue
+        pipelined_step(t, sp, chunks[s0:s0 + ns], rp, chunks[r0:r0 + nr],
+                       lambda chunk, data, ck=ck: consume(ck, chunk, data))
+
+
+def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
+    """Send ``send_chunks`` to send_peer while receiving as many chunks from recv_peer.
+
+    Sends run ahead of the consumption (reduction or copy) of received chunks, so that transfers
+    overlap it: while chunk k is awaited and consumed, chunks up to k + ``t.send_window`` go out, as
+    many as the transport takes without waiting for a credit. Chunk k+1 is always out before chunk
+    k+1 is awaited, but when it has to wait for a credit it goes only after chunk k is released.
+    Otherwise, with one receive slot per peer, every rank of a ring (or both sides of an exchange)
+    would wait for a credit that its neighbour only returns after its own blocked send. A step's
+    send chunks must not depend on its received ones (they may leave first). The C engine runs the
+    same order of posts. ``consume(chunk, data)`` handles a received chunk."""
+    nsend, nrecv = len(send_chunks), len(recv_chunks)
+    if nsend == 1 and nrecv == 1:
+        # one message each way (every small collective): the loop below, unrolled
+        off, n, _ = send_chunks[0]
+        t.send(send_peer, off, n)
+        chunk = recv_chunks[0]
+        consume(chunk, t.recv(recv_peer, chunk[1]))
+        t.release(recv_peer)
+        return
+    sent = 0
+
+    def send_next():
+        nonlocal sent
+        off, n, _ = send_chunks[sent]
+        t.send(send_peer, off, n)
+        sent += 1
+
+    def send_ahead(k):
+        # chunks k+1 .. k+window, while the transport can take them without waiting
+        while sent < nsend and sent <= k + t.send_window and t.can_send(send_peer):
+            send_next()
+
+    if nsend:
+        send_next()
+    for k in range(max(nsend, nrecv)):
+        send_ahead(k)
+        if k < nrecv:
+            chunk = recv_chunks[k]
+            data = t.recv(recv_peer, chunk[1])
+            send_ahead(k)
+            consume(chunk, data)
+            t.release(recv_peer)
+        if sent < min(nsend, k + 2):
+            send_next()
+
+
+def store(work, off, data):
+    """work[off:off + len(data)] = data; into a GPU work area (CuPy) a host chunk is copied up."""
+    dst = work[off:off + data.nbytes]
+    if isinstance(work, np.ndarray) or not isinstance(data, np.ndarray):
+        dst[...] = data
+    else:
+        dst.set(data)
+
+
+def consumer(work, reduce):
+    """consume(kind, chunk, data) over a work area (numpy, or CuPy for GPU memory) with
+    ``reduce(dst, a, b)`` (dst = op(a, b) on uint8 views)."""
+    def consume(kind, chunk, data):
+        off, n, aux = chunk
+        if kind == COPY:
+            store(work, off, data)
+        elif kind == REDUCE:
+            dst = work[off:off + n]
+            reduce(dst, dst, data)
+        elif kind == REDUCE_LOWER:
+            reduce(work[off:off + n], work[aux:aux + n], data)
+        elif kind == REDUCE_UPPER:
+            reduce(work[off:off + n], data, work[aux:aux + n])
+    return consume

@@ -1,0 +1,672 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The collective engine: runs a whole collective's schedule over RC QPs without the GIL.
+
+A schedule (pyrdma.collectives.schedule) is a flat int64 array of steps and one of chunks, planned
+in Python once per (collective, size, rank, count, ...) and cached. ``Engine.run`` executes it in
+C: it posts the messages (an unsignaled WRITE of the 48-byte header, then the payload as
+WRITE_WITH_IMM into the peer's next receive slot), polls the CQ in batches (spinning briefly, then
+sleeping on the completion channel), checks every received header against the collective's
+description, reduces or copies the received chunks with the C kernels of pyrdma_reduce.h, returns
+credits, answers the wait-for queries of other ranks, and enforces the timeout. One call per
+collective, whatever its size and rank count. The wire protocol is the one the transport module
+documents (RdmaTransport).
+
+The GIL is taken only to run signal handlers while waiting (Ctrl-C raises KeyboardInterrupt, as in
+pyzmq) and, for GPU work areas, to call the Python ``consume`` callback that runs CUDA copies and
+reductions. Errors are recorded in C (``failure()`` describes them) and raised by the transport
+in the one exception hierarchy.
+"""
+cimport cython
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport errno
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
+from libc.stdlib cimport calloc, free
+from libc.string cimport memcpy, memcmp, memset
+from pyrdma._verbs.libibverbs cimport *
+from pyrdma._verbs.base cimport VerbsObject, use, unuse, monotonic_now, pyrdma_load_flag, pyrdma_store_flag
+from pyrdma._verbs.cq cimport CompletionQueue
+from pyrdma._verbs.qp cimport QueuePair
+from pyrdma._verbs.mr cimport MemoryRegion
+
+from pyrdma.errors import UsageError
+
+cdef extern from "<poll.h>" nogil:
+    cdef struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum: POLLIN
+
+cdef extern from "<arpa/inet.h>" nogil:
+    uint32_t htonl(uint32_t x)
+    uint32_t ntohl(uint32_t x)
+
+cdef extern from "pyrdma_reduce.h" nogil:
+    int pyrdma_reduce(void *dst, const void *a, const void *b, size_t n, int dtype, int op)
+    const size_t pyrdma_itemsize[8]
+
+# schedule layout (pyrdma.collectives.schedule mirrors these; LAYOUT lets a test compare)
+cdef enum:
+    STEP_COLUMNS = 8
+    CHUNK_COLUMNS = 3
+    EXCHANGE = 0
+    WAIT_SENDS = 1
+    CONSUME_NONE = 0
+    CONSUME_COPY = 1
+    CONSUME_REDUCE = 2
+    CONSUME_REDUCE_LOWER = 3
+    CONSUME_REDUCE_UPPER = 4
+
+# the wire (transport.py documents it)
+cdef enum:
+    KIND_DATA = 0
+    KIND_CREDIT = 1
+    KIND_ABORT = 2
+    KIND_CONTROL = 3
+    CTRL_QUERY = 0
+    CTRL_REPORT = 1
+    LEN_MASK = 0x7FFFFF
+    DESC_SIZE = 44
+    HEADER_SIZE = 48
+    C_HEADER_ROOM = 64
+    NWC = 64
+
+# what a wait waits for, and the kinds of failure (failure())
+cdef enum:
+    WAIT_CREDIT = 0
+    WAIT_ARRIVAL = 1
+    WAIT_SEND_QUEUE = 2
+    WAIT_SENDS_DONE = 3
+    FAIL_NONE = 0
+    FAIL_LINK = 1
+    FAIL_ABORT = 2
+    FAIL_MISMATCH = 3
+    FAIL_TIMEOUT = 4
+    FAIL_CLOSED = 5
+    FAIL_POST = 6
+    FAIL_POLL = 7
+    FAIL_MALFORMED = 8
+    FAIL_PYTHON = 9
+
+LAYOUT = dict(STEP_COLUMNS=STEP_COLUMNS, CHUNK_COLUMNS=CHUNK_COLUMNS, EXCHANGE=EXCHANGE, WAIT_SENDS=WAIT_SENDS,
+              CONSUME_NONE=CONSUME_NONE, CONSUME_COPY=CONSUME_COPY, CONSUME_REDUCE=CONSUME_REDUCE,
+              CONSUME_REDUCE_LOWER=CONSUME_REDUCE_LOWER, CONSUME_REDUCE_UPPER=CONSUME_REDUCE_UPPER,
+              HEADER_ROOM=C_HEADER_ROOM)
+WAITS = {WAIT_CREDIT: "credit", WAIT_ARRIVAL: "arrival", WAIT_SEND_QUEUE: "send queue", WAIT_SENDS_DONE: "sends"}
+FAILURES = {FAIL_LINK: "link", FAIL_ABORT: "abort", FAIL_MISMATCH: "mismatch", FAIL_TIMEOUT: "timeout",
+            FAIL_CLOSED: "closed", FAIL_POST: "post", FAIL_POLL: "poll", FAIL_MALFORMED: "malformed",
+            FAIL_PYTHON: "python"}
+
+cdef double CLOSE_POLL = 0.2        # the longest one sleep lasts before looking at close() and signals
+cdef double SIGNAL_CHECK = 0.05     # how often a wait runs the signal handlers
+
+
+cdef struct peer_t:
+    ibv_qp *qp
+    uint64_t remote          # our receive slots in the peer's memory
+    uint32_t rkey
+    uint8_t *slots           # the peer's receive slots here
+    uint8_t *headers         # our header staging for messages to the peer (one per slot)
+    int credits
+    int unreturned
+    uint64_t send_seq
+    uint64_t recv_seq
+    int outstanding          # posted send WRs not completed yet
+    int data_outstanding     # payloads among them
+    uint32_t *arrivals       # lengths of arrived messages, a ring of ``slots`` entries
+    int arr_head
+    int arr_count
+    int report               # the rank this peer says it waits for (this wait's epoch), -1: none
+
+
+@cython.final
+cdef class Engine:
+    """The data path of RdmaTransport: per-peer state in C, and ``run(schedule)``."""
+    cdef peer_t *peers
+    cdef int rank, size, slots, slot_stride, max_message, sq_depth, credit_batch
+    cdef double timeout, probe_lead, spin
+    cdef ibv_cq *cq
+    cdef ibv_comp_channel *channel
+    cdef uint32_t header_lkey
+    cdef uint8_t *slot_base
+    cdef ibv_wc wcs[NWC]
+    cdef uint8_t *queried
+    cdef uint8_t *visited
+    cdef int closing
+    cdef int epoch
+    cdef int waiting_on
+    # the collective now running
+    cdef uint8_t desc[DESC_SIZE]
+    cdef uint8_t *work
+    cdef int64_t work_len
+    cdef uint32_t work_lkey
+    cdef int dtype, op, itemsize
+    cdef object consume              # None, or the Python callback of GPU work areas
+    cdef object py_error             # an exception raised in a callback or a signal handler
+    # the failure (sticky: the message streams are out of step after one)
+    cdef int fail_kind, fail_peer, fail_what
+    cdef int64_t fail_a, fail_b
+    cdef uint8_t fail_desc[DESC_SIZE]
+    cdef list keep                   # the verbs objects whose handles the engine uses
+    cdef readonly unsigned long long runs
+
+    def __cinit__(self):
+        self.peers = NULL
+        self.queried = NULL
+        self.visited = NULL
+
+    def __init__(self, CompletionQueue cq not None, list qps, MemoryRegion slot_mr not None,
+                 MemoryRegion header_mr not None, list remotes, int rank, int size, int slots, int slot_stride,
+                 int max_message, int sq_depth, double timeout, double spin):
+        """``qps[p]``: the QueuePair to rank p (None at ``rank``); ``remotes[p]``: (address of our
+        slots in p's memory, rkey). Slots of peer p here start at slot_mr's address plus its index
+        among the peers (rank order, skipping ours) times slots * slot_stride; header staging
+        likewise in header_mr, slots * 64 bytes per peer."""
+        cdef int p, i
+        if self.peers != NULL:
+            raise UsageError("Engine is already initialised")
+        if len(qps) != size or len(remotes) != size or not 0 <= rank < size:
+            raise UsageError("Engine: qps and remotes must have one entry per rank")
+        if slots < 1 or slot_stride < C_HEADER_ROOM + max_message or sq_depth < 3:
+            raise UsageError("Engine: inconsistent slot geometry")
+        self.rank, self.size, self.slots, self.slot_stride = rank, size, slots, slot_stride
+        self.max_message, self.sq_depth = max_message, sq_depth
+        self.credit_batch = max(1, slots // 2)
+        self.timeout, self.spin = timeout, spin
+        self.probe_lead = min(1.0, timeout / 4)
+        self.cq = cq.cq
+        if cq.channel is None:
+            raise UsageError("Engine needs a CQ with a completion channel")
+        self.channel = cq.channel.channel
+        self.header_lkey = header_mr.lkey
+        self.slot_base = <uint8_t *><uintptr_t>slot_mr.addr
+        self.keep = [cq, cq.channel, slot_mr, header_mr]
+        if slot_mr.length < (size - 1) * slots * slot_stride or header_mr.length < (size - 1) * slots * C_HEADER_ROOM:
+            raise UsageError("Engine: the slot or header region is too small")
+        self.peers = <peer_t *>calloc(size, sizeof(peer_t))
+        self.queried = <uint8_t *>calloc(size, 1)
+        self.visited = <uint8_t *>calloc(size, 1)
+        if self.peers == NULL or self.queried == NULL or self.visited == NULL:
+            raise MemoryError()
+        i = 0
+        for p in range(size):
+            self.peers[p].report = -1
+            if p == rank:
+                continue
+            qp = qps[p]
+            if not isinstance(qp, QueuePair):
+                raise UsageError(f"Engine: qps[{p}] is not a QueuePair")
+            self.keep.append(qp)
+            self.peers[p].qp = (<QueuePair>qp).qp
+            self.peers[p].remote = remotes[p][0]
+            self.peers[p].rkey = remotes[p][1]
+            self.peers[p].slots = <uint8_t *><uintptr_t>slot_mr.addr + <size_t>i * slots * slot_stride
+            self.peers[p].headers = <uint8_t *><uintptr_t>header_mr.addr + <size_t>i * slots * C_HEADER_ROOM
+            self.peers[p].credits = slots
+            self.peers[p].arrivals = <uint32_t *>calloc(slots, sizeof(uint32_t))
+            if self.peers[p].arrivals == NULL:
+                raise MemoryError()
+            i += 1
+        self.waiting_on = -1
+        self.consume = None
+
+    def __dealloc__(self):
+        cdef int p
+        if self.peers != NULL:
+            for p in range(self.size):
+                free(self.peers[p].arrivals)
+            free(self.peers)
+        free(self.queried)
+        free(self.visited)
+
+    # ---- Python-level ---------------------------------------------------------------------------
+
+    def interrupt(self):
+        """Make the running (and every later) wait fail with FAIL_CLOSED within CLOSE_POLL seconds."""
+        pyrdma_store_flag(&self.closing, 1)
+
+    def failure(self):
+        """None, or (kind, peer, what, a, b, description bytes) of the failure that stopped a run."""
+        if self.fail_kind == FAIL_NONE:
+            return None
+        return (self.fail_kind, self.fail_peer, self.fail_what, self.fail_a, self.fail_b,
+                bytes((<char *>self.fail_desc)[:DESC_SIZE]))
+
+    def python_error(self):
+        """The exception a callback or signal handler raised in the last run (None if none)."""
+        return self.py_error
+
+    def reports(self):
+        """{peer: the rank it said it waits for}, from the last wait's queries."""
+        return {p: self.peers[p].report for p in range(self.size) if p != self.rank and self.peers[p].report >= 0}
+
+    def state(self, int peer):
+        """The flow-control counters of ``peer`` (for tests and diagnosis)."""
+        self._check_peer(peer)
+        cdef peer_t *q = &self.peers[peer]
+        return dict(credits=q.credits, unreturned=q.unreturned, send_seq=q.send_seq, recv_seq=q.recv_seq,
+                    outstanding=q.outstanding, data_outstanding=q.data_outstanding, arrivals=q.arr_count)
+
+    cdef int _check_peer(self, int peer) except -1:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise UsageError(f"rank {peer} is not a peer of rank {self.rank} (size {self.size})")
+        return 0
+
+    def post_control(self, int peer, uint32_t imm):
+        """A zero-byte message outside flow control (abort, query); dropped when the send queue is
+        full or the post fails: best effort."""
+        self._check_peer(peer)
+        for obj in self.keep:
+            if (<VerbsObject>obj)._closed or (<VerbsObject>obj)._closing:
+                return False
+        return self._post_empty(peer, imm) == 0
+
+    def run(self, const int64_t[:, ::1] steps, const int64_t[:, ::1] chunks, uint64_t work_addr, int64_t work_len,
+            uint32_t work_lkey, bytes desc not None, int dtype, int op, consume=None):
+        """Execute a schedule on the work area [work_addr, + work_len) (registered with work_lkey).
+        ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None (host memory:
+        reductions and copies in C), or ``consume(kind, offset, nbytes, aux, slot_offset)`` called
+        with the GIL for every received chunk (GPU memory). Returns 0; on failure returns the
+        failure kind (see failure() and python_error()), leaving the error to the caller."""
+        cdef int rc, i
+        if len(desc) != DESC_SIZE:
+            raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
+        if steps.shape[1] != STEP_COLUMNS or chunks.shape[1] != CHUNK_COLUMNS:
+            raise UsageError("malformed schedule arrays")
+        if not 0 <= dtype < 8 or not 0 <= op < 4:
+            raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
+        if self.fail_kind != FAIL_NONE:
+            return self.fail_kind
+        self.dtype, self.op, self.itemsize = dtype, op, <int>pyrdma_itemsize[dtype]
+        self._validate(steps, chunks, work_len, consume is not None)
+        memcpy(self.desc, <char *>desc, DESC_SIZE)
+        self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
+        self.consume = consume
+        self.py_error = None
+        for i in range(len(self.keep)):
+            use(<VerbsObject>self.keep[i])      # a close() elsewhere waits for the run to leave
+        try:
+            with nogil:
+                rc = self._execute(&steps[0, 0] if steps.shape[0] else NULL, steps.shape[0],
+                                   &chunks[0, 0] if chunks.shape[0] else NULL)
+        finally:
+            for i in range(len(self.keep)):
+                unuse(<VerbsObject>self.keep[i])
+            self.consume = None
+        self.runs += 1
+        return self.fail_kind if rc < 0 else 0
+
+    cdef int _validate(self, const int64_t[:, ::1] steps, const int64_t[:, ::1] chunks, int64_t work_len,
+                       bint callback) except -1:
+        cdef Py_ssize_t s, c, nchunks = chunks.shape[0]
+        cdef int64_t kind, sp, rp, s0, ns, r0, nr, ck, off, n, aux
+        for s in range(steps.shape[0]):
+            kind, sp, rp = steps[s, 0], steps[s, 1], steps[s, 2]
+            s0, ns, r0, nr, ck = steps[s, 3], steps[s, 4], steps[s, 5], steps[s, 6], steps[s, 7]
+            if kind == WAIT_SENDS:
+                if sp != -1:
+                    self._check_peer(sp)
+                continue
+            if kind != EXCHANGE or not 0 <= ck <= CONSUME_REDUCE_UPPER or ns < 0 or nr < 0 \
+                    or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks:
+                raise UsageError(f"schedule step {s} is malformed")
+            if ns:
+                self._check_peer(sp)
+            if nr:
+                self._check_peer(rp)
+            for c in range(s0, s0 + ns):
+                off, n = chunks[c, 0], chunks[c, 1]
+                if off < 0 or n < 0 or n > self.max_message or off + n > work_len:
+                    raise UsageError(f"schedule chunk {c} ({off}, {n}) is outside the {work_len}-byte work area "
+                                     f"or over max_message")
+            for c in range(r0, r0 + nr):
+                off, n, aux = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+                if off < 0 or n < 0 or n > self.max_message or off + n > work_len \
+                        or (ck >= CONSUME_REDUCE_LOWER and (aux < 0 or aux + n > work_len)):
+                    raise UsageError(f"schedule chunk {c} ({off}, {n}, {aux}) is outside the {work_len}-byte work "
+                                     f"area or over max_message")
+                if ck >= CONSUME_REDUCE and not callback and n % self.itemsize != 0:
+                    raise UsageError(f"schedule chunk {c} of {n} bytes is not a whole number of elements")
+        return 0
+
+    # ---- the engine (no GIL) ----------------------------------------------------------------------
+
+    cdef int _fail(self, int kind, int peer, int64_t a, int64_t b) noexcept nogil:
+        if self.fail_kind == FAIL_NONE:
+            self.fail_kind, self.fail_peer, self.fail_a, self.fail_b = kind, peer, a, b
+        return -1
+
+    cdef int _execute(self, const int64_t *steps, Py_ssize_t nsteps, const int64_t *chunks) noexcept nogil:
+        cdef Py_ssize_t s
+        cdef const int64_t *st
+        cdef int p
+        for s in range(nsteps):
+            st = steps + s * STEP_COLUMNS
+            if st[0] == WAIT_SENDS:
+                for p in range(self.size):
+                    if p != self.rank and (st[1] == -1 or st[1] == p) and self.peers[p].data_outstanding:
+                        if self._wait(WAIT_SENDS_DONE, p, 0) < 0:
+                            return -1
+                continue
+            if self._exchange(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4],
+                              <int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6], <int>st[7]) < 0:
+                return -1
+        return 0
+
+    cdef int _exchange(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch, int nr,
+                       int ck) noexcept nogil:
+        """Send ns chunks to sp while receiving nr from rp; sends run up to ``slots`` chunks ahead
+        of the consumption of received ones (pieces of the Python executor's pipelined_step, the
+        same order of posts: see pyrdma.collectives.schedule.pipelined_step for why)."""
+        cdef int sent = 0, k, last
+        cdef uint8_t *data
+        if ns == 1 and nr == 1:
+            if self._send(sp, sch[0], sch[1]) < 0:
+                return -1
+            data = self._recv(rp, rch[1])
+            if data == NULL or self._consume(ck, rch, data) < 0:
+                return -1
+            return self._release(rp)
+        if ns:
+            if self._send(sp, sch[0], sch[1]) < 0:
+                return -1
+            sent = 1
+        last = ns if ns > nr else nr
+        for k in range(last):
+            while sent < ns and sent <= k + self.slots and self._can_send(sp):
+                if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
+                    return -1
+                sent += 1
+            if k < nr:
+                data = self._recv(rp, rch[k * CHUNK_COLUMNS + 1])
+                if data == NULL:
+                    return -1
+                while sent < ns and sent <= k + self.slots and self._can_send(sp):
+                    if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
+                        return -1
+                    sent += 1
+                if self._consume(ck, rch + k * CHUNK_COLUMNS, data) < 0 or self._release(rp) < 0:
+                    return -1
+            if sent < ns and sent < k + 2:
+                if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
+                    return -1
+                sent += 1
+        return 0
+
+    cdef inline bint _can_send(self, int peer) noexcept nogil:
+        return self.peers[peer].credits > 0 and self.peers[peer].outstanding + 2 <= self.sq_depth
+
+    cdef int _send(self, int peer, int64_t off, int64_t n) noexcept nogil:
+        cdef peer_t *p = &self.peers[peer]
+        cdef ibv_sge sge[2]
+        cdef ibv_send_wr wr[2]
+        cdef ibv_send_wr *bad = NULL
+        cdef uint64_t slot, remote
+        cdef uint8_t *hdr
+        cdef uint32_t len32 = <uint32_t>n
+        cdef int rc
+        if not self._can_send(peer):
+            if self._wait(WAIT_CREDIT, peer, n) < 0:
+                return -1
+        slot = p.send_seq % <uint64_t>self.slots
+        remote = p.remote + slot * <uint64_t>self.slot_stride
+        hdr = p.headers + slot * C_HEADER_ROOM
+        memcpy(hdr, self.desc, DESC_SIZE)
+        memcpy(hdr + DESC_SIZE, &len32, 4)                # little-endian, as struct "<44sI"
+        memset(wr, 0, sizeof(wr))
+        sge[0].addr, sge[0].length, sge[0].lkey = <uint64_t><uintptr_t>hdr, HEADER_SIZE, self.header_lkey
+        wr[0].wr_id = (<uint64_t>peer << 2) | 2
+        wr[0].next = &wr[1]
+        wr[0].sg_list, wr[0].num_sge = &sge[0], 1
+        wr[0].opcode = IBV_WR_RDMA_WRITE
+        wr[0].send_flags = 0                               # retired by the payload's completion
+        wr[0].wr.rdma.remote_addr, wr[0].wr.rdma.rkey = remote, p.rkey
+        sge[1].addr, sge[1].length, sge[1].lkey = <uint64_t><uintptr_t>(self.work + off), len32, self.work_lkey
+        wr[1].wr_id = (<uint64_t>peer << 2) | 1
+        wr[1].sg_list, wr[1].num_sge = &sge[1], 1 if n else 0
+        wr[1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM
+        wr[1].send_flags = IBV_SEND_SIGNALED
+        wr[1].imm_data = htonl((KIND_DATA << 30) | len32)
+        wr[1].wr.rdma.remote_addr, wr[1].wr.rdma.rkey = remote + C_HEADER_ROOM, p.rkey
+        rc = ibv_post_send(p.qp, &wr[0], &bad)
+        if rc:
+            return self._fail(FAIL_POST, peer, rc, 0)
+        p.outstanding += 2
+        p.data_outstanding += 1
+        p.credits -= 1
+        p.send_seq += 1
+        return 0
+
+    cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil:
+        """A zero-byte WRITE_WITH_IMM (credits, aborts, queries, reports); -1 when it cannot post."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef ibv_send_wr wr
+        cdef ibv_send_wr *bad = NULL
+        if p.outstanding >= self.sq_depth:
+            return -1
+        memset(&wr, 0, sizeof(wr))
+        wr.wr_id = <uint64_t>peer << 2
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
+        wr.send_flags = IBV_SEND_SIGNALED
+        wr.imm_data = htonl(imm)
+        wr.wr.rdma.remote_addr, wr.wr.rdma.rkey = p.remote, p.rkey
+        if ibv_post_send(p.qp, &wr, &bad):
+            return -1
+        p.outstanding += 1
+        return 0
+
+    cdef uint8_t *_recv(self, int peer, int64_t n) noexcept nogil:
+        """The payload of the next message from ``peer`` once it has arrived and its header
+        matches this collective; NULL on failure."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint32_t got, length
+        cdef uint8_t *start
+        if p.arr_count == 0:
+            if self._wait(WAIT_ARRIVAL, peer, n) < 0:
+                return NULL
+        got = p.arrivals[p.arr_head]
+        p.arr_head = (p.arr_head + 1) % self.slots
+        p.arr_count -= 1
+        start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+        memcpy(&length, start + DESC_SIZE, 4)
+        if memcmp(start, self.desc, DESC_SIZE) != 0 or length != n or got != n:
+            if self.fail_kind == FAIL_NONE:
+                memcpy(self.fail_desc, start, DESC_SIZE)
+                self._fail(FAIL_MISMATCH, peer, length if length != n else got, n)
+            return NULL
+        p.recv_seq += 1
+        return start + C_HEADER_ROOM
+
+    cdef int _release(self, int peer) noexcept nogil:
+        cdef peer_t *p = &self.peers[peer]
+        p.unreturned += 1
+        if p.unreturned >= self.credit_batch:
+            if p.outstanding >= self.sq_depth:
+                if self._wait(WAIT_SEND_QUEUE, peer, 0) < 0:
+                    return -1
+            if self._post_empty(peer, (KIND_CREDIT << 30) | <uint32_t>p.unreturned) < 0:
+                return self._fail(FAIL_POST, peer, errno, 0)
+            p.unreturned = 0
+        return 0
+
+    cdef int _consume(self, int kind, const int64_t *chunk, uint8_t *data) noexcept nogil:
+        cdef int64_t off = chunk[0], n = chunk[1], aux = chunk[2]
+        cdef size_t count
+        if kind == CONSUME_NONE or n == 0:
+            return 0
+        if self.consume is not None:
+            return self._callback(kind, off, n, aux, data)
+        count = <size_t>(n // self.itemsize)
+        if kind == CONSUME_COPY:
+            memcpy(self.work + off, data, <size_t>n)
+        elif kind == CONSUME_REDUCE:
+            pyrdma_reduce(self.work + off, self.work + off, data, count, self.dtype, self.op)
+        elif kind == CONSUME_REDUCE_LOWER:
+            pyrdma_reduce(self.work + off, self.work + aux, data, count, self.dtype, self.op)
+        else:
+            pyrdma_reduce(self.work + off, data, self.work + aux, count, self.dtype, self.op)
+        return 0
+
+    cdef int _callback(self, int kind, int64_t off, int64_t n, int64_t aux, uint8_t *data) noexcept nogil:
+        with gil:
+            try:
+                self.consume(kind, off, n, aux, <int64_t>(data - self.slot_base))
+            except BaseException as exc:
+                self.py_error = exc
+                return self._fail(FAIL_PYTHON, -1, 0, 0)
+        return 0
+
+    cdef int _check_signals(self) noexcept nogil:
+        with gil:
+            try:
+                PyErr_CheckSignals()
+            except BaseException as exc:
+                self.py_error = exc
+                return self._fail(FAIL_PYTHON, -1, 0, 0)
+        return 0
+
+    cdef bint _ready(self, int what, int peer) noexcept nogil:
+        cdef peer_t *p = &self.peers[peer]
+        if what == WAIT_CREDIT:
+            return self._can_send(peer)
+        if what == WAIT_ARRIVAL:
+            return p.arr_count > 0
+        if what == WAIT_SEND_QUEUE:
+            return p.outstanding < self.sq_depth
+        return p.data_outstanding == 0
+
+    cdef int _chain_end(self, int peer) noexcept nogil:
+        """Follow "X waits for Y" reports from ``peer`` to the rank at the end of the chain."""
+        cdef int cur = peer, nxt
+        memset(self.visited, 0, self.size)
+        self.visited[cur] = 1
+        while True:
+            nxt = self.peers[cur].report
+            if nxt < 0 or nxt >= self.size or nxt == self.rank or self.visited[nxt]:
+                return cur
+            self.visited[nxt] = 1
+            cur = nxt
+
+    cdef int _wait(self, int what, int peer, int64_t n) noexcept nogil:
+        """Make progress until ready; on timeout fail with FAIL_TIMEOUT (the transport names the
+        rank to blame from the reports gathered by the queries sent shortly before)."""
+        cdef double start, deadline, probe_at, now, next_signals
+        cdef int suspect, q
+        if self._ready(what, peer):
+            return 0
+        self.epoch = (self.epoch + 1) & 0xFFF
+        for q in range(self.size):
+            self.peers[q].report = -1
+        memset(self.queried, 0, self.size)
+        self.waiting_on = peer
+        start = monotonic_now()
+        deadline = start + self.timeout
+        probe_at = deadline - self.probe_lead
+        next_signals = start + SIGNAL_CHECK
+        while True:
+            if self.fail_kind != FAIL_NONE:
+                break
+            if pyrdma_load_flag(&self.closing):
+                self._fail(FAIL_CLOSED, -1, 0, 0)
+                break
+            now = monotonic_now()
+            if now >= deadline:
+                self.fail_what = what
+                self._fail(FAIL_TIMEOUT, peer, n, 0)
+                break
+            if now >= next_signals:
+                next_signals = now + SIGNAL_CHECK
+                if self._check_signals() < 0:
+                    break
+            if now >= probe_at:
+                suspect = self._chain_end(peer)
+                if not self.queried[suspect] and suspect != self.rank:
+                    self.queried[suspect] = 1
+                    self._post_empty(suspect, (KIND_CONTROL << 30) | (CTRL_QUERY << 28) | (self.epoch << 16))
+                self._progress(min(deadline - now, 0.05))
+            else:
+                self._progress(min(min(probe_at, deadline) - now, SIGNAL_CHECK))
+            if self._ready(what, peer):
+                self.waiting_on = -1
+                return 0
+        self.waiting_on = -1
+        return -1
+
+    cdef int _progress(self, double seconds) noexcept nogil:
+        """Handle the completions there are; if none, wait up to ``seconds`` for one: spin first,
+        then sleep on the completion channel."""
+        cdef int n, rc
+        cdef double end
+        cdef pollfd pfd
+        cdef ibv_cq *ev_cq
+        cdef void *ev_ctx
+        n = ibv_poll_cq(self.cq, NWC, self.wcs)
+        if n == 0 and seconds > 0:
+            end = monotonic_now() + min(self.spin, seconds)
+            while n == 0 and monotonic_now() < end:
+                n = ibv_poll_cq(self.cq, NWC, self.wcs)
+            if n == 0 and seconds > self.spin:
+                ibv_req_notify_cq(self.cq, 0)
+                n = ibv_poll_cq(self.cq, NWC, self.wcs)        # one that came before the arming
+                if n == 0:
+                    pfd.fd = self.channel.fd
+                    pfd.events = POLLIN
+                    pfd.revents = 0
+                    rc = poll(&pfd, 1, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1)
+                    if rc > 0 and ibv_get_cq_event(self.channel, &ev_cq, &ev_ctx) == 0:
+                        ibv_ack_cq_events(ev_cq, 1)
+                    n = ibv_poll_cq(self.cq, NWC, self.wcs)
+        if n < 0:
+            return self._fail(FAIL_POLL, -1, errno, 0)
+        return self._handle(n)
+
+    cdef int _handle(self, int n) noexcept nogil:
+        cdef int i, peer, kind, sub, epoch, value
+        cdef uint32_t imm
+        cdef ibv_wc *wc
+        cdef peer_t *p
+        cdef ibv_recv_wr rwr
+        cdef ibv_recv_wr *bad = NULL
+        for i in range(n):
+            wc = &self.wcs[i]
+            peer = <int>(wc.wr_id >> 2)
+            if peer < 0 or peer >= self.size or peer == self.rank:
+                self._fail(FAIL_MALFORMED, -1, <int64_t>wc.wr_id, 0)
+                continue
+            p = &self.peers[peer]
+            if wc.status != IBV_WC_SUCCESS:
+                self._fail(FAIL_LINK, peer, wc.status, wc.vendor_err)
+                continue
+            if wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM:
+                memset(&rwr, 0, sizeof(rwr))
+                rwr.wr_id = <uint64_t>peer << 2       # WRITE_WITH_IMM consumes a receive, no buffer
+                if ibv_post_recv(p.qp, &rwr, &bad):
+                    self._fail(FAIL_POST, peer, errno, 1)
+                imm = ntohl(wc.imm_data)
+                kind = imm >> 30
+                if kind == KIND_DATA:
+                    if p.arr_count >= self.slots or (imm & LEN_MASK) > <uint32_t>self.max_message:
+                        self._fail(FAIL_MALFORMED, peer, imm, 0)    # more than its credits, or too long
+                        continue
+                    p.arrivals[(p.arr_head + p.arr_count) % self.slots] = imm & LEN_MASK
+                    p.arr_count += 1
+                elif kind == KIND_CREDIT:
+                    p.credits += imm & 0xFFFF
+                    if p.credits > self.slots:
+                        self._fail(FAIL_MALFORMED, peer, imm, 0)
+                elif kind == KIND_ABORT:
+                    self._fail(FAIL_ABORT, peer, imm & 0xFFFFFF, (imm >> 24) & 0x3F)
+                else:
+                    sub, epoch, value = (imm >> 28) & 3, (imm >> 16) & 0xFFF, imm & 0xFFFF
+                    if sub == CTRL_QUERY and self.waiting_on >= 0:
+                        self._post_empty(peer, (KIND_CONTROL << 30) | (CTRL_REPORT << 28) | (epoch << 16)
+                                         | <uint32_t>self.waiting_on)
+                    elif sub == CTRL_REPORT and epoch == self.epoch:
+                        p.report = value
+            else:
+                p.outstanding -= 1
+                if wc.wr_id & 1:                  # a payload: its header's WR is retired with it
+                    p.outstanding -= 1
+                    p.data_outstanding -= 1
+        return 0 if self.fail_kind == FAIL_NONE else -1
