@@ -18,6 +18,7 @@ in the one exception hierarchy.
 """
 cimport cython
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.pythread cimport PyThread_get_thread_ident
 from libc.errno cimport errno
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport calloc, free
@@ -28,7 +29,11 @@ from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.qp cimport QueuePair
 from pyrdma._verbs.mr cimport MemoryRegion
 
+import threading
+
 from pyrdma.errors import UsageError
+
+cdef unsigned long _main_thread = threading.main_thread().ident
 
 cdef extern from "<poll.h>" nogil:
     cdef struct pollfd:
@@ -134,6 +139,7 @@ cdef class Engine:
     cdef uint8_t *queried
     cdef uint8_t *visited
     cdef int closing
+    cdef bint signals
     cdef int epoch
     cdef int waiting_on
     # the collective now running
@@ -269,7 +275,7 @@ cdef class Engine:
         reductions and copies in C), or ``consume(kind, offset, nbytes, aux, slot_offset)`` called
         with the GIL for every received chunk (GPU memory). Returns 0; on failure returns the
         failure kind (see failure() and python_error()), leaving the error to the caller."""
-        cdef int rc, i
+        cdef int rc, i, used
         if len(desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
         if steps.shape[1] != STEP_COLUMNS or chunks.shape[1] != CHUNK_COLUMNS:
@@ -284,14 +290,18 @@ cdef class Engine:
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
         self.consume = consume
         self.py_error = None
-        for i in range(len(self.keep)):
-            use(<VerbsObject>self.keep[i])      # a close() elsewhere waits for the run to leave
+        # only the main thread runs signal handlers: elsewhere a wait never takes the GIL for them
+        self.signals = PyThread_get_thread_ident() == _main_thread
+        used = 0
         try:
+            for i in range(len(self.keep)):
+                use(<VerbsObject>self.keep[i])      # a close() elsewhere waits for the run to leave
+                used += 1
             with nogil:
                 rc = self._execute(&steps[0, 0] if steps.shape[0] else NULL, steps.shape[0],
                                    &chunks[0, 0] if chunks.shape[0] else NULL)
         finally:
-            for i in range(len(self.keep)):
+            for i in range(used):
                 unuse(<VerbsObject>self.keep[i])
             self.consume = None
         self.runs += 1
@@ -575,7 +585,7 @@ cdef class Engine:
                 self.fail_what = what
                 self._fail(FAIL_TIMEOUT, peer, n, 0)
                 break
-            if now >= next_signals:
+            if self.signals and now >= next_signals:
                 next_signals = now + SIGNAL_CHECK
                 if self._check_signals() < 0:
                     break

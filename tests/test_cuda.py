@@ -1250,8 +1250,7 @@ def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(
     monkeypatch.setattr(tr, "_current_stream", lambda: type("S", (), {"synchronize": lambda s: synced.append(1)})())
     t = object.__new__(tr.RdmaTransport)       # just the state use_buffer touches
     t.pd, t._user_mrs, t._gpu_sync = "pd", collections.OrderedDict(), None
-    t.wait_sends = lambda peer=None: None
-    t.buffer = lambda nbytes: None
+    t._own, t._own_mr = np.zeros(64, np.uint8), "own MR"        # use_buffer(None) goes back to it
     whole = FakeGpuBytes(0x7f0000010000, 8192)
     t.use_buffer(whole, 100, 300)
     assert registered == [("pd", whole, 0)]              # local read only: it is sent from
@@ -1259,7 +1258,7 @@ def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(
     t._gpu_sync()
     assert synced == [1]
     t.use_buffer(None)
-    assert t._gpu_sync is None and not t._lent
+    assert t._gpu_sync is None and not t._lent and t._work_mr == "own MR"
     t.use_buffer(whole[1024:2048], 8, 16)                # inside the cached registration: no new one
     assert len(registered) == 1 and t._work_offset == 96 + 1024 + 8
     for i in range(tr.USER_MR_CACHE):                    # the cache keeps the most recent few

@@ -31,7 +31,6 @@ own, and raise UsageError on every rank. After any such failure the communicator
 it and build a new one. ``close()`` may come from any thread: a collective blocked in another one
 raises UsageError within a fraction of a second, as Ctrl-C raises KeyboardInterrupt.
 """
-import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -550,19 +549,12 @@ class Communicator:
             raise UsageError(f"unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
         return ALIASES.get(algorithm, algorithm)
 
-    @contextlib.contextmanager
     def _work_area(self, result, a, b, size=None):
         """(work array, in place?) for bytes [a, b) of ``result``: that memory itself when it is at
         least zero_copy_bytes (nothing to copy back), else the transport's buffer of ``size`` bytes."""
-        t = self.transport
         if result is not None and self.zero_copy_bytes and b - a >= self.zero_copy_bytes:
-            t.use_buffer(result, a, b)
-            try:
-                yield t.buffer(b - a), True
-            finally:
-                t.use_buffer(None)
-        else:
-            yield t.buffer(b - a if size is None else size), False
+            return self.transport.work_area(b - a, result, a), True
+        return self.transport.work_area(b - a if size is None else size), False
 
     def _allreduce(self, src, dst, op, plan):
         t = self.transport
@@ -572,20 +564,20 @@ class Communicator:
             a, b = lo * itemsize, hi * itemsize
             nbytes = b - a
             doubling = algo == "recursive_doubling"     # needs room for a second copy: never in place
-            with self._work_area(None if doubling else dst.bytes, a, b,
-                                 size=2 * nbytes if doubling else None) as (work, in_place):
-                if not in_place or src is not dst:
-                    work[:nbytes] = src.bytes[a:b]
-                if op == "avg" and src.code in _FLOAT_CODES:
-                    prescale(work[:nbytes], src.code, self.size)
-                t.set_tag(tag)
-                schedule = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
-                t.run(schedule, src.code, opc)
-                at = schedule.result_offset              # where in work the result lies
-                if op == "avg" and src.code not in _FLOAT_CODES:
-                    _reduce.divide_bytes(work[at:at + nbytes], src.code, self.size)
-                if not in_place:
-                    dst.bytes[a:b] = work[at:at + nbytes]
+            work, in_place = self._work_area(None if doubling else dst.bytes, a, b,
+                                             size=2 * nbytes if doubling else None)
+            if not in_place or src is not dst:
+                work[:nbytes] = src.bytes[a:b]
+            if op == "avg" and src.code in _FLOAT_CODES:
+                prescale(work[:nbytes], src.code, self.size)
+            t.set_tag(tag)
+            schedule = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
+            t.run(schedule, src.code, opc)
+            at = schedule.result_offset              # where in work the result lies
+            if op == "avg" and src.code not in _FLOAT_CODES:
+                _reduce.divide_bytes(work[at:at + nbytes], src.code, self.size)
+            if not in_place:
+                dst.bytes[a:b] = work[at:at + nbytes]
         return dst.obj
 
     # ---- CUDA arrays in place (gpu_path "direct") -----------------------------------------------
@@ -756,13 +748,13 @@ class Communicator:
         t = self.transport
         for lo, hi, algo, tag in plan:
             # in place the root only sends from its buffer (which may be read-only)
-            with self._work_area(data, lo, hi) as (work, in_place):
-                if self.rank == root and not in_place:
-                    work[:hi - lo] = data[lo:hi]
-                t.set_tag(tag)
-                t.run(BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root))
-                if self.rank != root and not in_place:
-                    data[lo:hi] = work[:hi - lo]
+            work, in_place = self._work_area(data, lo, hi)
+            if self.rank == root and not in_place:
+                work[:hi - lo] = data[lo:hi]
+            t.set_tag(tag)
+            t.run(BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root))
+            if self.rank != root and not in_place:
+                data[lo:hi] = work[:hi - lo]
         return obj
 
     # ---- allgather, reduce_scatter, barrier -----------------------------------------------------
@@ -803,14 +795,14 @@ class Communicator:
         block = src_bytes.nbytes
         total = block * self.size
         # a fresh out= of ours would be registered (and kept) once per call: copy instead
-        with self._work_area(dst_bytes if users_out else None, 0, total) as (work, in_place):
-            work[self.rank * block:(self.rank + 1) * block] = src_bytes
-            t.set_tag(tag)
-            # blocks as "elements" of one byte: boundaries at multiples of the block size
-            t.run(ring.allgather(self.size, self.rank, total, 1, t.max_message,
-                                 tuple(i * block for i in range(self.size + 1))))
-            if not in_place:
-                dst_bytes[:] = work[:total]
+        work, in_place = self._work_area(dst_bytes if users_out else None, 0, total)
+        work[self.rank * block:(self.rank + 1) * block] = src_bytes
+        t.set_tag(tag)
+        # blocks as "elements" of one byte: boundaries at multiples of the block size
+        t.run(ring.allgather(self.size, self.rank, total, 1, t.max_message,
+                             tuple(i * block for i in range(self.size + 1))))
+        if not in_place:
+            dst_bytes[:] = work[:total]
         return out
 
     def reduce_scatter(self, buf, out=None, op="sum", dtype=None):

@@ -4,8 +4,11 @@ A transport executes schedules (schedule.py); it never knows the algorithm.
 
     t.rank, t.size, t.max_message        who we are; the largest message in bytes
     t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
-    t.use_buffer(whole, start, stop)     work in place on the caller's memory whole[start:stop]
-                                         instead (zero copy); t.use_buffer(None) goes back
+    t.work_area(nbytes, lend=None, start=0) -> the work area of the next collective: the
+                                         transport's own buffer, or lend[start:start+nbytes] in
+                                         place (zero copy; registered once over RDMA)
+    t.buffer(nbytes), t.use_buffer(whole, start, stop)   the current work area; lend until
+                                         use_buffer(None)
     t.set_tag(desc)                      the description of the collective now running (describe();
                                          every message carries it, the receiver compares it exactly)
     t.run(schedule, dtype, op, consume)  execute a schedule on the work area (RDMA: the C engine, one
@@ -435,33 +438,26 @@ class RdmaTransport(_Waits):
 
     # ---- the interface ------------------------------------------------------------------------
 
-    def buffer(self, nbytes):
-        if self._lent:
-            if self._work.nbytes < nbytes:
-                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
+    def work_area(self, nbytes, lend=None, start=0):
+        """The work area of the next collective: ``lend[start:start + nbytes]`` in place (a
+        C-contiguous uint8 array, numpy or CuPy: sends go straight from it), else this transport's
+        own registered buffer of at least ``nbytes``. A lent array is registered on first use (GPU
+        memory through GPUDirect RDMA) and stays registered (and alive) among the USER_MR_CACHE
+        most recent, so calls on the same memory pay nothing."""
+        if lend is None:
+            if self._own is None or self._own.nbytes < nbytes:
+                if self._own_mr is not None:
+                    self._own_mr.close()         # every schedule ends with its sends completed
+                self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
+                self._own = self._own_mr.array()
+            self._work, self._work_mr, self._work_offset = self._own, self._own_mr, 0
+            self._lent, self._gpu_sync = False, None
             return self._work
-        if self._own is None or self._own.nbytes < nbytes:
-            if self._own_mr is not None:
-                self._own_mr.close()         # every schedule ends with its sends completed
-            self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
-            self._own = self._own_mr.array()
-        self._work, self._work_mr, self._work_offset = self._own, self._own_mr, 0
-        return self._work
-
-    def use_buffer(self, whole, start=0, stop=None):
-        """Work in place on ``whole[start:stop]`` (a C-contiguous uint8 array, numpy or CuPy):
-        sends go straight from it. ``whole`` is registered on first use (GPU memory through
-        GPUDirect RDMA) and stays registered (and alive) among the USER_MR_CACHE most recent, so
-        calls on the same buffer pay nothing."""
-        if whole is None:
-            self._lent = False
-            self._gpu_sync = None
-            self.buffer(0)
-            return
-        on_gpu = not isinstance(whole, np.ndarray)
-        addr, nbytes = (whole.data.ptr if on_gpu else whole.ctypes.data), whole.nbytes
+        on_gpu = not isinstance(lend, np.ndarray)
+        addr = lend.data.ptr if on_gpu else lend.__array_interface__["data"][0]
+        size = lend.nbytes
         for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
-            if key_addr <= addr and addr + nbytes <= key_addr + key_len:
+            if key_addr <= addr and addr + size <= key_addr + key_len:
                 self._user_mrs.move_to_end((key_addr, key_len))
                 base = key_offset + addr - key_addr
                 break
@@ -469,17 +465,33 @@ class RdmaTransport(_Waits):
             if on_gpu:
                 # a dma-buf registration covers whole pages: the array starts part way in
                 from pyrdma.cuda import gpu_array_offset, register_gpu_array
-                mr = register_gpu_array(self.pd, whole, 0)
-                base = gpu_array_offset(mr, whole)
+                mr = register_gpu_array(self.pd, lend, 0)
+                base = gpu_array_offset(mr, lend)
             else:
-                mr, base = self.rd.MemoryRegion(self.pd, whole, 0), 0   # local read: only sent from
-            self._user_mrs[(addr, nbytes)] = (mr, base)
+                mr, base = self.rd.MemoryRegion(self.pd, lend, 0), 0   # local read: only sent from
+            self._user_mrs[(addr, size)] = (mr, base)
             while len(self._user_mrs) > USER_MR_CACHE:
                 self._user_mrs.popitem(last=False)[1][0].close()
-        self._work = whole[start:stop]
+        self._work = lend[start:start + nbytes]
         self._work_mr, self._work_offset, self._lent = mr, base + start, True
         # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
         self._gpu_sync = _current_stream().synchronize if on_gpu else None
+        return self._work
+
+    def buffer(self, nbytes):
+        """The current work area (the own buffer, grown to ``nbytes``, unless memory is lent)."""
+        if self._lent:
+            if self._work.nbytes < nbytes:
+                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
+            return self._work
+        return self.work_area(nbytes)
+
+    def use_buffer(self, whole, start=0, stop=None):
+        """Work in place on ``whole[start:stop]`` until use_buffer(None) (see work_area)."""
+        if whole is None:
+            self.work_area(0)
+        else:
+            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start)
 
     def set_tag(self, desc):
         self._desc = _as_desc(desc)
@@ -720,20 +732,29 @@ class TcpTransport(_Waits):
 
     # ---- the interface ------------------------------------------------------------------------
 
+    def work_area(self, nbytes, lend=None, start=0):
+        """``lend[start:start + nbytes]`` in place, else this transport's own buffer (>= nbytes)."""
+        if lend is None:
+            if self._own is None or self._own.nbytes < nbytes:
+                self._own = np.empty(_grow(nbytes), np.uint8)
+            self._work, self._lent = self._own, False
+        else:
+            self._work, self._lent = lend[start:start + nbytes], True
+        return self._work
+
     def buffer(self, nbytes):
         if self._lent:
             if self._work.nbytes < nbytes:
                 raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
             return self._work
-        if self._own is None or self._own.nbytes < nbytes:
-            self._own = np.empty(_grow(nbytes), np.uint8)
-        self._work = self._own
-        return self._work
+        return self.work_area(nbytes)
 
     def use_buffer(self, whole, start=0, stop=None):
         """Work in place on ``whole[start:stop]`` until use_buffer(None)."""
-        self._lent = whole is not None
-        self._work = whole[start:stop] if self._lent else self._own
+        if whole is None:
+            self.work_area(0)
+        else:
+            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start)
 
     def set_tag(self, desc):
         self._desc = _as_desc(desc)

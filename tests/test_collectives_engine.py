@@ -1,0 +1,193 @@
+"""The collective engine: schedules (planned in Python) and their execution in C over RDMA.
+
+Host tests check the plans themselves: every message one rank sends another is a message that
+rank receives, in the same order and of the same size, inside the work area. Device tests check
+what only the engine can show: one Python call path whatever the size, Ctrl-C during a blocked
+collective, and a malformed schedule refused before anything is posted."""
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from mp import free_port, run_ranks
+from pyrdma.collectives import ring, schedule, tree
+
+ROOTED = [ring.chain_broadcast, ring.chain_reduce, tree.binomial_broadcast, tree.binomial_reduce]
+ALLREDUCE = [ring.allreduce, tree.halving_doubling_allreduce, tree.recursive_doubling_allreduce]
+
+
+def test_schedule_layout_matches_the_engine():
+    from pyrdma import _engine
+    ours = dict(STEP_COLUMNS=schedule.STEP_COLUMNS, CHUNK_COLUMNS=schedule.CHUNK_COLUMNS,
+                EXCHANGE=schedule.EXCHANGE, WAIT_SENDS=schedule.WAIT_SENDS, CONSUME_NONE=schedule.NONE,
+                CONSUME_COPY=schedule.COPY, CONSUME_REDUCE=schedule.REDUCE,
+                CONSUME_REDUCE_LOWER=schedule.REDUCE_LOWER, CONSUME_REDUCE_UPPER=schedule.REDUCE_UPPER)
+    from pyrdma.collectives.transport import HEADER_ROOM
+    assert {k: v for k, v in _engine.LAYOUT.items() if k != "HEADER_ROOM"} == ours
+    assert _engine.LAYOUT["HEADER_ROOM"] == HEADER_ROOM
+
+
+def _messages(plan):
+    """{peer: [sizes sent]}, {peer: [sizes received]} of a schedule, in order."""
+    sent, received = {}, {}
+    for kind, sp, rp, s0, ns, r0, nr, _ in plan.steps.tolist():
+        if kind == schedule.EXCHANGE:
+            sent.setdefault(sp, []).extend(int(n) for n in plan.chunks[s0:s0 + ns, 1])
+            received.setdefault(rp, []).extend(int(n) for n in plan.chunks[r0:r0 + nr, 1])
+    sent.pop(-1, None)
+    received.pop(-1, None)
+    return sent, received
+
+
+def _plans(n, count, itemsize, max_message):
+    """(name, work bytes, [plan of each rank]) of every collective's schedules for one shape."""
+    out = []
+    for planner in ALLREDUCE:
+        room = 2 if planner is tree.recursive_doubling_allreduce else 1
+        out.append((planner.__name__, room * count * itemsize,
+                    [planner(n, r, count, itemsize, max_message) for r in range(n)]))
+    for planner in ROOTED:
+        for root in {0, n - 1, n // 2}:
+            out.append((f"{planner.__name__}(root={root})", count * itemsize,
+                        [planner(n, r, count, itemsize, max_message, root) for r in range(n)]))
+    bounds = tuple(sorted({0, count} | {min(count, i * (count // n + 1)) for i in range(1, n)}))
+    if len(bounds) == n + 1:
+        for planner in (ring.allgather, ring.reduce_scatter):
+            out.append((planner.__name__, count * itemsize,
+                        [planner(n, r, count, itemsize, max_message, bounds) for r in range(n)]))
+    out.append(("barrier", 0, [tree.dissemination_barrier(n, r) for r in range(n)]))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("count,itemsize,max_message", [(0, 4, 64), (1, 8, 64), (1001, 4, 64), (1001, 8, 4096),
+                                                        (5, 1, 2)])
+def test_every_schedule_pairs_its_messages(n, count, itemsize, max_message):
+    for name, work_bytes, plans in _plans(n, count, itemsize, max_message):
+        talk = [_messages(p) for p in plans]
+        for a in range(n):
+            for b in range(n):
+                if a != b:
+                    assert talk[a][0].get(b, []) == talk[b][1].get(a, []), (name, a, b)
+            assert a not in talk[a][0] and a not in talk[a][1], (name, "talks to itself", a)
+        for r, p in enumerate(plans):
+            c = p.chunks
+            assert (c[:, 1] <= max_message).all() and (c[:, 0] >= 0).all(), (name, r)
+            assert (c[:, 0] + c[:, 1] <= max(work_bytes, 0)).all(), (name, r, "outside the work area")
+            assert (c[:, 1] % itemsize == 0).all() or name == "barrier", (name, r)
+            if plans and len(p.steps):
+                assert p.steps[-1, 0] == schedule.WAIT_SENDS, (name, r, "must end with its sends completed")
+
+
+def test_schedules_are_cached_and_read_only():
+    a = ring.allreduce(4, 1, 1000, 4, 256)
+    assert ring.allreduce(4, 1, 1000, 4, 256) is a
+    with pytest.raises(ValueError):
+        a.steps[0, 0] = 1
+    with pytest.raises(ValueError):
+        a.chunks[0, 0] = 1
+
+
+# ---- device: the engine ------------------------------------------------------------------------
+
+def _comm(rank, size, port, **kw):
+    from pyrdma.collectives import Communicator
+    return Communicator(rank, size, f"127.0.0.1:{port}", transport="rdma", **kw)
+
+
+def _count_calls(fn):
+    """How many Python-level function calls ``fn()`` makes (C calls not counted)."""
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def _python_cost(rank, size, port):
+    with _comm(rank, size, port, timeout=60) as comm:
+        small = np.ones(1024, np.float32)                    # 4 KiB
+        large = np.ones(2 * 1024 * 1024, np.float32)         # 8 MiB
+        counts = {}
+        for name, buf in (("4KiB", small), ("8MiB", large), ("4KiB", small), ("8MiB", large)):
+            counts[name] = _count_calls(lambda: comm.allreduce(buf))   # the second round counts (caches warm)
+        assert small[0] == size ** 2 and large[-1] == size ** 2
+        return counts
+
+
+@pytest.mark.device
+def test_python_cost_per_call_is_independent_of_the_size():
+    for counts in run_ranks(_python_cost, 2, free_port(), timeout=300):
+        assert counts["4KiB"] == counts["8MiB"], counts
+        assert counts["4KiB"] < 200, counts          # a few dozen: the argument checks and the plan lookup
+
+
+def _interrupted(rank, size, port):
+    import pyrdma as rd
+    with _comm(rank, size, port, timeout=40) as comm:
+        comm.barrier()
+        if rank == 1:
+            time.sleep(6)            # never joins the allreduce in time
+            try:
+                comm.allreduce(np.ones(10, np.float32))
+                return ("no error", None)
+            except rd.PeerError as exc:
+                return ("PeerError", exc.peer)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        start = time.monotonic()
+        try:
+            comm.allreduce(np.ones(10, np.float32))
+            return ("no error", time.monotonic() - start)
+        except KeyboardInterrupt:
+            return ("KeyboardInterrupt", time.monotonic() - start)
+
+
+@pytest.mark.device
+def test_ctrl_c_interrupts_a_collective_blocked_in_the_engine():
+    res = run_ranks(_interrupted, 2, free_port(), timeout=120)
+    outcome, elapsed = res[0]
+    assert outcome == "KeyboardInterrupt" and 0.9 < elapsed < 5, res[0]   # not the 40 s timeout
+    assert res[1] == ("PeerError", 0), res[1]                             # rank 0 told it that it left
+
+
+def _malformed(rank, size, port):
+    import pyrdma as rd
+    with _comm(rank, size, port, timeout=30) as comm:
+        t = comm.transport
+        t.buffer(4096)
+        peer = 1 - rank
+        errors = []
+        bad_plans = [
+            schedule.Schedule([(schedule.EXCHANGE, peer, peer, 0, 1, 1, 1, schedule.COPY)],
+                              [(0, 64, 0), (1 << 40, 64, 0)]),                        # outside the work area
+            schedule.Schedule([(schedule.EXCHANGE, rank, -1, 0, 1, 0, 0, schedule.NONE)], [(0, 8, 0)]),  # to itself
+            schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 5, 0, 0, schedule.NONE)], [(0, 8, 0)]),  # past chunks
+            schedule.Schedule([(7, peer, -1, 0, 0, 0, 0, 0)], []),                          # unknown step
+            schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 1, 0, 0, 0)], [(0, t.max_message + 1, 0)]),
+        ]
+        for plan in bad_plans:
+            try:
+                t.run(plan)
+                errors.append(None)
+            except rd.UsageError as exc:
+                errors.append(str(exc))
+        x = np.arange(1000, dtype=np.int64)
+        comm.allreduce(x)                         # nothing was posted: the group still works
+        return errors, bool((x == np.arange(1000) * size).all())
+
+
+@pytest.mark.device
+def test_a_malformed_schedule_is_refused_before_anything_is_posted():
+    for errors, ok in run_ranks(_malformed, 2, free_port(), timeout=120):
+        assert all(errors), errors
+        assert ok
