@@ -17,8 +17,10 @@ the whole buffer each way at once, so there the reachable limit is ib_write_bw -
 share (column "vs -b/2").
 With ``--rounds N`` the three (ours, MPI, ib_write_bw) are measured N times in turn: a boot of the
 emulated VM drifts by 10-25% within minutes, so each ratio is taken within its round and the table
-shows the median (the JSON also the range). The last lines give the issue's two targets (busbw >=
-0.9x ib_write_bw at >= 8 MiB; ahead of MPI at every size >= 64 KiB) for the best algorithm per size.
+shows the median (the JSON also the range). The last lines give the targets for the best algorithm
+per size (busbw >= 0.9x ib_write_bw at >= 8 MiB; time <= MPI's at every size) and the overlap
+measurement (overlap(): a Python loop's speed while iallreduces run in its own process, against its
+speed while ib_write_bw moves the same bytes between two other processes; target >= 0.9x).
 Writes allreduce.json and allreduce.png.
 """
 import argparse
@@ -143,6 +145,94 @@ def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
     return None, "; ".join(failures)
 
 
+def _compute_rate(seconds, busy=None):
+    """Iterations per second of a pure-Python loop over ``seconds`` (the "training loop" of the
+    overlap measurement); ``busy()``, when given, is called every 1000 iterations."""
+    n, x = 0, 1.0
+    end = time.perf_counter() + seconds
+    while True:
+        for _ in range(1000):
+            x = x * 1.0000001 + 1e-9
+        n += 1000
+        if busy is not None:
+            busy()
+        if time.perf_counter() >= end:
+            return n / seconds
+
+
+def _compute_child(seconds, results):
+    results.put(_compute_rate(seconds))
+
+
+def _overlap_rank(rank, size, master, nbytes, seconds, results):
+    """A rank whose main thread runs the compute loop while iallreduces of ``nbytes`` run back to
+    back in the background (the engine's thread)."""
+    from pyrdma.collectives import Communicator
+    with Communicator(rank, size, master, transport="rdma", timeout=300) as comm:
+        x = np.ones(nbytes // 4, np.float32)
+        comm.allreduce(x)                                   # warm-up: registration
+        comm.barrier()
+        handle = [comm.iallreduce(x), 0]
+
+        def busy():
+            if handle[0].test():
+                handle[0].wait()
+                handle[1] += 1
+                handle[0] = comm.iallreduce(x)
+        rate = _compute_rate(seconds, busy)
+        handle[0].wait(timeout=300)
+        comm.barrier()
+        results.put((rank, rate, handle[1] + 1))
+
+
+def overlap(args, nbytes=8 << 20, seconds=10.0):
+    """The overlap target: the compute loop's speed in every rank while iallreduces of ``nbytes``
+    run in the rank's own process, against its speed in as many processes while ib_write_bw moves
+    the same size between two other processes on the same device (in the VM the kernel's rxe work
+    shares the vCPUs: that is the fair baseline, not an idle machine). Returns a dict."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    args_bw = ["ib_write_bw", "-d", args.dev, "-x", str(args.gid), "-s", str(nbytes), "-D", str(int(seconds) + 4),
+               "-F", "-p", "23010"]
+    server = subprocess.Popen(args_bw, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)
+    client = subprocess.Popen(args_bw + ["127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)
+    procs = [ctx.Process(target=_compute_child, args=(seconds, results)) for _ in range(args.ranks)]
+    try:
+        for p in procs:
+            p.start()
+        baseline = [results.get(timeout=seconds + 120) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        for proc in (client, server):
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_overlap_rank, args=(r, args.ranks, f"127.0.0.1:{port}", nbytes, seconds, results))
+             for r in range(args.ranks)]
+    try:
+        for p in procs:
+            p.start()
+        ranks = sorted(results.get(timeout=seconds + 300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    base = float(np.median(baseline))
+    worst = min(rate for _, rate, _ in ranks)
+    return dict(bytes=nbytes, seconds=seconds, baseline_rate=base, rank_rates=[rate for _, rate, _ in ranks],
+                allreduces=[count for _, _, count in ranks], ratio=worst / base)
+
+
 def ib_write_bw(dev, gid, nbytes, port=23000, bidirectional=False):
     """perftest's BW average in GB/s (with -b: both directions together, as perftest reports it)."""
     args = ["ib_write_bw", "-d", dev, "-x", str(gid), "-s", str(nbytes), "-n", "200", "-F", "-p", str(port)]
@@ -233,8 +323,7 @@ def targets(table):
         out.append((name, "MET" if worst[key] >= limit else "MISSED", detail))
     check("busbw >= 0.9x ib_write_bw at >= 8 MiB", [r for b, r in sorted(best.items()) if b >= 8 << 20],
           "vs_ib_write_bw", 0.9)
-    check("ahead of MPI at every size >= 64 KiB", [r for b, r in sorted(best.items()) if b >= 64 << 10],
-          "vs_mpi", 1.0)
+    check("time <= 1.0x MPI at every size", [r for b, r in sorted(best.items())], "vs_mpi", 1.0)
     return out
 
 
@@ -242,7 +331,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench"))
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--sizes", default="4096,16384,65536,262144,1048576,4194304,8388608",
+    p.add_argument("--sizes", default="8,4096,65536,262144,1048576,8388608",
                    help="comma-separated byte counts (multiples of 4)")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--dev", default="rxe0")
@@ -260,6 +349,8 @@ def main(argv=None):
                    help="Communicator zero_copy_bytes: in place on the caller's buffer from this size (0: never)")
     p.add_argument("--algorithms", default="ring,tree,rd",
                    help="comma-separated allreduce algorithms (ring, tree = halving_doubling, rd = recursive_doubling)")
+    p.add_argument("--no-overlap", action="store_true", help="skip the overlap measurement")
+    p.add_argument("--overlap-seconds", type=float, default=10.0, help="length of each overlap measurement")
     p.add_argument("--rounds", type=int, default=1,
                    help="measure everything (ours, MPI, ib_write_bw) this many times in turn; ratios are taken "
                         "within each round, then their median and range are shown")
@@ -294,13 +385,23 @@ def main(argv=None):
               f"{_fmt(row['mpi_time_us'], '.1f'):>13} {_fmt(row['mpi_busbw'], '.4f'):>10} {_fmt(row['vs_mpi'], '.2f'):>7} "
               f"{row['cpu_user_ms']:.1f}/{row['cpu_sys_ms']:.1f}".rjust(16))
     verdicts = targets(table)
+    over = None
+    if not args.no_overlap:
+        over = overlap(args, seconds=args.overlap_seconds)
+        print(f"# overlap: a Python compute loop runs at {over['ratio']:.3f}x its speed beside ib_write_bw "
+              f"{over['bytes'] >> 20} MiB ({over['baseline_rate']:.0f} it/s) while iallreduces of the same size run "
+              f"in each rank's own process (ranks: {', '.join(f'{r:.0f}' for r in over['rank_rates'])} it/s; "
+              f"{over['allreduces']} allreduces in {over['seconds']:g} s)")
+        verdicts.append(("overlap: compute >= 0.9x its speed beside ib_write_bw", "MET" if over["ratio"] >= 0.9
+                         else "MISSED", f"{over['ratio']:.3f}"))
     for name, verdict, detail in verdicts:
         print(f"# target {name}: {verdict} ({detail})")
     with open(os.path.join(args.out, "allreduce.json"), "w") as fh:
         json.dump(dict(ranks=args.ranks, device=args.dev, iters=args.iters, dtype=args.dtype,
                        rounds=[dict(ib_write_bw_gbps=r["ib_write_bw"], ib_write_bw_bidir_gbps=r["ib_write_bw_bidir"],
                                     mpi=r["mpi_note"], rc_resends=r["resends"] or None) for r in rounds],
-                       rows=table, targets=[dict(target=t, verdict=v, detail=d) for t, v, d in verdicts]), fh, indent=1)
+                       rows=table, overlap=over,
+                       targets=[dict(target=t, verdict=v, detail=d) for t, v, d in verdicts]), fh, indent=1)
     anchor = _median([r["ib_write_bw"] for r in rounds])
     bidir = _median([r["ib_write_bw_bidir"] for r in rounds])
     per_direction = bidir / 2 if bidir else None

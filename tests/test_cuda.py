@@ -1247,7 +1247,7 @@ def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(
 
     monkeypatch.setattr(gpu, "register_gpu_array", lambda pd, arr, access: registered.append((pd, arr, access)) or FakeMR())
     monkeypatch.setattr(gpu, "gpu_array_offset", lambda mr, arr: 96)     # dma-buf MRs start at a page
-    monkeypatch.setattr(tr, "_current_stream", lambda: type("S", (), {"synchronize": lambda s: synced.append(1)})())
+    monkeypatch.setattr(tr.rdma, "_current_stream", lambda: type("S", (), {"synchronize": lambda s: synced.append(1)})())
     t = object.__new__(tr.RdmaTransport)       # just the state use_buffer touches
     t.pd, t._user_mrs, t._gpu_sync = "pd", collections.OrderedDict(), None
     t._own, t._own_mr = np.zeros(64, np.uint8), "own MR"        # use_buffer(None) goes back to it

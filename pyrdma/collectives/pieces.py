@@ -2,8 +2,6 @@
 a floating-point avg. Pure arithmetic."""
 import functools
 
-import numpy as np
-
 
 def segment_bounds(count, parts):
     """Element boundaries of ``parts`` near-equal segments of ``count`` elements: the first

@@ -1,0 +1,63 @@
+"""Point-to-point channels the collective algorithms are written against (gloo's "pair"/"buffer").
+
+A transport executes schedules (schedule.py); it never knows the algorithm.
+
+    t.rank, t.size, t.max_message        who we are; the largest message in bytes
+    t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
+    t.work_area(nbytes, lend=None, start=0) -> the work area of the next collective: the
+                                         transport's own buffer, or lend[start:start+nbytes] in
+                                         place (zero copy; registered once over RDMA)
+    t.buffer(nbytes), t.use_buffer(whole, start, stop)   the current work area; lend until
+                                         use_buffer(None)
+    t.set_tag(desc)                      the description of the collective now running (describe();
+                                         every message carries it, the receiver compares it exactly)
+    t.run(schedule, dtype, op, consume)  execute a schedule on the work area (RDMA: the C engine, one
+                                         call without the GIL; TCP: schedule.execute in Python)
+    t.abort(culprit, reason)             best effort: tell every peer this group is failing
+    t.interrupt(), t.close()
+
+The point-to-point calls schedule.execute runs on (TcpTransport, and the tests' model transports):
+
+    t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
+    t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
+    t.send_window                        how many messages a step may send to a peer ahead of the
+                                         one it is consuming (when they post without waiting)
+    t.recv(peer, nbytes) -> uint8 view   wait for the next message from peer (messages arrive in
+                                         the order they were sent); valid until release(peer)
+    t.release(peer)                      that view has been consumed (its slot may be reused)
+    t.wait_sends(peer=None)              every posted send has left local memory (work may change)
+
+RdmaTransport: one RC QP per peer. Each rank registers, once, ``slots`` receive slots of
+``max_message`` bytes per peer. A message is one RDMA WRITE_WITH_IMM from the sender's registered
+work buffer straight into the receiver's next slot (slot = message number mod slots: RC delivers in
+order, so the slot index need not travel), just after a small header written by an unsignaled WRITE
+posted before it (RC places it first): the collective's full description and the length, which the
+receiver compares exactly with its own. The 32-bit immediate carries the kind and the length.
+Flow control is by credits: a sender starts with ``slots`` credits, spends one per message and
+waits when it has none; the receiver returns consumed slots as credits (a zero-byte WRITE_WITH_IMM,
+batched by half the slots), so a slot is never overwritten before it was consumed.
+
+TcpTransport: the same contract over one TCP connection per pair of ranks, for machines without
+RDMA and for host tests; a reader thread per peer drains its socket so senders never block on a
+peer that is itself busy sending. Every length and value read from a peer is bounded (a data frame
+by max_message): a malformed frame drops the connection and fails the group with PeerError.
+
+Closing. ``interrupt()`` (Communicator.close from another thread) makes every wait raise
+UsageError within CLOSE_POLL seconds; waits sleep in slices that short, so Ctrl-C
+(KeyboardInterrupt) gets through as quickly.
+
+Failures. Every wait gives up after ``timeout`` seconds with a PeerError. A peer that disconnects,
+fails a work completion or reports an abort raises PeerError at once. Whom to blame on a timeout
+is found out, not guessed: shortly before the deadline the waiting rank asks the peer it waits for
+what *it* is waiting for (a QUERY, answered from that peer's own wait loop with a REPORT), and
+follows the chain; the rank at its end, one that does not answer, is the one that stalled or
+died. So in a ring where rank 2 hangs, ranks 3 and 0 both name rank 2, not their neighbour.
+"""
+
+from pyrdma.collectives.transport.base import *  # noqa: F401,F403 - the package's names, as before the split
+from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, _KIND_CREDIT, _KIND_DATA,  # noqa: F401
+                                               _as_desc, _grow, _malformed, _Waits)
+from pyrdma.collectives.transport.rdma import HEADER_ROOM, RdmaTransport  # noqa: F401
+from pyrdma.collectives.transport.tcp import (_FRAME, _HELLO, _HELLO_MAGIC, _HELLO_VERSION,  # noqa: F401
+                                              _TCP_QUERY, _TCP_REPORT, HELLO_TIMEOUT, MAX_TCP_MESSAGE,
+                                              TcpTransport, read_frame)

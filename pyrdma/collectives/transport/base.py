@@ -1,0 +1,227 @@
+"""What both transports share: the description every message carries, the abort reasons, the
+errors, and the waits with their wait-for diagnosis (_Waits)."""
+import struct
+import time
+
+import numpy as np
+
+from pyrdma.errors import PeerError, UsageError
+
+# Each message costs a post, a completion and a Python step, so large chunks matter once messages
+# are big. Measured in the Soft-RoCE VM (2 ranks, one boot), 1 MiB against 256 KiB messages: a
+# 1 MiB allreduce 67/61 ms (ring/tree) against 76/66, an 8 MiB one 452/433 against 548/476.
+# Credits go back every slots/2 messages, so fewer slots would add credit messages to every stream
+# of small chunks.
+DEFAULT_RDMA_MESSAGE = 1024 * 1024
+DEFAULT_TCP_MESSAGE = 1024 * 1024
+DEFAULT_SLOTS = 8
+# RC's local ACK timeout, 4.096 us * 2^n, before the sender resends everything not yet acknowledged.
+# perftest's 14 (67 ms) is short where the responder's work is software: on Soft-RoCE in the
+# emulated VM the ACKs of a busy stream came late and every 8 MiB allreduce resent data (about 10
+# retries per call). 2 ranks, 14 against 20 interleaved in one boot, 3 runs each: ring 440 against
+# 406 ms, tree 465 against 388 ms, no retries with 20. NCCL_IB_TIMEOUT defaults to 20 too; a dead
+# peer is found by the collective's own timeout anyway.
+DEFAULT_QP_TIMEOUT = 20
+MAX_RDMA_MESSAGE = 4 * 1024 * 1024   # the immediate carries a 23-bit length
+MAX_RANKS = 0xFFFE                   # a REPORT carries a 16-bit rank
+USER_MR_CACHE = 8                    # registrations of callers' buffers kept for reuse
+CLOSE_POLL = 0.2                     # the longest a wait sleeps before it looks at interrupt() and signals
+
+# Abort reasons (carried by ABORT messages)
+PEER_FAILED, MISMATCH, LEFT = 0, 1, 2
+_REASONS = {PEER_FAILED: "failed", MISMATCH: "called a collective that does not match", LEFT: "left"}
+NO_CULPRIT = 0xFFFFFF
+
+
+def abort_error(reporter, culprit, reason):
+    """The exception a rank raises when ``reporter`` says the group failed because of ``culprit``."""
+    who = "an unknown rank" if culprit == NO_CULPRIT else f"rank {culprit}"
+    if reason == MISMATCH:
+        err = UsageError(f"rank {reporter} found that {who} called a different collective (size, dtype, op, "
+                         f"root or algorithm differ across ranks); the communicator is unusable now")
+        err.peer = culprit if culprit != NO_CULPRIT else reporter
+        return err
+    return PeerError(f"rank {reporter} reports that {who} {_REASONS.get(reason, 'failed')}; "
+                     f"the communicator is unusable now", peer=reporter if culprit == NO_CULPRIT else culprit)
+
+
+def mismatch_error(peer, what):
+    err = UsageError(f"rank {peer} sent {what}: the ranks disagree on the collective (buffer size, "
+                     f"dtype, op, root or algorithm differ across ranks)")
+    err.peer = peer
+    return err
+
+
+def closed_error():
+    err = UsageError("the communicator was closed while this collective was running")
+    err.closed = True          # Communicator._fail tells the peers this rank left, not that they mismatched
+    return err
+
+
+# ------------------------------------------------------------------------------------------------
+# The description of a collective. Every message carries it (with its length) in front of its
+# payload and the receiver compares it, byte for byte, with the one of the collective it runs
+# itself: any difference in kind, count, dtype, op, root, algorithm, piece or call number is a
+# mismatch, whatever the sizes. A fixed 48-byte header: negligible next to a message.
+
+DESC = struct.Struct("<QQQQIHBBB3x")    # seq, count, lo, hi, root, dtype, kind, op, algorithm
+HEADER = struct.Struct("<44sI")          # description, payload length
+assert DESC.size == 44 and HEADER.size == 48
+KINDS = ("", "allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "barrier",
+         "allreduce-direct", "broadcast-direct", "test")
+DESC_OPS = ("", "sum", "prod", "min", "max", "avg")
+DESC_ALGORITHMS = ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "dissemination")
+NO_ROOT = 0xFFFFFFFF
+BYTE_DTYPE = 0x8000                     # dtype field of byte-copying collectives: numpy's type number
+
+
+def describe(seq, kind, count=0, dtype=0, op="", root=None, algorithm="", lo=0, hi=0):
+    """The packed description of a collective (what set_tag takes). ``dtype``: pyrdma._reduce's code
+    of a reduction's dtype, or a numpy dtype for collectives that copy bytes."""
+    if not isinstance(dtype, int):
+        dt = np.dtype(dtype)
+        dtype = BYTE_DTYPE | ((dt.num & 0x7F) << 8) | min(dt.itemsize, 0xFF)
+    return DESC.pack(seq & 0xFFFFFFFFFFFFFFFF, count, lo, hi, NO_ROOT if root is None else root, dtype,
+                     KINDS.index(kind), DESC_OPS.index(op), DESC_ALGORITHMS.index(algorithm))
+
+
+def explain(desc):
+    """A description as text, for error messages."""
+    try:
+        seq, count, lo, hi, root, dtype, kind, op, algo = DESC.unpack(desc)
+    except struct.error:
+        return f"an unreadable description {bytes(desc)[:16].hex()}"
+
+    def name(table, i):
+        return table[i] if i < len(table) else f"#{i}"
+    if dtype & BYTE_DTYPE:
+        num, itemsize = (dtype >> 8) & 0x7F, dtype & 0xFF
+        names = {np.dtype(t).num: np.dtype(t).name for t in set(np.sctypeDict.values())}
+        dname = names.get(num, f"numpy type {num}") if num != np.dtype("V").num else f"V{itemsize}"
+    else:
+        from pyrdma import _reduce
+        dname = name(_reduce.DTYPE_NAMES, dtype)
+    parts = [f"call #{seq} {name(KINDS, kind) or 'collective'}", f"count={count}", f"dtype={dname}"]
+    if op:
+        parts.append(f"op={name(DESC_OPS, op)}")
+    if root != NO_ROOT:
+        parts.append(f"root={root}")
+    if algo:
+        parts.append(f"algorithm={name(DESC_ALGORITHMS, algo)}")
+    if hi and (lo, hi) != (0, count):
+        parts.append(f"piece [{lo}, {hi})")
+    return ", ".join(parts)
+
+
+def check_header(peer, rank, got_desc, got_len, want_desc, want_len):
+    """UsageError (a mismatch) unless a received message is the one this rank expects."""
+    if got_desc != want_desc:
+        raise mismatch_error(peer, f"a message of a different collective ({explain(got_desc)}) where rank {rank} "
+                                   f"runs {explain(want_desc)}")
+    if got_len != want_len:
+        raise mismatch_error(peer, f"a {got_len}-byte message where rank {rank} expected {want_len} bytes")
+
+
+def _as_desc(desc):
+    """set_tag's argument: a description from describe(), or an int (a bare call number)."""
+    if isinstance(desc, (bytes, bytearray)) and len(desc) == DESC.size:
+        return bytes(desc)
+    if isinstance(desc, (int, np.integer)):
+        return describe(int(desc), "test")
+    raise UsageError(f"set_tag takes a description from describe(), got {desc!r}")
+
+
+def _grow(nbytes, minimum=64 * 1024):
+    return max(minimum, 1 << max(0, int(nbytes) - 1).bit_length())
+
+
+class _Waits:
+    """Timeouts and the wait-for diagnosis shared by both transports.
+
+    Subclasses provide ``_step(seconds)`` (make progress or sleep at most that long),
+    ``_send_query(peer, epoch)`` and keep ``self.reports`` ({peer: rank it waits for}, for the
+    current epoch) up to date from incoming REPORTs."""
+
+    def _init_waits(self, timeout):
+        if self.size > MAX_RANKS:
+            raise UsageError(f"at most {MAX_RANKS} ranks are supported, got {self.size}")
+        self.timeout = float(timeout)
+        self.probe_lead = min(1.0, self.timeout / 4)   # ask around this long before the deadline
+        self.failure = None
+        self.waiting_on = None
+        self.epoch = 0
+        self.reports = {}
+        self._closing = False
+
+    def interrupt(self):
+        """Make every wait, now and later, raise UsageError ("closed") within CLOSE_POLL seconds
+        (any thread may call this; close() still has to follow, once the collective has left)."""
+        self._closing = True
+
+    def _wait(self, ready, peer, what):
+        """Make progress until ``ready()``; on timeout raise PeerError naming the rank to blame."""
+        if ready():
+            return
+        self.epoch = (self.epoch + 1) & 0xFFF
+        self.reports = {}
+        self.waiting_on = peer
+        queried = set()
+        start = time.monotonic()
+        deadline = start + self.timeout
+        probe_at = deadline - self.probe_lead
+        try:
+            while True:
+                if self.failure is not None:
+                    raise self.failure
+                if self._closing:
+                    raise closed_error()
+                self._check_peer(peer)
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._stall_error(peer, what)
+                if now >= probe_at:
+                    suspect = self._chain_end(peer)[0]
+                    if suspect not in queried and suspect != self.rank:
+                        queried.add(suspect)
+                        self._send_query(suspect, self.epoch)
+                    self._step(min(deadline - now, 0.05))
+                else:
+                    self._step(min(min(probe_at, deadline) - now, CLOSE_POLL))
+                if ready():
+                    return
+        finally:
+            self.waiting_on = None
+
+    def _check_peer(self, peer):
+        pass
+
+    def _chain_end(self, peer):
+        """Follow "X waits for Y" reports from ``peer``: (last rank, the chain)."""
+        chain = [peer]
+        while chain[-1] in self.reports:
+            nxt = self.reports[chain[-1]]
+            if nxt in chain or nxt == self.rank or not 0 <= nxt < self.size:
+                break
+            chain.append(nxt)
+        return chain[-1], chain
+
+    def _stall_error(self, peer, what):
+        suspect, chain = self._chain_end(peer)
+        t = f"{self.timeout:g} s"
+        if self.reports.get(suspect) == self.rank:
+            return PeerError(f"rank {self.rank} and rank {suspect} wait for each other (for {what}) since {t}: "
+                             f"the ranks called different collectives?", peer=suspect)
+        if suspect == peer:
+            return PeerError(f"rank {peer} did not answer within {t} while rank {self.rank} waited for {what} "
+                             f"(dead or stalled?)", peer=peer)
+        path = " -> ".join(f"rank {r}" for r in chain)
+        return PeerError(f"rank {suspect} is dead or stalled: rank {self.rank} waited {t} for {what} from rank "
+                         f"{peer}, and the wait-for chain {path} ends at rank {suspect}, which does not answer",
+                         peer=suspect)
+
+
+_KIND_DATA, _KIND_CREDIT, _KIND_ABORT, _KIND_CONTROL = 0, 1, 2, 3
+def _malformed(peer, what):
+    err = PeerError(f"rank {peer} sent a malformed frame ({what}); its connection is dropped", peer=peer)
+    err.malformed = True
+    return err

@@ -1,0 +1,295 @@
+"""RdmaTransport: RC QPs to every peer; the data path is the C engine (pyrdma._engine)."""
+import collections
+
+import numpy as np
+
+from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, DEFAULT_QP_TIMEOUT,
+                                               DEFAULT_RDMA_MESSAGE, DEFAULT_SLOTS, MAX_RDMA_MESSAGE,
+                                               PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _malformed, _Waits,
+                                               abort_error, check_header, closed_error, describe)
+from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
+
+_CTRL_QUERY, _CTRL_REPORT = 0, 1
+HEADER_ROOM = 64           # a slot: the header, then the payload (64-byte aligned)
+
+
+def _current_stream():
+    """The CuPy stream current now (the one a GPU collective runs its copies and kernels on)."""
+    import cupy
+    return cupy.cuda.get_current_stream()
+
+
+def _slot_consumer(consume, slots):
+    """The engine's callback (kind, offset, nbytes, aux, slot offset) over schedule's consume()."""
+    def callback(kind, off, nbytes, aux, at):
+        consume(kind, (off, nbytes, aux), slots[at:at + nbytes])
+    return callback
+
+
+def _imm_abort(culprit, reason):
+    return (_KIND_ABORT << 30) | ((reason & 0x3F) << 24) | (culprit & 0xFFFFFF)
+
+
+def _imm_control(sub, epoch, value=0):
+    return (_KIND_CONTROL << 30) | (sub << 28) | ((epoch & 0xFFF) << 16) | (value & 0xFFFF)
+
+
+class RdmaTransport(_Waits):
+    """RC QPs to every peer, connected through ``exchange`` (anything with ``allgather(bytes)``).
+
+    ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
+    busy polling precede sleeping on the completion channel (cheap on an idle core, polite on a
+    busy one); ``qp_timeout`` is the QPs' local ACK timeout exponent (1..31, as NCCL_IB_TIMEOUT)."""
+
+    name = "rdma"
+
+    def __init__(self, rank, size, exchange, timeout=60.0, device=None, max_message=DEFAULT_RDMA_MESSAGE,
+                 slots=DEFAULT_SLOTS, spin=50e-6, port=1, gid_index=None, qp_timeout=DEFAULT_QP_TIMEOUT):
+        import pyrdma as rd
+        from pyrdma.endpoint import Endpoint, WIRE_SIZE
+
+        if not 0 < max_message <= MAX_RDMA_MESSAGE:
+            raise UsageError(f"max_message must be within 1..{MAX_RDMA_MESSAGE}, got {max_message}")
+        if slots < 1 or slots > 0xFFFF:
+            raise UsageError(f"slots must be within 1..65535, got {slots}")
+        if not 1 <= qp_timeout <= 31:
+            raise UsageError(f"qp_timeout must be within 1..31 (4.096 us * 2^qp_timeout), got {qp_timeout}")
+        self.rd = rd
+        self.rank, self.size = rank, size
+        self._init_waits(timeout)
+        self.max_message, self.slots, self.spin = int(max_message), int(slots), spin
+        self.qp_timeout = int(qp_timeout)
+        self.slot_stride = (HEADER_ROOM + self.max_message + 63) & ~63
+        self.peers = [p for p in range(size) if p != rank]
+        self._closed = False
+        self._desc = describe(0, "")
+        if not isinstance(port, int) or not 1 <= port <= 255:
+            raise UsageError(f"port must be a port number within 1..255, got {port!r}")
+        if gid_index is not None and (not isinstance(gid_index, int) or gid_index < 0):
+            raise UsageError(f"gid_index must be a non-negative integer (or None: the best one), got {gid_index!r}")
+        self.ctx = rd.Context(device)
+        try:
+            self._setup(rd, Endpoint, WIRE_SIZE, exchange, port, gid_index)
+        except BaseException:
+            self.ctx.close()
+            raise
+
+    def _check_gid(self, port, gid_index):
+        """UsageError unless ``gid_index`` names a GID of ``port`` (an all-zero entry is unused)."""
+        nports = self.ctx.query_device().phys_port_cnt
+        where = f"device {self.ctx.name!r}"
+        if port > nports:
+            raise UsageError(f"{where} has {nports} port(s); port {port} does not exist")
+        if gid_index is None:
+            return
+        length = self.ctx.query_port(port).gid_tbl_len
+        if gid_index >= length:
+            raise UsageError(f"gid_index {gid_index} is out of range: port {port} of {where} has {length} GIDs")
+        try:
+            gid = self.ctx.query_gid(port, gid_index)
+        except RDMAError as exc:
+            raise UsageError(f"gid_index {gid_index} is not a GID of port {port} of {where}: {exc}") from None
+        if not any(bytes(gid)):
+            raise UsageError(f"gid_index {gid_index} of port {port} of {where} is an empty GID table entry")
+
+    def _setup(self, rd, Endpoint, WIRE_SIZE, exchange, port, gid_index):
+        self._check_gid(port, gid_index)
+        npeers = len(self.peers)
+        self.pd = rd.ProtectionDomain(self.ctx)
+        self.channel = rd.CompChannel(self.ctx)
+        # data <= slots in flight (two WRs each: header and payload), credits <= slots / batch, plus
+        # control and abort messages
+        self.sq_depth = 3 * self.slots + 8
+        self.rq_depth = 2 * self.slots + 8
+        max_cqe = self.ctx.query_device().max_cqe
+        cqe = max(16, min(max_cqe, npeers * (self.sq_depth + self.rq_depth) + 16))
+        self.cq = rd.CompletionQueue(self.ctx, cqe, channel=self.channel)
+        self.credit_batch = max(1, self.slots // 2)
+        # credits bound what is in flight; every free slot may take a message ahead
+        self.send_window = self.slots
+        # Receive slots of every peer in one registration; peer p owns [slot_base[p], + per_peer).
+        per_peer = self.slots * self.slot_stride
+        self.slot_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * per_peer,
+                                                rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
+        self.slot_array = self.slot_mr.array()
+        # The headers of the messages in flight: one per credit and peer, reused slot by slot (a
+        # credit comes back only after its message, and so its header, has arrived).
+        self.header_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * self.slots * HEADER_ROOM,
+                                                  rd.ACCESS_LOCAL_WRITE)
+        self.qp, self.remote = {}, {}
+        for p in self.peers:
+            qp = rd.QueuePair(self.pd, rd.QPT_RC, self.cq, max_send_wr=self.sq_depth, max_recv_wr=self.rq_depth,
+                              port=port, gid_index=gid_index)
+            qp.to_init()     # the port is the QP's already; to_init(port=) would re-pick the GID
+            recv = rd.RecvWR([], wr_id=p << 2)    # WRITE_WITH_IMM consumes a receive but no buffer
+            for _ in range(self.rq_depth):
+                qp.post_recv(recv)
+            self.qp[p] = qp
+        self._own_mr = self._own = None
+        self._work_mr = self._work = None
+        self._work_offset = 0          # where the work area starts in _work_mr
+        self._lent = False
+        self._gpu_sync = None          # set while the work area is GPU memory
+        # Callers' buffers registered by use_buffer, most recent last. Each MR keeps its buffer
+        # alive, so its address range cannot be freed and handed to other memory while cached.
+        self._user_mrs = collections.OrderedDict()
+        self.buffer(0)
+        placeholder = Endpoint(qpn=0, psn=0)
+        record = b"".join((placeholder if p == self.rank else self.qp[p].endpoint(mr=self.slot_mr)).to_bytes()
+                          for p in range(self.size))
+        records = exchange.allgather(record)
+        for p in self.peers:
+            rec = records[p]
+            if len(rec) != self.size * WIRE_SIZE:
+                raise WireFormatError(f"rank {p} sent a {len(rec)}-byte connection record, expected "
+                                      f"{self.size * WIRE_SIZE} (different world size or pyrdma version?)")
+            ep = Endpoint.from_bytes(rec[self.rank * WIRE_SIZE:(self.rank + 1) * WIRE_SIZE])
+            if ep.length != self.slot_mr.length:
+                raise UsageError(f"rank {p} registered {ep.length} bytes of receive slots, rank {self.rank} "
+                                 f"{self.slot_mr.length}: the ranks were given different max_message or slots")
+            self.qp[p].to_rtr(ep)
+            self.qp[p].to_rts(timeout=self.qp_timeout)
+            # our slots in the peer's region: it orders its peers by rank, skipping itself
+            their_index = self.rank if self.rank < p else self.rank - 1
+            self.remote[p] = (ep.addr + their_index * self.slots * self.slot_stride, ep.rkey)
+        from pyrdma._engine import Engine
+        self.engine = Engine(self.cq, [self.qp.get(p) for p in range(self.size)], self.slot_mr, self.header_mr,
+                             [self.remote.get(p, (0, 0)) for p in range(self.size)], self.rank, self.size,
+                             self.slots, self.slot_stride, self.max_message, self.sq_depth, self.timeout, self.spin)
+        exchange.allgather(b"rdma-connected")   # nobody writes before every QP is ready to receive
+
+    # ---- the interface ------------------------------------------------------------------------
+
+    def work_area(self, nbytes, lend=None, start=0):
+        """The work area of the next collective: ``lend[start:start + nbytes]`` in place (a
+        C-contiguous uint8 array, numpy or CuPy: sends go straight from it), else this transport's
+        own registered buffer of at least ``nbytes``. A lent array is registered on first use (GPU
+        memory through GPUDirect RDMA) and stays registered (and alive) among the USER_MR_CACHE
+        most recent, so calls on the same memory pay nothing."""
+        if lend is None:
+            if self._own is None or self._own.nbytes < nbytes:
+                if self._own_mr is not None:
+                    self._own_mr.close()         # every schedule ends with its sends completed
+                self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
+                self._own = self._own_mr.array()
+            self._work, self._work_mr, self._work_offset = self._own, self._own_mr, 0
+            self._lent, self._gpu_sync = False, None
+            return self._work
+        on_gpu = not isinstance(lend, np.ndarray)
+        addr = lend.data.ptr if on_gpu else lend.__array_interface__["data"][0]
+        size = lend.nbytes
+        for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
+            if key_addr <= addr and addr + size <= key_addr + key_len:
+                self._user_mrs.move_to_end((key_addr, key_len))
+                base = key_offset + addr - key_addr
+                break
+        else:
+            if on_gpu:
+                # a dma-buf registration covers whole pages: the array starts part way in
+                from pyrdma.cuda import gpu_array_offset, register_gpu_array
+                mr = register_gpu_array(self.pd, lend, 0)
+                base = gpu_array_offset(mr, lend)
+            else:
+                mr, base = self.rd.MemoryRegion(self.pd, lend, 0), 0   # local read: only sent from
+            self._user_mrs[(addr, size)] = (mr, base)
+            while len(self._user_mrs) > USER_MR_CACHE:
+                self._user_mrs.popitem(last=False)[1][0].close()
+        self._work = lend[start:start + nbytes]
+        self._work_mr, self._work_offset, self._lent = mr, base + start, True
+        # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
+        self._gpu_sync = _current_stream().synchronize if on_gpu else None
+        return self._work
+
+    def buffer(self, nbytes):
+        """The current work area (the own buffer, grown to ``nbytes``, unless memory is lent)."""
+        if self._lent:
+            if self._work.nbytes < nbytes:
+                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
+            return self._work
+        return self.work_area(nbytes)
+
+    def use_buffer(self, whole, start=0, stop=None):
+        """Work in place on ``whole[start:stop]`` until use_buffer(None) (see work_area)."""
+        if whole is None:
+            self.work_area(0)
+        else:
+            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start)
+
+    def set_tag(self, desc):
+        self._desc = _as_desc(desc)
+
+    def run(self, schedule, dtype=0, op=0, consume=None):
+        """Execute ``schedule`` (schedule.Schedule) on the work area in the C engine: one call,
+        without the GIL. ``dtype``/``op``: pyrdma._reduce codes; ``consume(kind, chunk, data)``:
+        the consumer of received chunks for a GPU work area (None: host memory, reduced in C)."""
+        if self._gpu_sync is not None:
+            self._gpu_sync()
+        callback = None if consume is None else _slot_consumer(consume, self.slot_array)
+        if self.failure is None:
+            failed = self.engine.run(schedule.steps, schedule.chunks, self._work_mr.addr + self._work_offset,
+                                     self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback)
+            if failed:
+                self.failure = self._engine_error()
+        if self.failure is not None:
+            raise self.failure
+
+    def _engine_error(self):
+        """The exception of the engine's failure, in the one hierarchy."""
+        from pyrdma import _engine
+        kind, peer, what, a, b, desc = self.engine.failure()
+        name = _engine.FAILURES.get(kind)
+        if name == "python":
+            return self.engine.python_error()
+        if name == "closed":
+            return closed_error()
+        if name == "abort":
+            return abort_error(peer, a, b)
+        if name == "mismatch":
+            try:
+                check_header(peer, self.rank, desc, a, self._desc, b)
+            except UsageError as exc:
+                return exc
+        if name == "link":
+            rd = self.rd
+            return PeerError(f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(a)} "
+                             f"({rd.wc_status_str(a)}); rank {peer} died or left", peer=peer)
+        if name == "timeout":
+            self.reports = self.engine.reports()
+            waits = {"credit": "a free receive slot (a credit)", "arrival": f"a {a}-byte message",
+                     "send queue": "send queue space", "sends": "the completion of its sends"}
+            return self._stall_error(peer, waits.get(_engine.WAITS.get(what), "progress"))
+        if name == "malformed":
+            return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
+                                    f"(immediate {a:#x})")
+        if name == "post":
+            return PeerError(f"posting to rank {peer} failed (errno {a}): its queue pair is in error; rank {peer} "
+                             f"died or left", peer=peer)
+        return RDMAError(f"the completion queue failed (errno {a})", call="ibv_poll_cq")
+
+    def interrupt(self):
+        super().interrupt()
+        self.engine.interrupt()
+
+    def abort(self, culprit, reason):
+        """Tell every peer (best effort, no waiting) that this group failed because of ``culprit``."""
+        if self._closed:
+            return
+        for p in self.peers:
+            if p == culprit and reason == PEER_FAILED:
+                continue
+            self._post_control(p, _imm_abort(culprit, reason))
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self.ctx.close()   # closes QPs, MRs, CQ, channel and PD, children first
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _post_control(self, peer, imm):
+        """A zero-byte message outside flow control; dropped when the send queue is full."""
+        self.engine.post_control(peer, imm)
+
+    def _send_query(self, peer, epoch):
+        self._post_control(peer, _imm_control(_CTRL_QUERY, epoch))

@@ -1,0 +1,354 @@
+"""TcpTransport: the transport contract over one TCP connection per pair of ranks."""
+import collections
+import functools
+import hmac
+import secrets
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+
+from pyrdma import _reduce
+from pyrdma.collectives.schedule import consumer, execute
+from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_DATA, _REASONS, DEFAULT_TCP_MESSAGE, DESC,
+                                               NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _malformed, _Waits,
+                                               abort_error, check_header, describe)
+from pyrdma.errors import PeerError, UsageError, WireFormatError
+
+_HELLO = struct.Struct("!8sBxxxii16s")       # magic, version, rank, world size, the listener's token
+_HELLO_MAGIC = b"PYRDMATC"
+_HELLO_VERSION = 3                           # 2: data frames carry the collective's description; 3: token
+_TOKEN_SIZE = 16
+_FRAME = struct.Struct("!BxxxIQ")             # kind, 0 (abort: reason; control: epoch), length or value
+_TCP_QUERY, _TCP_REPORT = 3, 4
+MAX_TCP_MESSAGE = 1 << 30                     # the bound on max_message, so on any frame a peer may send
+HELLO_TIMEOUT = 10.0                          # the longest an accepted connection may take to say hello
+
+
+
+
+def read_frame(sock, peer, max_message, size):
+    """The next frame from ``peer``'s socket: (kind, a, b, description, payload), None at a clean end.
+    Every field is checked against what the protocol can send (a data frame holds at most
+    ``max_message`` bytes, ranks are < ``size``) before anything is allocated; anything else raises
+    PeerError (``malformed`` set when the bytes were wrong rather than the connection)."""
+    try:
+        try:
+            header = _recv_exact(sock, _FRAME.size, idle_ok=True)
+        except EOFError:
+            return None
+        kind, a, b = _FRAME.unpack(header)
+        desc = data = None
+        if kind == _KIND_DATA:
+            if b > max_message or a:
+                raise _malformed(peer, f"a {b}-byte data frame, max_message is {max_message}")
+            desc = bytes(_recv_exact(sock, DESC.size))
+            data = _recv_exact(sock, b) if b else b""
+        elif kind == _KIND_ABORT:
+            if a not in _REASONS or not (b < size or b == NO_CULPRIT):
+                raise _malformed(peer, f"an abort with reason {a} and culprit {b}")
+        elif kind in (_TCP_QUERY, _TCP_REPORT):
+            if a > 0xFFF or (b != 0 if kind == _TCP_QUERY else b >= size):
+                raise _malformed(peer, f"a control frame of kind {kind} with epoch {a} and value {b}")
+        else:
+            raise _malformed(peer, f"unknown frame kind {kind}")
+        return kind, a, b, desc, data
+    except (OSError, EOFError) as exc:
+        raise PeerError(f"the connection from rank {peer} broke ({exc or type(exc).__name__})", peer=peer) from None
+
+
+class TcpTransport(_Waits):
+    """The same contract over one TCP connection per pair of ranks.
+
+    ``host``: the address this rank listens on and advertises (default: the address it used to
+    reach the rendezvous, from ``exchange.advertise_host``, else 127.0.0.1). Only the thread that
+    runs the collective writes to the sockets; reader threads only read."""
+
+    name = "tcp"
+
+    def __init__(self, rank, size, exchange, timeout=60.0, host=None, max_message=DEFAULT_TCP_MESSAGE):
+        self.rank, self.size = rank, size
+        self._init_waits(timeout)
+        self.max_message = int(max_message)
+        # a send blocks in sendall(): one ahead keeps the reductions overlapping the transfers
+        self.send_window = 1
+        if not 1 <= self.max_message <= MAX_TCP_MESSAGE:
+            raise UsageError(f"max_message must be within 1..{MAX_TCP_MESSAGE}, got {max_message}")
+        self.peers = [p for p in range(size) if p != rank]
+        self._desc = describe(0, "")
+        self._closed = False
+        self._cond = threading.Condition()
+        self.inbox = {p: collections.deque() for p in self.peers}
+        self.gone = {}                       # peer -> why its connection ended
+        self.queries = {}                    # peer -> epoch of its unanswered QUERY
+        self.socks = {}
+        self._own = self._work = None
+        self._lent = False
+        self.buffer(0)
+        host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
+        try:      # listen only where the peers are told to connect
+            listener = socket.create_server((host, 0))
+        except OSError:     # an advertised address that is not this machine's (NAT): every interface
+            listener = socket.create_server(("0.0.0.0", 0))
+        # A random token per listener, given to the members only through the exchange (authenticated
+        # when the job has a secret): a connection must present it, so a stranger who reaches the
+        # port first cannot take a rank's place.
+        self._token = secrets.token_bytes(_TOKEN_SIZE)
+        try:
+            listener.settimeout(self.timeout)
+            records = exchange.allgather(
+                f"{self.max_message} {host}:{listener.getsockname()[1]} {self._token.hex()}".encode())
+            addresses, tokens = [], []
+            for p, rec in enumerate(records):
+                fields = rec.decode(errors="replace").split(" ")
+                if len(fields) != 3 or len(fields[2]) != 2 * _TOKEN_SIZE:
+                    raise WireFormatError(f"rank {p}'s TCP transport record is malformed: {bytes(rec)[:80]!r}")
+                message, address, token = fields
+                if p != self.rank and message != str(self.max_message):
+                    raise UsageError(f"rank {p} uses max_message={message}, rank {self.rank} {self.max_message}: "
+                                     f"all ranks must be given the same")
+                try:
+                    tokens.append(bytes.fromhex(token))
+                except ValueError:
+                    raise WireFormatError(f"rank {p}'s TCP transport record has a malformed token") from None
+                addresses.append(address)
+            self._connect_all(listener, addresses, tokens)
+        except BaseException:
+            for s in self.socks.values():
+                s.close()
+            raise
+        finally:
+            listener.close()
+        self._readers = []
+        for p, s in self.socks.items():
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.settimeout(self.timeout)
+            t = threading.Thread(target=self._reader, args=(p, s), daemon=True, name=f"pyrdma-tcp-{rank}<-{p}")
+            t.start()
+            self._readers.append(t)
+
+    def _connect_all(self, listener, addresses, tokens):
+        end = time.monotonic() + self.timeout
+        for p in range(self.rank):   # connect to lower ranks, accept from higher ones
+            host, _, port = addresses[p].rpartition(":")
+            try:
+                s = socket.create_connection((host, int(port)), timeout=max(0.1, end - time.monotonic()))
+            except OSError as exc:
+                raise PeerError(f"rank {self.rank} cannot connect to rank {p} at {host}:{port}: {exc}",
+                                peer=p) from None
+            s.sendall(_HELLO.pack(_HELLO_MAGIC, _HELLO_VERSION, self.rank, self.size, tokens[p]))
+            self.socks[p] = s
+        while len(self.socks) < self.size - 1:
+            listener.settimeout(max(0.01, end - time.monotonic()))
+            try:
+                s, addr = listener.accept()
+            except socket.timeout:
+                missing = [p for p in range(self.rank + 1, self.size) if p not in self.socks]
+                raise PeerError(f"ranks {missing} did not connect to rank {self.rank} within {self.timeout:g} s",
+                                peer=missing[0]) from None
+            # a silent stranger may hold up the others for HELLO_TIMEOUT at most
+            s.settimeout(max(0.01, min(HELLO_TIMEOUT, end - time.monotonic())))
+            try:
+                magic, version, p, size, token = _HELLO.unpack(_recv_exact(s, _HELLO.size))
+            except (OSError, EOFError):
+                s.close()
+                continue
+            if magic != _HELLO_MAGIC or version != _HELLO_VERSION or size != self.size \
+                    or not self.rank < p < self.size or p in self.socks \
+                    or not hmac.compare_digest(token, self._token):
+                s.close()     # a stranger (or a second claim of a rank): dropped, the group goes on
+                continue
+            self.socks[p] = s
+
+    # ---- the interface ------------------------------------------------------------------------
+
+    def work_area(self, nbytes, lend=None, start=0):
+        """``lend[start:start + nbytes]`` in place, else this transport's own buffer (>= nbytes)."""
+        if lend is None:
+            if self._own is None or self._own.nbytes < nbytes:
+                self._own = np.empty(_grow(nbytes), np.uint8)
+            self._work, self._lent = self._own, False
+        else:
+            self._work, self._lent = lend[start:start + nbytes], True
+        return self._work
+
+    def buffer(self, nbytes):
+        if self._lent:
+            if self._work.nbytes < nbytes:
+                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
+            return self._work
+        return self.work_area(nbytes)
+
+    def use_buffer(self, whole, start=0, stop=None):
+        """Work in place on ``whole[start:stop]`` until use_buffer(None)."""
+        if whole is None:
+            self.work_area(0)
+        else:
+            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start)
+
+    def set_tag(self, desc):
+        self._desc = _as_desc(desc)
+
+    def run(self, schedule, dtype=0, op=0, consume=None):
+        """Execute ``schedule`` on the work area, in Python (schedule.execute)."""
+        if consume is None:
+            consume = consumer(self._work, functools.partial(_reduce.reduce_bytes, dtype=dtype, op=op))
+        execute(self, schedule, consume)
+
+    def can_send(self, peer):
+        return True   # the peer's reader thread drains its socket, so a send never waits on it
+
+    def send(self, peer, offset, nbytes):
+        if nbytes > self.max_message:
+            raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
+        if self.failure is not None:
+            raise self.failure
+        header = _FRAME.pack(_KIND_DATA, 0, nbytes) + self._desc
+        chunk = self._work[offset:offset + nbytes]
+        if not isinstance(chunk, np.ndarray):
+            chunk = chunk.get()          # a GPU work area (CuPy): copied out in stream order
+        if nbytes <= 65536:
+            self._send_bytes(peer, header + chunk.tobytes())
+        else:
+            self._send_bytes(peer, header)
+            self._send_bytes(peer, memoryview(chunk))
+
+    def recv(self, peer, nbytes):
+        inbox = self.inbox[peer]
+        if not inbox:
+            self._wait(lambda: len(inbox) > 0, peer, f"a {nbytes}-byte message")
+        with self._cond:
+            desc, data = inbox.popleft()
+        if desc != self._desc or len(data) != nbytes:
+            check_header(peer, self.rank, desc, len(data), self._desc, nbytes)
+        return np.frombuffer(data, np.uint8)
+
+    def release(self, peer):
+        pass
+
+    def wait_sends(self, peer=None):
+        pass   # sendall() returned: the kernel has the bytes
+
+    def abort(self, culprit, reason):
+        frame = _FRAME.pack(_KIND_ABORT, reason, culprit)
+        for p, s in self.socks.items():
+            if p in self.gone or (p == culprit and reason == PEER_FAILED):
+                continue
+            try:
+                s.settimeout(1.0)
+                s.sendall(frame)
+            except OSError:
+                pass
+
+    def close(self):
+        """Graceful: stop sending, let each peer's reader see our end, wait briefly for theirs."""
+        if self._closed:
+            return
+        self._closed = True
+        for s in self.socks.values():
+            try:
+                s.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        end = time.monotonic() + min(self.timeout, 2.0)
+        for t in self._readers:
+            t.join(max(0.0, end - time.monotonic()))
+        for s in self.socks.values():
+            s.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _send_bytes(self, peer, data):
+        sock = self.socks[peer]
+        try:
+            sock.sendall(data)
+        except socket.timeout:
+            raise PeerError(f"rank {peer} took no data from rank {self.rank} for {self.timeout:g} s "
+                            f"(dead or stalled?)", peer=peer) from None
+        except OSError as exc:
+            raise PeerError(f"rank {peer} is gone: sending to it failed ({exc})", peer=peer) from None
+
+    def _check_peer(self, peer):
+        if peer in self.gone and not self.inbox[peer]:
+            raise PeerError(f"rank {peer} is gone: {self.gone[peer]} (it died, or closed its communicator)",
+                            peer=peer)
+
+    def _send_query(self, peer, epoch):
+        try:
+            self._send_bytes(peer, _FRAME.pack(_TCP_QUERY, epoch, 0))
+        except PeerError:
+            pass
+
+    def _step(self, seconds):
+        with self._cond:
+            if not self.queries and self.failure is None:
+                self._cond.wait(max(0.0, seconds))
+            queries, self.queries = self.queries, {}
+        for p, epoch in queries.items():   # answer "what are you waiting for?" from the wait loop
+            if self.waiting_on is not None:
+                try:
+                    self._send_bytes(p, _FRAME.pack(_TCP_REPORT, epoch, self.waiting_on))
+                except PeerError:
+                    pass
+
+    def _reader(self, peer, sock):
+        why = "the connection closed"
+        try:
+            while True:
+                frame = read_frame(sock, peer, self.max_message, self.size)
+                if frame is None:
+                    break
+                kind, a, b, desc, data = frame
+                with self._cond:
+                    if kind == _KIND_DATA:
+                        self.inbox[peer].append((desc, data))
+                    elif kind == _KIND_ABORT:
+                        if self.failure is None:
+                            self.failure = abort_error(peer, b, a)
+                    elif kind == _TCP_QUERY:
+                        self.queries[peer] = a
+                    elif a == self.epoch:
+                        self.reports[peer] = b
+                    self._cond.notify_all()
+        except PeerError as exc:
+            why = str(exc)
+            if getattr(exc, "malformed", False):
+                # the stream is out of step for good: drop it and fail the group now
+                with self._cond:
+                    if self.failure is None:
+                        self.failure = exc
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        except Exception as exc:      # never die silently: a reader that stops must say why
+            why = f"its reader failed ({type(exc).__name__}: {exc})"
+        with self._cond:
+            self.gone[peer] = why
+            self._cond.notify_all()
+
+    def interrupt(self):
+        super().interrupt()
+        with self._cond:
+            self._cond.notify_all()
+
+
+def _recv_exact(sock, n, idle_ok=False):
+    """Exactly n bytes. EOFError on a clean end before the first byte (idle_ok: a timeout before
+    the first byte just waits on)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            if idle_ok and got == 0:
+                continue
+            raise
+        if k == 0:
+            raise EOFError("the peer closed the connection" + (" mid-message" if got else ""))
+        got += k
+    return bytes(buf) if n <= 64 else buf
