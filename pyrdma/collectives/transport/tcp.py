@@ -80,10 +80,9 @@ class TcpTransport(_Waits):
         self._desc = describe(0, "")
         self._closed = False
         self._cond = threading.Condition()
-        self.inbox = {p: collections.deque() for p in self.peers}
-        self.gone = {}                       # peer -> why its connection ended
-        self.queries = {}                    # peer -> epoch of its unanswered QUERY
-        self.socks = {}
+        self.links = {}                      # peer -> _Link, once connected
+        self.queries = {}                    # peer -> epoch of its unanswered QUERY (answered by _step)
+        self.socks = {}                      # peer -> socket, while connecting
         self._own = self._work = None
         self._lent = False
         self.buffer(0)
@@ -122,6 +121,7 @@ class TcpTransport(_Waits):
         finally:
             listener.close()
         self._readers = []
+        self.links = {p: _Link(s) for p, s in self.socks.items()}
         for p, s in self.socks.items():
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.settimeout(self.timeout)
@@ -216,7 +216,7 @@ class TcpTransport(_Waits):
             self._send_bytes(peer, memoryview(chunk))
 
     def recv(self, peer, nbytes):
-        inbox = self.inbox[peer]
+        inbox = self.links[peer].inbox
         if not inbox:
             self._wait(lambda: len(inbox) > 0, peer, f"a {nbytes}-byte message")
         with self._cond:
@@ -233,8 +233,9 @@ class TcpTransport(_Waits):
 
     def abort(self, culprit, reason):
         frame = _FRAME.pack(_KIND_ABORT, reason, culprit)
-        for p, s in self.socks.items():
-            if p in self.gone or (p == culprit and reason == PEER_FAILED):
+        for p, link in self.links.items():
+            s = link.sock
+            if link.gone is not None or (p == culprit and reason == PEER_FAILED):
                 continue
             try:
                 s.settimeout(1.0)
@@ -261,7 +262,7 @@ class TcpTransport(_Waits):
     # ---- internals ----------------------------------------------------------------------------
 
     def _send_bytes(self, peer, data):
-        sock = self.socks[peer]
+        sock = self.links[peer].sock
         try:
             sock.sendall(data)
         except socket.timeout:
@@ -271,8 +272,9 @@ class TcpTransport(_Waits):
             raise PeerError(f"rank {peer} is gone: sending to it failed ({exc})", peer=peer) from None
 
     def _check_peer(self, peer):
-        if peer in self.gone and not self.inbox[peer]:
-            raise PeerError(f"rank {peer} is gone: {self.gone[peer]} (it died, or closed its communicator)",
+        link = self.links[peer]
+        if link.gone is not None and not link.inbox:
+            raise PeerError(f"rank {peer} is gone: {link.gone} (it died, or closed its communicator)",
                             peer=peer)
 
     def _send_query(self, peer, epoch):
@@ -303,7 +305,7 @@ class TcpTransport(_Waits):
                 kind, a, b, desc, data = frame
                 with self._cond:
                     if kind == _KIND_DATA:
-                        self.inbox[peer].append((desc, data))
+                        self.links[peer].inbox.append((desc, data))
                     elif kind == _KIND_ABORT:
                         if self.failure is None:
                             self.failure = abort_error(peer, b, a)
@@ -326,13 +328,23 @@ class TcpTransport(_Waits):
         except Exception as exc:      # never die silently: a reader that stops must say why
             why = f"its reader failed ({type(exc).__name__}: {exc})"
         with self._cond:
-            self.gone[peer] = why
+            self.links[peer].gone = why
             self._cond.notify_all()
 
     def interrupt(self):
         super().interrupt()
         with self._cond:
             self._cond.notify_all()
+
+
+class _Link:
+    """All state of the connection to one peer."""
+    __slots__ = ("sock", "inbox", "gone")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.inbox = collections.deque()     # (description, payload) of arrived data frames
+        self.gone = None                     # why the connection ended, once it has
 
 
 def _recv_exact(sock, n, idle_ok=False):
