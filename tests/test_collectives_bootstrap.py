@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -410,10 +411,12 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
                 _reduce.divide_bytes(work, code, n)
             for algorithm in ("ring", "recursive_doubling"):     # the latter runs as halving-doubling
                 y = x.copy()
-                comm._allreduce_in_place(y.view(np.uint8), y.size, 4, code, "avg", algorithm, reduce, divide)
+                area = types.SimpleNamespace(work=y.view(np.uint8), count=y.size, itemsize=4, code=code,
+                                             reduce=reduce, divide=divide, prescale=None)
+                comm._allreduce_in_place(area, "avg", algorithm)
                 assert (y == np.arange(1001) * 2).all() and divided[-1] == 3   # (1 + 2 + 3) / 3
             b = np.arange(300, dtype=np.float64) if rank == 1 else np.zeros(300)
-            comm._broadcast_in_place(b.view(np.uint8), "float64", 1, "auto")
+            comm._broadcast_in_place(types.SimpleNamespace(work=b.view(np.uint8), dtype_name="float64"), 1, "auto")
             return bool((b == np.arange(300)).all())
     assert in_threads(3, rank_fn) == [True, True, True]
     with pytest.raises(pyrdma.UsageError, match="unknown gpu_path"):

@@ -1238,29 +1238,38 @@ class FakeGpuBytes:
 
 
 def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(monkeypatch):
+    # the GPU memory comes with its device (pyrdma.cuda's DirectArea): the transport registers and
+    # syncs through it, never importing pyrdma.cuda itself
+    import types
     from pyrdma.collectives import transport as tr
+    from pyrdma.cuda import collectives as gcoll, registration
     registered, synced, closed = [], [], []
 
     class FakeMR:
         def close(self):
             closed.append(self)
 
-    monkeypatch.setattr(gpu, "register_gpu_array", lambda pd, arr, access: registered.append((pd, arr, access)) or FakeMR())
-    monkeypatch.setattr(gpu, "gpu_array_offset", lambda mr, arr: 96)     # dma-buf MRs start at a page
-    monkeypatch.setattr(tr.rdma, "_current_stream", lambda: type("S", (), {"synchronize": lambda s: synced.append(1)})())
+    monkeypatch.setattr(registration, "register_gpu_array",
+                        lambda pd, arr, access: registered.append((pd, arr, access)) or FakeMR())
+    monkeypatch.setattr(registration, "gpu_array_offset", lambda mr, arr: 96)     # dma-buf MRs start at a page
+    device = object.__new__(gcoll.DirectArea)
+    stream = types.SimpleNamespace(synchronize=lambda: synced.append(1))
+    device.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
     t = object.__new__(tr.RdmaTransport)       # just the state use_buffer touches
     t.pd, t._user_mrs, t._gpu_sync = "pd", collections.OrderedDict(), None
     t._own, t._own_mr = np.zeros(64, np.uint8), "own MR"        # use_buffer(None) goes back to it
     whole = FakeGpuBytes(0x7f0000010000, 8192)
-    t.use_buffer(whole, 100, 300)
+    with pytest.raises(rd.UsageError, match="needs its device"):
+        t.use_buffer(whole, 100, 300)
+    t.use_buffer(whole, 100, 300, device)
     assert registered == [("pd", whole, 0)]              # local read only: it is sent from
     assert t._work_offset == 96 + 100 and t._work.nbytes == 200 and t._lent
     t._gpu_sync()
     assert synced == [1]
     t.use_buffer(None)
     assert t._gpu_sync is None and not t._lent and t._work_mr == "own MR"
-    t.use_buffer(whole[1024:2048], 8, 16)                # inside the cached registration: no new one
+    t.use_buffer(whole[1024:2048], 8, 16, device)        # inside the cached registration: no new one
     assert len(registered) == 1 and t._work_offset == 96 + 1024 + 8
     for i in range(tr.USER_MR_CACHE):                    # the cache keeps the most recent few
-        t.use_buffer(FakeGpuBytes(0x7f1000000000 + i * 65536, 4096))
+        t.use_buffer(FakeGpuBytes(0x7f1000000000 + i * 65536, 4096), device=device)
     assert len(registered) == 1 + tr.USER_MR_CACHE and len(closed) == 1

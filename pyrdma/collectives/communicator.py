@@ -518,8 +518,12 @@ class Communicator:
             algorithm = self._check_algorithm(algorithm)
             gc = _cuda()
             gc.check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
-            fn = gc.direct_allreduce if self._gpu_direct(buf) else gc.allreduce
-            return fn(self, buf, out, op, algorithm, dtype)
+            area = gc.direct_allreduce_area(buf, out, op, dtype) if self._gpu_direct(buf) else None
+            if area is None:
+                return gc.allreduce(self, buf, out, op, algorithm, dtype)
+            with area:
+                self._allreduce_in_place(area, op, algorithm)
+            return area.result
         return self._iallreduce(buf, out, op, algorithm, dtype, blocking=True).wait()
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
@@ -599,59 +603,58 @@ class Communicator:
             agreed = self._gpudirect_agreed[device_id] = bool(flag[0])
         return agreed
 
-    def _allreduce_in_place(self, work, count, itemsize, code, op, algorithm, reduce, divide, prescale=None):
-        """allreduce of ``count`` elements in place on ``work`` (a flat uint8 array, GPU memory
-        included, that the transport sends from directly), with the given reduction callables.
-        avg: ``prescale(work, n)`` (floating point: work /= n before the sum) when given, else
-        ``divide(work, n)`` after it."""
+    def _allreduce_in_place(self, area, op, algorithm):
+        """allreduce in place on a work area that is not the transport's: ``area`` has the memory
+        (``work``, a flat uint8 array that the transport sends from directly: GPU memory through
+        pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code`` and the reductions ``reduce``,
+        ``divide``, ``prescale`` (floating-point avg: work /= n before the sum; else divide after it)
+        and, for memory other than numpy's, ``register(pd, array)`` and ``sync()``."""
         plan = []
-        for lo, hi in self._pieces(count, itemsize):
+        for lo, hi in self._pieces(area.count, area.itemsize):
             algo = algorithm
             if algo == "auto":
-                algo = self.cost_model.choose_allreduce((hi - lo) * itemsize, self.size, self.transport.max_message)
+                algo = self.cost_model.choose_allreduce((hi - lo) * area.itemsize, self.size,
+                                                        self.transport.max_message)
                 algo = ALIASES.get(algo, algo)
             if algo == "recursive_doubling":      # needs a second copy of the buffer: not in place
                 algo = "halving_doubling"
-            plan.append((lo, hi, algo, self._tag("allreduce-direct", op=op, dtype=code, count=count, lo=lo, hi=hi,
-                                                      algorithm=algo)))
-        return self._submit(True, self._run_allreduce_in_place, work, itemsize, op, plan, reduce, divide,
-                            prescale).wait()
+            plan.append((lo, hi, algo, self._tag("allreduce-direct", op=op, dtype=area.code, count=area.count,
+                                                      lo=lo, hi=hi, algorithm=algo)))
+        return self._submit(True, self._run_allreduce_in_place, area, op, plan).wait()
 
-    def _run_allreduce_in_place(self, work, itemsize, op, plan, reduce, divide, prescale):
+    def _run_allreduce_in_place(self, area, op, plan):
         t = self.transport
+        work, itemsize = area.work, area.itemsize
+        device = None if isinstance(work, np.ndarray) else area
         for lo, hi, algo, tag in plan:
             a, b = lo * itemsize, hi * itemsize
-            if op == "avg" and prescale is not None:
-                prescale(work[a:b], self.size)
-            t.use_buffer(work, a, b)
-            try:
-                t.set_tag(tag)
-                plan = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
-                t.run(plan, consume=consumer(t.buffer(0), reduce))
-            finally:
-                t.use_buffer(None)
-            if op == "avg" and prescale is None:
-                divide(work[a:b], self.size)
+            if op == "avg" and area.prescale is not None:
+                area.prescale(work[a:b], self.size)
+            piece = t.work_area(b - a, work, a, device=device)
+            t.set_tag(tag)
+            plan = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
+            t.run(plan, area.code, _op_code(op), consume=consumer(piece, area.reduce))
+            if op == "avg" and area.prescale is None:
+                area.divide(work[a:b], self.size)
 
-    def _broadcast_in_place(self, work, dtype_name, root, algorithm):
-        """broadcast of ``work`` (flat uint8, GPU memory included) from root, sent from directly."""
+    def _broadcast_in_place(self, area, root, algorithm):
+        """broadcast of ``area.work`` (flat uint8, GPU memory included) from root, sent from directly."""
         plan = []
-        for lo, hi in self._pieces(work.nbytes, 1):
+        for lo, hi in self._pieces(area.work.nbytes, 1):
             algo = self._rooted_algorithm(algorithm, hi - lo)
-            plan.append((lo, hi, algo, self._tag("broadcast-direct", dtype=_dtype_field(dtype_name),
-                                                      count=work.nbytes, root=root, lo=lo, hi=hi, algorithm=algo)))
-        return self._submit(True, self._run_broadcast_in_place, work, root, plan).wait()
+            plan.append((lo, hi, algo, self._tag("broadcast-direct", dtype=_dtype_field(area.dtype_name),
+                                                      count=area.work.nbytes, root=root, lo=lo, hi=hi,
+                                                      algorithm=algo)))
+        return self._submit(True, self._run_broadcast_in_place, area, root, plan).wait()
 
-    def _run_broadcast_in_place(self, work, root, plan):
+    def _run_broadcast_in_place(self, area, root, plan):
         t = self.transport
+        device = None if isinstance(area.work, np.ndarray) else area
         for lo, hi, algo, tag in plan:
-            t.use_buffer(work, lo, hi)
-            try:
-                t.set_tag(tag)
-                plan = BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root)
-                t.run(plan, consume=consumer(t.buffer(0), None))
-            finally:
-                t.use_buffer(None)
+            piece = t.work_area(hi - lo, area.work, lo, device=device)
+            t.set_tag(tag)
+            plan = BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root)
+            t.run(plan, consume=consumer(piece, None))
 
     # ---- reduce, broadcast ----------------------------------------------------------------------
 
@@ -720,7 +723,9 @@ class Communicator:
         if _is_cuda(buf):
             root = self._check_root(root)
             if self._gpu_direct(buf):
-                return _cuda().direct_broadcast(self, buf, root, algorithm)
+                with _cuda().direct_broadcast_area(buf, self.rank == root) as area:
+                    self._broadcast_in_place(area, root, algorithm)
+                return buf
             return _cuda().broadcast(self, buf, root, algorithm)
         return self._ibroadcast(buf, root, algorithm, True).wait()
 

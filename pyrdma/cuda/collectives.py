@@ -222,41 +222,75 @@ def _gpu_prescale(cp, dtype):
     return prescale
 
 
-def direct_allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, stream=None):
-    """``comm.allreduce`` of a CUDA array in place on GPU memory (gpu_path "direct"). bfloat16, which
-    the GPU kernels lack, goes the staged way."""
+class DirectArea:
+    """A CUDA array as the work area of a direct collective (gloo's workspace parameter): the
+    memory (``work``, flat CuPy uint8), its elements (``count``, ``itemsize``, ``code``), the
+    reductions as CUDA kernels (``reduce``, ``divide``, ``prescale``), how the transport registers
+    it for RDMA (``register``) and makes sure the stream's writes are done before the NIC reads it
+    (``sync``). The Communicator runs its one algorithm path on it inside ``with area:`` (the
+    stream); nothing here calls into the Communicator."""
+
+    def __init__(self, cp, obj, buf, dtype, op, stream):
+        from pyrdma import _reduce
+        self.cp, self.result = cp, obj
+        self.work = _cupy_view(cp, obj, buf, np.dtype(np.uint8))
+        self.itemsize = dtype.itemsize
+        self.count = buf.nbytes // dtype.itemsize
+        self.code = _reduce.dtype_code(dtype)     # the same dtype check (and message) as the host path
+        self.reduce = GpuReducer(cp, dtype, op) if op is not None else None
+        self.divide = _gpu_divide(dtype)
+        self.prescale = _gpu_prescale(cp, dtype) if dtype.kind == "f" else None
+        self._stream = _on(cp, stream)
+
+    def __enter__(self):
+        self._stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            if exc[0] is None:
+                self.cp.cuda.get_current_stream().synchronize()   # received chunks were copied up in order
+        finally:
+            self._stream.__exit__(*exc)
+
+    def register(self, pd, whole):
+        """(MemoryRegion, offset of ``whole`` in it): a dma-buf registration covers whole pages."""
+        from pyrdma.cuda.registration import gpu_array_offset, register_gpu_array
+        mr = register_gpu_array(pd, whole, 0)       # local read: only sent from
+        return mr, gpu_array_offset(mr, whole)
+
+    def sync(self):
+        self.cp.cuda.get_current_stream().synchronize()
+
+
+def direct_allreduce_area(buf, out=None, op="sum", dtype=None, stream=None):
+    """The DirectArea of ``comm.allreduce`` of a CUDA array in place on GPU memory (gpu_path
+    "direct"), ``out`` already holding a copy of ``buf``; None for bfloat16, which the GPU kernels
+    lack (it goes the staged way)."""
     check_pair(buf, out, "allreduce")
     cp = import_cupy("allreduce of a CUDA array")
     sbuf, sdtype, twin = _describe(buf, "buf")
     if twin is not None:
-        return allreduce(comm, buf, out, op, algorithm, dtype, stream)
+        return None
     if dtype is not None and np.dtype(dtype) != sdtype:
         raise UsageError(f"dtype={dtype!r} does not match the array's {sdtype}")
-    from pyrdma import _reduce
-    code = _reduce.dtype_code(sdtype)           # the same dtype check (and message) as the host path
     result = buf if out is None else out
-    with _on(cp, stream):
-        if out is not None:
+    area = DirectArea(cp, result, device_buffer(result), sdtype, op, stream)
+    if out is not None:
+        with area:
             _copy_into(cp, out, buf, "allreduce")
-        rbuf = device_buffer(result)
-        work = _cupy_view(cp, result, rbuf, np.dtype(np.uint8))
-        comm._allreduce_in_place(work, rbuf.nbytes // sdtype.itemsize, sdtype.itemsize, code, op, algorithm,
-                                 GpuReducer(cp, sdtype, op), _gpu_divide(sdtype),
-                                 _gpu_prescale(cp, sdtype) if sdtype.kind == "f" else None)
-    return result
+    return area
 
 
-def direct_broadcast(comm, buf, root=0, algorithm="auto", stream=None):
-    """``comm.broadcast`` of a CUDA array sent from and received into GPU memory (gpu_path "direct")."""
+def direct_broadcast_area(buf, is_root, stream=None):
+    """The DirectArea of ``comm.broadcast`` of a CUDA array sent from and received into GPU memory."""
     cp = import_cupy("broadcast of a CUDA array")
     sbuf, _, _ = _describe(buf, "buf")
-    if sbuf.readonly and comm.rank != root:
+    if sbuf.readonly and not is_root:
         raise UsageError("buf is read-only; on a rank other than root it receives the data")
-    with _on(cp, stream):
-        work = _cupy_view(cp, buf, sbuf, np.dtype(np.uint8))
-        comm._broadcast_in_place(work, sbuf.dtype_name, root, algorithm)
-        cp.cuda.get_current_stream().synchronize()     # received chunks were copied up in stream order
-    return buf
+    area = DirectArea(cp, buf, sbuf, np.dtype(np.uint8), None, stream)
+    area.dtype_name = sbuf.dtype_name
+    return area
 
 
 def _host_dtype(dtype, twin):

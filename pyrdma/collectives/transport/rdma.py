@@ -13,12 +13,6 @@ _CTRL_QUERY, _CTRL_REPORT = 0, 1
 HEADER_ROOM = 64           # a slot: the header, then the payload (64-byte aligned)
 
 
-def _current_stream():
-    """The CuPy stream current now (the one a GPU collective runs its copies and kernels on)."""
-    import cupy
-    return cupy.cuda.get_current_stream()
-
-
 def _slot_consumer(consume, slots):
     """The engine's callback (kind, offset, nbytes, aux, slot offset) over schedule's consume()."""
     def callback(kind, off, nbytes, aux, at):
@@ -160,12 +154,15 @@ class RdmaTransport(_Waits):
 
     # ---- the interface ------------------------------------------------------------------------
 
-    def work_area(self, nbytes, lend=None, start=0):
+    def work_area(self, nbytes, lend=None, start=0, device=None):
         """The work area of the next collective: ``lend[start:start + nbytes]`` in place (a
-        C-contiguous uint8 array, numpy or CuPy: sends go straight from it), else this transport's
-        own registered buffer of at least ``nbytes``. A lent array is registered on first use (GPU
-        memory through GPUDirect RDMA) and stays registered (and alive) among the USER_MR_CACHE
-        most recent, so calls on the same memory pay nothing."""
+        C-contiguous uint8 array: sends go straight from it), else this transport's own registered
+        buffer of at least ``nbytes``. A lent array is registered on first use and stays registered
+        (and alive) among the USER_MR_CACHE most recent, so calls on the same memory pay nothing.
+        Memory other than a numpy array (GPU memory) comes with its ``device``: an object with
+        ``register(pd, array) -> (MemoryRegion, offset of array in it)`` and ``sync()``, which
+        returns once what was written to the memory is there for the NIC to read (a CuPy array
+        has ``.data.ptr``; pyrdma.cuda.collectives.DirectArea is such a device)."""
         if lend is None:
             if self._own is None or self._own.nbytes < nbytes:
                 if self._own_mr is not None:
@@ -176,6 +173,9 @@ class RdmaTransport(_Waits):
             self._lent, self._gpu_sync = False, None
             return self._work
         on_gpu = not isinstance(lend, np.ndarray)
+        if on_gpu and device is None:
+            raise UsageError(f"work_area: lent memory of type {type(lend).__name__} needs its device "
+                             f"(registration and sync)")
         addr = lend.data.ptr if on_gpu else lend.__array_interface__["data"][0]
         size = lend.nbytes
         for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
@@ -185,10 +185,7 @@ class RdmaTransport(_Waits):
                 break
         else:
             if on_gpu:
-                # a dma-buf registration covers whole pages: the array starts part way in
-                from pyrdma.cuda import gpu_array_offset, register_gpu_array
-                mr = register_gpu_array(self.pd, lend, 0)
-                base = gpu_array_offset(mr, lend)
+                mr, base = device.register(self.pd, lend)
             else:
                 mr, base = self.rd.MemoryRegion(self.pd, lend, 0), 0   # local read: only sent from
             self._user_mrs[(addr, size)] = (mr, base)
@@ -197,7 +194,7 @@ class RdmaTransport(_Waits):
         self._work = lend[start:start + nbytes]
         self._work_mr, self._work_offset, self._lent = mr, base + start, True
         # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
-        self._gpu_sync = _current_stream().synchronize if on_gpu else None
+        self._gpu_sync = device.sync if on_gpu else None
         return self._work
 
     def buffer(self, nbytes):
@@ -208,12 +205,12 @@ class RdmaTransport(_Waits):
             return self._work
         return self.work_area(nbytes)
 
-    def use_buffer(self, whole, start=0, stop=None):
+    def use_buffer(self, whole, start=0, stop=None, device=None):
         """Work in place on ``whole[start:stop]`` until use_buffer(None) (see work_area)."""
         if whole is None:
             self.work_area(0)
         else:
-            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start)
+            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start, device)
 
     def set_tag(self, desc):
         self._desc = _as_desc(desc)

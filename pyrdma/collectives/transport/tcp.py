@@ -164,7 +164,7 @@ class TcpTransport(_Waits):
 
     # ---- the interface ------------------------------------------------------------------------
 
-    def work_area(self, nbytes, lend=None, start=0):
+    def work_area(self, nbytes, lend=None, start=0, device=None):
         """``lend[start:start + nbytes]`` in place, else this transport's own buffer (>= nbytes)."""
         if lend is None:
             if self._own is None or self._own.nbytes < nbytes:
@@ -181,8 +181,8 @@ class TcpTransport(_Waits):
             return self._work
         return self.work_area(nbytes)
 
-    def use_buffer(self, whole, start=0, stop=None):
-        """Work in place on ``whole[start:stop]`` until use_buffer(None)."""
+    def use_buffer(self, whole, start=0, stop=None, device=None):
+        """Work in place on ``whole[start:stop]`` until use_buffer(None) (``device`` matters to RDMA)."""
         if whole is None:
             self.work_area(0)
         else:
