@@ -17,6 +17,7 @@ the same number of elements, ``dst`` writable; anything else raises pyrdma.Usage
 from libc.stdint cimport int64_t, uintptr_t
 import numpy as np
 
+from pyrdma.buffers import host_array
 from pyrdma.errors import UsageError
 
 cdef extern from "pyrdma_reduce.h" nogil:
@@ -69,21 +70,6 @@ def op_code(op):
     raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
 
 
-def _as_array(obj, name):
-    """A numpy view (never a copy) of a buffer-protocol object, numpy array or CPU DLPack tensor."""
-    if isinstance(obj, np.ndarray):
-        return obj
-    if hasattr(obj, "__dlpack_device__"):
-        device_type = obj.__dlpack_device__()[0]
-        if device_type != 1:   # kDLCPU
-            raise UsageError(f"{name} is not in CPU memory (DLPack device type {device_type})")
-        return np.from_dlpack(obj)
-    try:
-        return np.asarray(memoryview(obj))
-    except TypeError:
-        raise UsageError(f"{name} ({type(obj).__name__}) is not a buffer, a numpy array or a DLPack tensor") from None
-
-
 cdef object _storage(arr, int code):
     # ml_dtypes.bfloat16 arrays do not export the buffer protocol: look at their bits as uint16.
     if code == BFLOAT16 and arr.dtype != np.uint16:
@@ -130,8 +116,8 @@ cdef int _run(object dst, object a, object b, int code, int opc) except -1:
 
 
 def _prepare(dst, srcs, op, dtype):
-    d = _as_array(dst, "dst")
-    arrays = [_as_array(s, n) for n, s in srcs]
+    d = host_array(dst, "dst")
+    arrays = [host_array(s, n) for n, s in srcs]
     if dtype is None:
         code = dtype_code(d.dtype)
         for (n, _), arr in zip(srcs, arrays):
@@ -175,7 +161,7 @@ def divide(buf, int64_t n, dtype=None):
     cdef size_t count
     if n <= 0:
         raise UsageError(f"cannot divide by {n}")
-    arr = _as_array(buf, "buf")
+    arr = host_array(buf, "buf")
     code = dtype_code(arr.dtype if dtype is None else dtype)
     if arr.dtype.itemsize != ITEMSIZE[code]:
         raise UsageError(f"buf has {arr.dtype.itemsize}-byte elements; dtype={dtype!r} needs {ITEMSIZE[code]}")

@@ -44,7 +44,7 @@ from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_A
 from pyrdma.collectives.pieces import scale_down, scale_down_bfloat16, segment_bounds
 from pyrdma.collectives.schedule import consumer
 from pyrdma.collectives.transport import LEFT, MISMATCH, NO_CULPRIT, PEER_FAILED, closed_error, describe
-from pyrdma.cuda.buffers import is_cuda_array
+from pyrdma.buffers import host_array, is_cuda_array
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
 
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -110,7 +110,7 @@ class _Operand:
     """A user buffer as a flat C-contiguous numpy view (never a copy), with its reduction dtype."""
 
     def __init__(self, obj, name, writable, dtype=None):
-        arr = _as_numpy(obj, name)
+        arr = host_array(obj, name)
         if not arr.flags.c_contiguous:
             raise UsageError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
         if writable and not arr.flags.writeable:
@@ -148,21 +148,6 @@ def _in_and_out(buf, out, dtype, writes):
                          f"it must match buf")
     _check_apart(src, dst)
     return src, dst
-
-
-def _as_numpy(obj, name):
-    if isinstance(obj, np.ndarray):
-        return obj
-    if hasattr(obj, "__dlpack_device__") and hasattr(obj, "__dlpack__"):
-        device_type = obj.__dlpack_device__()[0]
-        if device_type != 1:   # kDLCPU
-            raise UsageError(f"{name} lives on DLPack device type {device_type}; only CPU memory "
-                             f"and CUDA device memory are supported")
-        return np.from_dlpack(obj)
-    try:
-        return np.asarray(memoryview(obj))
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} ({type(obj).__name__}) is not an array, a buffer or a DLPack tensor") from None
 
 
 def _is_cuda(*objs):
@@ -735,7 +720,7 @@ class Communicator:
 
     def _ibroadcast(self, buf, root, algorithm, blocking):
         root = self._check_root(root)
-        arr = _as_numpy(buf, "buf")       # any dtype: broadcast copies bytes
+        arr = host_array(buf, "buf")       # any dtype: broadcast copies bytes
         _check_plain(arr, "buf")
         if not arr.flags.c_contiguous:
             raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
@@ -777,7 +762,7 @@ class Communicator:
         return self._iallgather(buf, out, False)
 
     def _iallgather(self, buf, out, blocking):
-        arr = _as_numpy(buf, "buf")
+        arr = host_array(buf, "buf")
         _check_plain(arr, "buf")
         if not arr.flags.c_contiguous:
             raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
@@ -785,7 +770,7 @@ class Communicator:
         if out is None:
             shape = (self.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (self.size,)
             out = np.empty(shape, arr.dtype)
-        dst_arr = _as_numpy(out, "out")
+        dst_arr = host_array(out, "out")
         if not dst_arr.flags.c_contiguous or not dst_arr.flags.writeable:
             raise UsageError("out must be a writable C-contiguous buffer")
         if dst_arr.dtype != arr.dtype or dst_arr.size != arr.size * self.size:
