@@ -152,7 +152,10 @@ def _in_and_out(buf, out, dtype, writes):
 
 def _is_cuda(*objs):
     """Whether any of ``objs`` (None ignored) is a CUDA array (no CuPy imported to tell)."""
-    return any(o is not None and is_cuda_array(o) for o in objs)
+    for o in objs:
+        if o is not None and not isinstance(o, np.ndarray) and is_cuda_array(o):
+            return True
+    return False
 
 
 def _cuda():

@@ -9,7 +9,8 @@ algorithms, not predict time exactly.
 
 Override: pass ``algorithm=`` to a collective; give the Communicator ``cost_model=CostModel(...)``
 with measured constants, or a subclass with another ``choose_*``; or set the environment variable
-PYRDMA_ALLREDUCE_ALGORITHM (ring, halving_doubling, recursive_doubling) for every allreduce.
+PYRDMA_ALLREDUCE_ALGORITHM (ring, halving_doubling, recursive_doubling) for every allreduce (read
+when the model is made).
 
 choose_allreduce remembers its answer per (bytes, ranks, max_message, alpha, beta, gamma), so a
 subclass whose estimates depend on anything else overrides choose_allreduce itself.
@@ -40,6 +41,8 @@ class CostModel:
         self.beta = b if beta is None else beta
         self.gamma = g if gamma is None else gamma
         self._chosen = {}      # the allreduce choices made so far: the same sizes come back every step
+        # read once: looking the environment up costs more than the choice itself
+        self.forced_allreduce = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM") or None
 
     def __repr__(self):
         return f"CostModel(alpha={self.alpha:g}, beta={self.beta:g}, gamma={self.gamma:g})"
@@ -76,7 +79,7 @@ class CostModel:
         return {name: getattr(self, name)(nbytes, n, max_message) for name in ALLREDUCE_ALGORITHMS}
 
     def choose_allreduce(self, nbytes, n, max_message):
-        forced = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM")
+        forced = self.forced_allreduce
         if forced:
             return ALIASES.get(forced, forced)
         key = (nbytes, n, max_message, self.alpha, self.beta, self.gamma)
