@@ -2,28 +2,20 @@
 cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport errno, EINTR, EAGAIN
+from libc.errno cimport errno
 from libc.limits cimport INT_MAX
 from libc.stdint cimport uintptr_t
 from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from posix.unistd cimport usleep
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport (VerbsObject, raise_errno, monotonic_now, adopt, release, use, unuse,
-                                 pyrdma_load_flag)
+                                 pyrdma_load_flag, wait_fd, wait_seconds)
 from pyrdma._verbs.device cimport Context
 import enum
 
 import numpy as np
 
 from pyrdma.errors import CompletionError, RDMATimeoutError, UsageError
-
-cdef extern from "<poll.h>" nogil:
-    cdef struct pollfd:
-        int fd
-        short events
-        short revents
-    int poll(pollfd *fds, unsigned long nfds, int timeout)
-    enum: POLLIN
 
 WC_DTYPE = np.dtype([("wr_id", "<u8"), ("status", "<u4"), ("opcode", "<u4"), ("vendor_err", "<u4"),
                      ("byte_len", "<u4"), ("imm_data", "<u4"), ("qp_num", "<u4"), ("src_qp", "<u4"),
@@ -82,7 +74,6 @@ globals().update({f"WC_{m.name}": m for e in (WCStatus, WCOpcode, WCFlags) for m
 
 # A blocking wait gives up the C loop this often to run signal handlers (Ctrl-C) and see close().
 cdef double CHECK_INTERVAL_S = 0.05
-cdef int CHECK_INTERVAL_MS = 50
 cdef enum:
     STOP_DONE = 0
     STOP_ERROR = 1
@@ -148,6 +139,21 @@ cdef object _completion_error(object wcs, Py_ssize_t index, Py_ssize_t polled):
                                    f"failed: {wc_status_name(status)} ({wc_status_str(status)})"))
     exc.polled = int(polled)
     return exc
+
+
+cdef struct cq_event_take:
+    ibv_comp_channel *channel
+    void *ev_ctx
+
+
+cdef int _take_cq_event(void *arg) noexcept nogil:
+    # The ack follows at once: ibv_destroy_cq of the event's CQ waits for it.
+    cdef cq_event_take *take = <cq_event_take *>arg
+    cdef ibv_cq *ev_cq
+    if ibv_get_cq_event(take.channel, &ev_cq, &take.ev_ctx) != 0:
+        return -errno
+    ibv_ack_cq_events(ev_cq, 1)
+    return 1
 
 
 @cython.no_gc_clear
@@ -267,63 +273,33 @@ cdef class CompletionQueue(VerbsObject):
         Several CQs may share a channel: an event read by another CQ's wait() is kept for this one,
         so a wait here returns at once. Ctrl-C interrupts the wait; close() from another thread
         makes it raise UsageError."""
-        cdef pollfd pfd
-        cdef int rc, ms, err, got
-        cdef ibv_cq *ev_cq
-        cdef void *ev_ctx
-        cdef double deadline, left
+        cdef cq_event_take take
+        cdef int got
+        cdef double deadline, seconds
         cdef CompChannel ch
         self._check_open()
         ch = self.channel
         if ch is None:
             raise UsageError("wait() needs a CQ created with a CompChannel", obj=repr(self))
         ch._check_open()
-        deadline = -1.0 if timeout is None else monotonic_now() + timeout
-        pfd.fd = ch.channel.fd
-        pfd.events = POLLIN
+        seconds = wait_seconds(timeout)
+        deadline = -1.0 if seconds < 0 else monotonic_now() + seconds
+        take.channel = ch.channel
         while True:
             if self._pending_events > 0:
                 self._pending_events -= 1
                 return True
-            if deadline < 0:
-                ms = CHECK_INTERVAL_MS
-            else:
-                left = (deadline - monotonic_now()) * 1000.0
-                ms = <int>min(max(0.0, left), <double>CHECK_INTERVAL_MS)
-            # Registered on the CQ and the channel only while the GIL is released over their handles.
-            if ch._closed or ch._closing:
-                raise UsageError("closed while waiting", call="CompletionQueue.wait", obj=repr(ch))
-            use(self)
-            ch._users += 1
-            err = got = 0
-            ev_ctx = NULL
-            with nogil:
-                rc = poll(&pfd, 1, ms)
-                if rc < 0:
-                    err = errno
-                elif rc > 0:
-                    # The ack follows at once: ibv_destroy_cq of the event's CQ waits for it.
-                    if ibv_get_cq_event(ch.channel, &ev_cq, &ev_ctx) == 0:
-                        ibv_ack_cq_events(ev_cq, 1)
-                        got = 1
-                    else:
-                        err = errno
-            unuse(ch)
-            unuse(self)
-            if got:
-                if <uintptr_t>ev_ctx == <uintptr_t>self._serial:
-                    return True
-                ch._deliver(<long long><uintptr_t>ev_ctx)
-            elif err and err != EINTR and err != EAGAIN:   # EAGAIN: another wait took the event
-                raise_errno("poll" if rc < 0 else "ibv_get_cq_event", err, repr(ch))
-            if self._closing or ch._closing:
-                raise UsageError("closed while waiting", call="CompletionQueue.wait", obj=repr(self))
-            if deadline >= 0 and monotonic_now() >= deadline:
-                if self._pending_events > 0:
-                    self._pending_events -= 1
-                    return True
+            take.ev_ctx = NULL
+            got = wait_fd(ch.channel.fd, -1.0 if deadline < 0 else max(0.0, deadline - monotonic_now()),
+                          _take_cq_event, &take, self, ch, &self._pending_events,
+                          "CompletionQueue.wait", "ibv_get_cq_event")
+            if got == 0:
                 return False
-            PyErr_CheckSignals()   # Ctrl-C raises KeyboardInterrupt here (pyzmq's pattern)
+            if got == 1:
+                if <uintptr_t>take.ev_ctx == <uintptr_t>self._serial:
+                    return True
+                ch._deliver(<long long><uintptr_t>take.ev_ctx)
+            # got == 2: another CQ's wait() read our event; the loop's top returns it
 
     cdef int poll_c(self, wc_record *out, int n) noexcept nogil:
         # Poll straight into the caller's records, in chunks through a stack array of ibv_wc.
