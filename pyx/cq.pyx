@@ -2,7 +2,7 @@
 cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport errno, ENOENT, EOPNOTSUPP, ENOSYS, EINVAL
+from libc.errno cimport errno, ENOENT, EOPNOTSUPP, ENOSYS
 from libc.string cimport memset
 from libc.limits cimport INT_MAX
 from libc.stdint cimport uintptr_t, uint16_t, uint64_t
@@ -13,6 +13,7 @@ from pyrdma._verbs.base cimport (VerbsObject, raise_errno, monotonic_now, adopt,
                                  pyrdma_load_flag, wait_fd, wait_seconds)
 from pyrdma._verbs.device cimport Context
 import enum
+import os
 
 import numpy as np
 
@@ -233,12 +234,13 @@ cdef int _refused_cq_ex(Context context, uint64_t flags, int err) except -1:
     """ibv_create_cq_ex failed: say which flag the device lacks, where that is why."""
     cdef ibv_device_attr_ex a
     extra = WCExFlags(flags & ~(<uint64_t>IBV_WC_STANDARD_FLAGS))
-    if err in (EOPNOTSUPP, ENOSYS, EINVAL) and extra:
+    if extra:
         memset(&a, 0, sizeof(a))
         has_ts = ibv_query_device_ex(context.ctx, NULL, &a) == 0 and a.completion_timestamp_mask != 0
-        why = "" if has_ts else " (query_device_ex: completion_timestamp_mask is 0, no completion clock)"
+        why = "" if has_ts else "; query_device_ex: completion_timestamp_mask is 0, no completion clock"
+        cause = os.strerror(err) if err else "no reason given"
         raise_py_errno("ibv_create_cq_ex", err, repr(context),
-                       f"{context.name} refused the extended CQ's wc_flags {extra!r}{why}")
+                       f"{context.name} refused the extended CQ's wc_flags {extra!r} ({cause}{why})")
     if err in (EOPNOTSUPP, ENOSYS):
         raise_py_errno("ibv_create_cq_ex", err, repr(context), f"{context.name} has no extended CQ")
     raise_py_errno("ibv_create_cq_ex", err, repr(context))
