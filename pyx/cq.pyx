@@ -206,27 +206,27 @@ cdef inline void _read_ex(ibv_cq_ex *cq, wc_record *rec, uint64_t *ts, int ts_ki
 
 
 cdef int _poll_ex(ibv_cq_ex *cq, wc_record *out, uint64_t *ts, int ts_kind, int n) noexcept nogil:
-    """Up to ``n`` completions of an extended CQ into ``out`` (and ``ts``); -1 with errno on failure."""
+    """Up to ``n`` completions of an extended CQ into ``out`` (and ``ts``); -1 with errno on failure.
+
+    One completion per ibv_start_poll/ibv_end_poll batch, never ibv_next_poll: rxe's next_poll, on
+    finding the queue empty, already stores the consumer index and drops the CQ's lock, so the
+    ibv_end_poll the verbs flow calls next advances past a completion not yet written (it was lost,
+    and a stale record returned in its place). A batch of one is correct on every provider."""
     cdef ibv_poll_cq_attr attr
     cdef int rc, total = 0
-    if n <= 0:
-        return 0
     attr.comp_mask = 0
-    rc = ibv_start_poll(cq, &attr)
-    if rc == ENOENT:
-        return 0
-    if rc:
-        errno = rc          # nothing to end: start_poll failed
-        return -1
-    while True:
+    while total < n:
+        rc = ibv_start_poll(cq, &attr)
+        if rc == ENOENT:
+            break
+        if rc:
+            if total == 0:
+                errno = rc      # nothing to end: start_poll failed
+                return -1
+            break               # the next poll reports it
         _read_ex(cq, out + total, ts + total if ts != NULL else NULL, ts_kind)
+        ibv_end_poll(cq)
         total += 1
-        if total == n:
-            break
-        rc = ibv_next_poll(cq)
-        if rc:              # ENOENT: drained; another error is reported by the next poll
-            break
-    ibv_end_poll(cq)
     return total
 
 
@@ -435,7 +435,7 @@ cdef class CompletionQueue(VerbsObject):
         # in chunks through a stack array of ibv_wc. ``ts`` (extended CQs with a timestamp flag only)
         # receives each completion's timestamp.
         cdef ibv_wc wc[32]
-        if self.cq_ex != NULL:
+        if self.cq_ex != NULL:          # ibv_start_poll/ibv_end_poll (see _poll_ex)
             return _poll_ex(self.cq_ex, out, ts, self.ts_kind, n)
         cdef int got, i, total = 0, want
         while total < n:
