@@ -549,7 +549,8 @@ def _wait_for_text(proc, text, timeout=60.0):
 def _perf_pair(server_cmd, client_cmd, ready=None):
     """Server, then client (once the server printed ``ready``, if given); both must exit 0 within
     their deadlines. Both are killed on the way out. Returns (server output, client output)."""
-    os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):    # the tools' children import pyrdma
+        os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
     srv = _start(server_cmd, timeout=150)
     cli = None
     try:
