@@ -22,7 +22,7 @@ from pyrdma._verbs.cq import (CompChannel, CompletionQueue, WC_DTYPE, wc_status_
                               WC_REM_INV_REQ_ERR, WC_REM_ACCESS_ERR, WC_REM_OP_ERR, WC_RETRY_EXC_ERR,
                               WC_RNR_RETRY_EXC_ERR, WC_GENERAL_ERR, WC_SEND, WC_RDMA_WRITE, WC_RDMA_READ,
                               WC_COMP_SWAP, WC_FETCH_ADD, WC_RECV, WC_RECV_RDMA_WITH_IMM, WC_GRH,
-                              WC_WITH_IMM, WCStatus, WCOpcode, WCFlags)
+                              WC_WITH_IMM, WCStatus, WCOpcode, WCFlags, WCExFlags)
 from pyrdma._verbs.wr import (SGE, SendWR, RecvWR, SendWRList, RecvWRList, WR_RDMA_WRITE,
                               WR_RDMA_WRITE_WITH_IMM, WR_SEND, WR_SEND_WITH_IMM, WR_RDMA_READ,
                               WR_ATOMIC_CMP_AND_SWP, WR_ATOMIC_FETCH_AND_ADD, SEND_FENCE, SEND_SIGNALED,

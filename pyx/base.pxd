@@ -41,3 +41,12 @@ cdef inline void unuse(VerbsObject obj) noexcept:
 
 cdef int raise_errno(str call, int err, object obj=*) except -1
 cdef double monotonic_now() noexcept nogil
+
+
+# wait_fd's "take one event" step, run without the GIL once the fd is readable: 1 when it took an
+# event, 0 when there was none after all, -errno on failure (-EAGAIN: another waiter took it).
+ctypedef int (*fd_take_t)(void *arg) noexcept nogil
+
+cdef double wait_seconds(object timeout) except? -2.0
+cdef int wait_fd(int fd, double timeout, fd_take_t take, void *arg, VerbsObject owner, VerbsObject also,
+                 const long long *wake, str call, str take_call, bint raise_timeout=*) except -1

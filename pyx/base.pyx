@@ -5,13 +5,26 @@ Each object keeps strong references to its parents and weak references to its ch
 garbage-collection order.
 """
 cimport cython
+from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport errno, EINTR, EAGAIN
 from cpython.pythread cimport PyThread_get_thread_ident
 from posix.time cimport clock_gettime, CLOCK_MONOTONIC, timespec
 from posix.unistd cimport usleep
 import itertools
 import weakref
 
-from pyrdma.errors import RDMAError, UsageError
+from pyrdma.errors import RDMAError, RDMATimeoutError, UsageError
+
+cdef extern from "<poll.h>" nogil:
+    cdef struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum: POLLIN
+
+# A blocked wait looks at the closing flags and runs Python's signal handlers this often.
+cdef int WAIT_SLICE_MS = 50
 
 _creation_order = itertools.count(1)
 
@@ -168,3 +181,72 @@ cdef double monotonic_now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
     return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef double wait_seconds(object timeout) except? -2.0:
+    """A wait's ``timeout`` argument as wait_fd takes it: None is -1 (forever), a negative is 0."""
+    if timeout is None:
+        return -1.0
+    return max(0.0, <double>timeout)
+
+
+cdef int wait_fd(int fd, double timeout, fd_take_t take, void *arg, VerbsObject owner, VerbsObject also,
+                 const long long *wake, str call, str take_call, bint raise_timeout=False) except -1:
+    """The one interruptible wait on an event fd (completion channel, async events, CM channel).
+
+    poll()s ``fd`` in slices of WAIT_SLICE_MS without the GIL; when it is readable, ``take(arg)`` runs,
+    still without the GIL, and reads the event. Between slices: ``owner`` (and ``also``) closing from
+    another thread raises UsageError("closed while waiting"), Python's signal handlers run
+    (PyErr_CheckSignals, as pyzmq does, so Ctrl-C raises KeyboardInterrupt), and a nonzero ``*wake``
+    returns at once. ``timeout`` in seconds, negative for none (wait_seconds). Returns 1 when take()
+    got an event, 2 when woken, 0 on timeout, or raises RDMATimeoutError if ``raise_timeout``.
+    Both objects are registered as in use (use()) only while the GIL is released over their handles."""
+    cdef pollfd pfd
+    cdef int rc, ms, err, got
+    cdef double deadline = -1.0 if timeout < 0 else monotonic_now() + timeout
+    cdef double left
+    pfd.fd = fd
+    pfd.events = POLLIN
+    while True:
+        if wake != NULL and wake[0] > 0:
+            return 2
+        if deadline < 0:
+            ms = WAIT_SLICE_MS
+        else:
+            left = (deadline - monotonic_now()) * 1000.0
+            ms = <int>min(max(0.0, left), <double>WAIT_SLICE_MS)
+        if owner._closing or (also is not None and also._closing):
+            raise UsageError("closed while waiting", call=call, obj=repr(owner))
+        use(owner)
+        if also is not None:
+            try:
+                use(also)
+            except BaseException:
+                unuse(owner)
+                raise
+        err = got = 0
+        with nogil:
+            rc = poll(&pfd, 1, ms)
+            if rc < 0:
+                err = errno
+            elif rc > 0:
+                got = take(arg)
+                if got < 0:
+                    err = -got
+                    got = 0
+        if also is not None:
+            unuse(also)
+        unuse(owner)
+        if got:
+            return 1
+        if err and err != EINTR and err != EAGAIN:   # EAGAIN: another waiter took the event
+            raise_errno("poll" if rc < 0 else take_call, err, repr(owner))
+        if owner._closing or (also is not None and also._closing):
+            raise UsageError("closed while waiting", call=call, obj=repr(owner))
+        if deadline >= 0 and monotonic_now() >= deadline:
+            if wake != NULL and wake[0] > 0:
+                return 2
+            if raise_timeout:
+                raise RDMATimeoutError(f"no event within {timeout:g} s", call=call, obj=repr(owner))
+            return 0
+        PyErr_CheckSignals()   # Ctrl-C raises KeyboardInterrupt here (pyzmq's pattern)

@@ -8,14 +8,14 @@ asynchronous: the calls return at once and the caller reads ``CMEvent`` objects 
 read, so destroying an id never waits on an event the caller holds.
 """
 cimport cython
-from libc.errno cimport errno, EINTR, EAGAIN
+from libc.errno cimport errno
 from libc.string cimport memset, memcpy
 from libc.stdint cimport uint8_t, uint16_t, uint32_t, uintptr_t
-from cpython.exc cimport PyErr_CheckSignals
 from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.librdmacm cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release, use, unuse, refuse, monotonic_now
+from pyrdma._verbs.base cimport (VerbsObject, raise_errno, adopt, release, use, unuse, refuse, monotonic_now,
+                                 wait_fd, wait_seconds)
 from pyrdma._verbs.device cimport Context, borrow_context
 from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma._verbs.cq cimport CompletionQueue
@@ -28,13 +28,6 @@ import weakref
 
 from pyrdma.errors import RDMAError, UsageError, RDMATimeoutError
 
-cdef extern from "<poll.h>" nogil:
-    cdef struct pollfd_t "pollfd":
-        int fd
-        short events
-        short revents
-    int poll_ "poll"(pollfd_t *fds, unsigned long nfds, int timeout)
-    enum: POLLIN_ "POLLIN"
 
 
 class CMEventType(enum.IntEnum):
@@ -66,8 +59,6 @@ class PortSpace(enum.IntEnum):
 
 
 PS_TCP, PS_UDP = PortSpace.TCP, PortSpace.UDP
-# A wait gives up the C loop this often to run signal handlers (Ctrl-C) and see close().
-cdef int CHECK_MS = 50
 # Events that end a synchronous exchange with an error, whatever it waited for.
 _ERROR_EVENTS = frozenset((CMEventType.ADDR_ERROR, CMEventType.ROUTE_ERROR, CMEventType.CONNECT_ERROR,
                            CMEventType.UNREACHABLE, CMEventType.REJECTED, CMEventType.DEVICE_REMOVAL))
@@ -128,6 +119,22 @@ cdef void _copy_event(rdma_cm_event *ev, event_copy *out) noexcept nogil:
         out.pdata_len = 0
     if out.pdata_len:
         memcpy(out.pdata, pdata, out.pdata_len)
+
+
+cdef struct cm_event_take:
+    rdma_event_channel *channel
+    event_copy copy
+
+
+cdef int _take_cm_event(void *arg) noexcept nogil:
+    # copied and acknowledged at once, so destroying the event's id never waits on it
+    cdef cm_event_take *take = <cm_event_take *>arg
+    cdef rdma_cm_event *ev = NULL
+    if rdma_get_cm_event(take.channel, &ev) != 0:
+        return -errno
+    _copy_event(ev, &take.copy)
+    rdma_ack_cm_event(ev)
+    return 1
 
 
 cdef void _destroy_cm_qp(void *id) noexcept nogil:
@@ -223,43 +230,13 @@ cdef class CMEventChannel(VerbsObject):
         """The next CMEvent, acknowledged; None when ``timeout`` seconds pass first (0: just look).
         Waits with the GIL released; Ctrl-C interrupts it, close() from another thread makes it raise
         UsageError."""
-        cdef pollfd_t pfd
-        cdef rdma_cm_event *ev = NULL
-        cdef event_copy copy
-        cdef int rc, ms, err, got
-        cdef double deadline, left
-        pfd.fd = self.fileno()
-        pfd.events = POLLIN_
-        deadline = -1.0 if timeout is None else monotonic_now() + timeout
-        while True:
-            if deadline < 0:
-                ms = CHECK_MS
-            else:
-                left = (deadline - monotonic_now()) * 1000.0
-                ms = <int>min(max(0.0, left), <double>CHECK_MS)
-            use(self)
-            err = got = 0
-            with nogil:
-                rc = poll_(&pfd, 1, ms)
-                if rc < 0:
-                    err = errno
-                elif rc > 0:
-                    if rdma_get_cm_event(self.channel, &ev) == 0:
-                        _copy_event(ev, &copy)
-                        rdma_ack_cm_event(ev)
-                        got = 1
-                    else:
-                        err = errno
-            unuse(self)
-            if got:
-                return _make_event(self, &copy)
-            if err and err != EINTR and err != EAGAIN:
-                raise_errno("poll" if rc < 0 else "rdma_get_cm_event", err, repr(self))
-            if self._closing:
-                raise UsageError("closed while waiting", call="CMEventChannel.get_event", obj=repr(self))
-            if deadline >= 0 and monotonic_now() >= deadline:
-                return None
-            PyErr_CheckSignals()
+        cdef cm_event_take take
+        cdef int fd = self.fileno()
+        take.channel = self.channel
+        if wait_fd(fd, wait_seconds(timeout), _take_cm_event, &take, self, None, NULL,
+                   "CMEventChannel.get_event", "rdma_get_cm_event") == 0:
+            return None
+        return _make_event(self, &take.copy)
 
 cdef object _make_event(CMEventChannel self, event_copy *c):
     cdef int i

@@ -2,22 +2,24 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memset
-from libc.errno cimport errno, ENOSYS, EINTR, EAGAIN, EOPNOTSUPP
-from cpython.exc cimport PyErr_CheckSignals
+from libc.errno cimport errno, ENOSYS, EOPNOTSUPP
 from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse, use, unuse, monotonic_now
+from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse, use, unuse, monotonic_now, wait_fd, wait_seconds
 import enum
 import ipaddress
 import socket
 
-cdef extern from "<poll.h>" nogil:
-    cdef struct pollfd_t "pollfd":
-        int fd
-        short events
-        short revents
-    int poll_ "poll"(pollfd_t *fds, unsigned long nfds, int timeout)
-    enum: POLLIN_ "POLLIN"
+cdef struct async_event_take:
+    ibv_context *ctx
+    ibv_async_event ev
+
+
+cdef int _take_async_event(void *arg) noexcept nogil:
+    cdef async_event_take *take = <async_event_take *>arg
+    if ibv_get_async_event(take.ctx, &take.ev) != 0:
+        return -errno
+    return 1
 
 from pyrdma._verbs.base import Attributes
 from pyrdma.errors import RDMAError, UsageError
@@ -81,8 +83,6 @@ _QP_EVENTS = frozenset((IBV_EVENT_QP_FATAL, IBV_EVENT_QP_REQ_ERR, IBV_EVENT_QP_A
                         IBV_EVENT_QP_LAST_WQE_REACHED))
 _PORT_EVENTS = frozenset((IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR, IBV_EVENT_LID_CHANGE, IBV_EVENT_PKEY_CHANGE,
                           IBV_EVENT_SM_CHANGE, IBV_EVENT_CLIENT_REREGISTER, IBV_EVENT_GID_CHANGE))
-# A wait gives up the C loop this often to run signal handlers (Ctrl-C) and see close().
-cdef int ASYNC_CHECK_MS = 50
 
 
 class AsyncEvent:
@@ -286,40 +286,13 @@ cdef class Context(VerbsObject):
         """The next asynchronous event (port up/down, QP or CQ error, device fatal, ...) as an
         AsyncEvent, acknowledged; None when ``timeout`` seconds pass first (0: just look). Waits with
         the GIL released; Ctrl-C interrupts it, close() from another thread makes it raise UsageError."""
-        cdef pollfd_t pfd
-        cdef ibv_async_event ev
-        cdef int rc, ms, err, got
-        cdef double deadline, left
-        pfd.fd = self.fileno()
-        pfd.events = POLLIN_
-        deadline = -1.0 if timeout is None else monotonic_now() + timeout
-        while True:
-            if deadline < 0:
-                ms = ASYNC_CHECK_MS
-            else:
-                left = (deadline - monotonic_now()) * 1000.0
-                ms = <int>min(max(0.0, left), <double>ASYNC_CHECK_MS)
-            use(self)
-            err = got = 0
-            with nogil:
-                rc = poll_(&pfd, 1, ms)
-                if rc < 0:
-                    err = errno
-                elif rc > 0:
-                    if ibv_get_async_event(self.ctx, &ev) == 0:
-                        got = 1
-                    else:
-                        err = errno
-            unuse(self)
-            if got:
-                return self._take_event(&ev)
-            if err and err != EINTR and err != EAGAIN:
-                raise_errno("poll" if rc < 0 else "ibv_get_async_event", err, repr(self))
-            if self._closing:
-                raise UsageError("closed while waiting", call="Context.get_async_event", obj=repr(self))
-            if deadline >= 0 and monotonic_now() >= deadline:
-                return None
-            PyErr_CheckSignals()
+        cdef async_event_take take
+        cdef int fd = self.fileno()
+        take.ctx = self.ctx
+        if wait_fd(fd, wait_seconds(timeout), _take_async_event, &take, self, None, NULL,
+                   "Context.get_async_event", "ibv_get_async_event") == 0:
+            return None
+        return self._take_event(&take.ev)
 
     cdef object _take_event(self, ibv_async_event *ev):
         # read what the event points at, then ack at once: destroying its QP/CQ waits for the ack

@@ -334,6 +334,50 @@ cdef extern from "<infiniband/verbs.h>" nogil:
         ibv_device_attr orig_attr
         uint32_t comp_mask
         ibv_odp_caps odp_caps
+        uint64_t completion_timestamp_mask
+        uint64_t hca_core_clock
+
+    # the extended CQ (ibv_create_cq_ex; polled with ibv_start_poll/ibv_next_poll/ibv_end_poll)
+    cdef struct ibv_poll_cq_attr:
+        uint32_t comp_mask
+
+    cdef struct ibv_cq_ex:
+        ibv_context *context
+        uint64_t wr_id
+        int status
+
+    cdef struct ibv_cq_init_attr_ex:
+        uint32_t cqe
+        void *cq_context
+        ibv_comp_channel *channel
+        uint32_t comp_vector
+        uint64_t wc_flags
+        uint32_t comp_mask
+        uint32_t flags
+
+    enum:
+        IBV_WC_EX_WITH_BYTE_LEN, IBV_WC_EX_WITH_IMM, IBV_WC_EX_WITH_QP_NUM, IBV_WC_EX_WITH_SRC_QP
+        IBV_WC_EX_WITH_SLID, IBV_WC_EX_WITH_SL, IBV_WC_EX_WITH_DLID_PATH_BITS
+        IBV_WC_EX_WITH_COMPLETION_TIMESTAMP, IBV_WC_EX_WITH_CVLAN, IBV_WC_EX_WITH_FLOW_TAG
+        IBV_WC_EX_WITH_COMPLETION_TIMESTAMP_WALLCLOCK, IBV_WC_STANDARD_FLAGS
+
+    ibv_cq_ex *ibv_create_cq_ex(ibv_context *context, ibv_cq_init_attr_ex *cq_attr)
+    ibv_cq *ibv_cq_ex_to_cq(ibv_cq_ex *cq)
+    int ibv_start_poll(ibv_cq_ex *cq, ibv_poll_cq_attr *attr)
+    int ibv_next_poll(ibv_cq_ex *cq)
+    void ibv_end_poll(ibv_cq_ex *cq)
+    int ibv_wc_read_opcode(ibv_cq_ex *cq)
+    uint32_t ibv_wc_read_vendor_err(ibv_cq_ex *cq)
+    uint32_t ibv_wc_read_byte_len(ibv_cq_ex *cq)
+    uint32_t ibv_wc_read_imm_data(ibv_cq_ex *cq)
+    uint32_t ibv_wc_read_qp_num(ibv_cq_ex *cq)
+    uint32_t ibv_wc_read_src_qp(ibv_cq_ex *cq)
+    unsigned int ibv_wc_read_wc_flags(ibv_cq_ex *cq)
+    uint32_t ibv_wc_read_slid(ibv_cq_ex *cq)
+    uint8_t ibv_wc_read_sl(ibv_cq_ex *cq)
+    uint8_t ibv_wc_read_dlid_path_bits(ibv_cq_ex *cq)
+    uint64_t ibv_wc_read_completion_ts(ibv_cq_ex *cq)
+    uint64_t ibv_wc_read_completion_wallclock_ns(ibv_cq_ex *cq)
 
     enum:
         IBV_ODP_SUPPORT, IBV_ODP_SUPPORT_IMPLICIT, IBV_ACCESS_ON_DEMAND

@@ -6,6 +6,7 @@ a veth pair, 198.19.0.1 on one end and Soft-RoCE device ``rxecm0`` on it (it sor
 runs under a timeout and is killed in ``finally``; every wait is bounded.
 """
 import os
+import re
 import shutil
 import signal
 import struct
@@ -523,3 +524,115 @@ print("alive", qp.state_name, sqp.state_name)
     proc = subprocess.run([os.sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "alive RTS RTS", proc.stdout
+
+
+# ---- pyrdma-perf -R against perftest's rdma_cm mode ------------------------------------------------
+
+PERF_ITERS = "40"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _perf_cmd(*args):
+    import sys
+    return [sys.executable, "-m", "pyrdma.perf", *args]
+
+
+def _wait_for_text(proc, text, timeout=60.0):
+    """Until ``text`` is in the tool's output (it is listening); fails if it exits first."""
+    deadline = time.monotonic() + timeout
+    while text not in _output(proc):
+        assert proc.poll() is None, f"{proc.args[0]} exited ({proc.returncode}) before saying {text!r}"
+        assert time.monotonic() < deadline, f"{proc.args} did not say {text!r} within {timeout} s"
+        time.sleep(0.1)
+
+
+def _perf_pair(server_cmd, client_cmd, ready=None):
+    """Server, then client (once the server printed ``ready``, if given); both must exit 0 within
+    their deadlines. Both are killed on the way out. Returns (server output, client output)."""
+    if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):    # the tools' children import pyrdma
+        os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
+    srv = _start(server_cmd, timeout=150)
+    cli = None
+    try:
+        if ready:
+            _wait_for_text(srv, ready)
+        cli = _start(client_cmd, timeout=120)
+        rc_c, out_c = _finish(cli, timeout=120)
+        rc_s, out_s = _finish(srv, timeout=60)
+        assert rc_c == 0, f"client exit {rc_c}:\n{out_c}\nserver:\n{out_s}"
+        assert rc_s == 0, f"server exit {rc_s}:\n{out_s}\nclient:\n{out_c}"
+        return out_s, out_c
+    finally:
+        for proc in (cli, srv):
+            if proc is not None:
+                _kill(proc)
+
+
+def _same_qps(a, b):
+    """a's view of its remote is b's view of itself: the binary key records crossed intact. perftest
+    -R prints no rkey and address (its exchange runs as a SEND test), pyrdma-perf does."""
+    keys = ["qpn", "psn"] + [k for k in ("rkey", "vaddr") if k in a.remote and k in b.local]
+    for key in keys:
+        assert a.remote[key] == b.local[key], f"{key}: {a.remote} vs {b.local}"
+    return keys
+
+
+def _perftest_tool(test):
+    path = shutil.which(f"ib_{test}")
+    assert path, f"ib_{test} not found: scripts/setup.sh installs Debian's perftest"
+    return path
+
+
+@pytest.mark.parametrize("test", ["write_bw", "read_bw"])
+def test_perf_rdma_cm_client_with_perftest_server(cm_device, test):
+    """ib_{write,read}_bw -R as the server, pyrdma-perf -R as the client: perftest's server prints
+    the figures our client reported over the rdma_cm exchange."""
+    from pyrdma.perf.parse import parse_output
+    port = str(next(_ports))
+    common = ["-R", "-s", "65536", "-n", PERF_ITERS, "-p", port]
+    out_s, out_c = _perf_pair([_perftest_tool(test), "-d", cm_device, *common],
+                              _perf_cmd(test, *common, "--mode", "batched", "--timeout", "60", ADDR))
+    srv, cli = parse_output(out_s), parse_output(out_c)
+    for out in (out_s, out_c):
+        assert re.search(r"rdma_cm QPs\s*: ON", out), out
+    _same_qps(srv, cli)
+    _same_qps(cli, srv)
+    (ours,) = cli.rows_for("batched")
+    (theirs,) = srv.rows_for(None)          # perftest's server prints the client's report
+    assert ours.size == theirs.size == 65536 and theirs.iters == int(PERF_ITERS)
+    assert ours.bw_avg > 0 and theirs.bw_avg == pytest.approx(ours.bw_avg, abs=0.01)
+
+
+@pytest.mark.parametrize("test", ["write_bw", "read_bw"])
+def test_perftest_rdma_cm_client_with_perf_server(cm_device, test):
+    """pyrdma-perf -R as the server, ib_{write,read}_bw -R as the client: our server prints the
+    figures perftest's client reported."""
+    from pyrdma.perf.parse import parse_output
+    port = str(next(_ports))
+    common = ["-R", "-s", "4096", "-n", PERF_ITERS, "-p", port]
+    out_s, out_c = _perf_pair(_perf_cmd(test, *common, "--bind", ADDR, "--timeout", "60"),
+                              [_perftest_tool(test), "-d", cm_device, *common, ADDR],
+                              ready="Waiting for client")
+    srv, cli = parse_output(out_s), parse_output(out_c)
+    _same_qps(srv, cli)
+    _same_qps(cli, srv)
+    (theirs,) = cli.rows_for(None)
+    (shown,) = srv.rows_for(None)           # our server prints the perftest client's report
+    assert theirs.size == shown.size == 4096 and theirs.iters == int(PERF_ITERS) and theirs.bw_avg > 0
+    assert shown.bw_avg == pytest.approx(theirs.bw_avg, abs=0.01)
+
+
+def test_perf_rdma_cm_between_pyrdma_sides(cm_device):
+    """Both sides pyrdma-perf -R (the same exchange): the client's figures reach the server."""
+    from pyrdma.perf.parse import parse_output
+    port = str(next(_ports))
+    common = ["-R", "-s", "8192", "-n", PERF_ITERS, "-p", port, "--timeout", "60"]
+    out_s, out_c = _perf_pair(_perf_cmd("write_bw", *common, "--bind", ADDR),
+                              _perf_cmd("write_bw", *common, "--mode", "batched", ADDR),
+                              ready="Waiting for client")
+    srv, cli = parse_output(out_s), parse_output(out_c)
+    assert _same_qps(srv, cli) == ["qpn", "psn", "rkey", "vaddr"]
+    assert _same_qps(cli, srv) == ["qpn", "psn", "rkey", "vaddr"]
+    (ours,) = cli.rows_for("batched")
+    (shown,) = srv.rows_for(None)
+    assert shown.size == 8192 and shown.bw_avg == pytest.approx(ours.bw_avg, abs=0.01)

@@ -150,3 +150,36 @@ def test_values_from_a_peer_are_bounded():
         pw.decode_dest(raw[:pw.KEY_MSG_SIZE_GID], with_gid=True)
     with pytest.raises(WireFormatError, match="40"):
         pw.decode_report(bytes(12))
+
+
+# ---- -R: the binary key record of perftest's rdma_cm exchange --------------------------------------
+
+def test_rdma_cm_key_record_is_perftests_struct_in_network_order():
+    from pyrdma.perf import rdmacm
+    gid = bytes(range(16))
+    d = pw.Dest(lid=0x12, out_reads=16, qpn=0x123456, psn=0xABCDEF, rkey=0xDEADBEEF, vaddr=0x1122334455667788,
+                gid=gid, srqn=7)
+    raw = rdmacm.encode_dest_binary(d, gid_index=3)
+    assert len(raw) == 56                              # sizeof(struct pingpong_dest) on x86-64
+    assert raw[0:4] == b"\0\0\0\x12" and raw[4:8] == b"\0\0\0\x10"
+    assert raw[8:12] == bytes.fromhex("00123456") and raw[12:16] == bytes.fromhex("00abcdef")
+    assert raw[16:20] == bytes.fromhex("deadbeef")
+    assert raw[24:32] == bytes.fromhex("1122334455667788")    # after 4 bytes of alignment padding
+    assert raw[32:48] == gid and raw[48:52] == b"\0\0\0\x07" and raw[52:56] == b"\0\0\0\x03"
+    assert rdmacm.decode_dest_binary(raw) == d
+
+
+def test_rdma_cm_key_record_is_checked():
+    from pyrdma.perf import rdmacm
+    with pytest.raises(WireFormatError, match="56"):
+        rdmacm.decode_dest_binary(b"\0" * 55)
+    bad = bytearray(rdmacm.encode_dest_binary(pw.Dest(0, 0, 1, 1, 1, 1)))
+    bad[8:12] = b"\x01\0\0\0"                          # a QPN above 24 bits
+    with pytest.raises(WireFormatError, match="qpn"):
+        rdmacm.decode_dest_binary(bytes(bad))
+
+
+def test_rdma_cm_refuses_tests_it_cannot_run():
+    r = subprocess.run([sys.executable, "-m", "pyrdma.perf", "send_lat", "-R", "127.0.0.1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "-R runs write_bw and read_bw" in r.stderr

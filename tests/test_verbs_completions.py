@@ -97,3 +97,94 @@ def test_constants_are_int_enums_with_names():
     assert f"{rd.WC_SUCCESS}" == "0" and rd.mtu_to_bytes(rd.MTU_1024) == 1024   # still plain ints in C calls
     wcs = _wcs([rd.WC_SUCCESS])
     assert wcs["status"][0] == rd.WCStatus.SUCCESS
+
+
+# ---- the extended CQ (ibv_create_cq_ex, polled with ibv_start_poll/next_poll/end_poll) -------------
+
+def _traffic(cq, post_failure=True, stamps=None):
+    """An RC pair on ``cq``: a WRITE_WITH_IMM (the receiver's completion carries the immediate), a
+    SEND of 40 bytes, and a WRITE with a wrong rkey. Returns the successful completions (sorted by
+    wr_id, as records) and the failed one's CompletionError."""
+    ctx = cq.context
+    pd = rd.ProtectionDomain(ctx)
+    src = np.arange(64, dtype=np.uint8)
+    dst = np.zeros(64, np.uint8)
+    src_mr = rd.MemoryRegion(pd, src)
+    dst_mr = rd.MemoryRegion(pd, dst, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
+    a, b = rd.QueuePair(pd, rd.QPT_RC, cq), rd.QueuePair(pd, rd.QPT_RC, cq)
+    a.connect(b.endpoint())
+    b.connect(a.endpoint())
+    b.post_recv_buf(dst_mr, 0, 64, wr_id=10)
+    b.post_recv_buf(dst_mr, 0, 64, wr_id=11)
+    a.post_write(src_mr, 0, 64, dst_mr.addr, dst_mr.rkey, wr_id=1, imm=0xC0FFEE)
+    a.post_send_buf(src_mr, 0, 40, wr_id=2)
+    wcs = np.zeros(8, rd.WC_DTYPE)
+    ts = np.zeros(8, np.uint64) if stamps is not None else None
+    got = []
+    deadline = time.monotonic() + 30
+    while len(got) < 4:
+        assert time.monotonic() < deadline, f"only {len(got)} of 4 completions"
+        n = cq.poll_wait(wcs, timeout=30, check=True, timestamps=ts)
+        got.extend(wcs[:n].copy())
+        if ts is not None:
+            stamps.extend(int(t) for t in ts[:n])
+    assert np.array_equal(src, dst)
+    exc = None
+    if post_failure:
+        a.post_write(src_mr, 0, 64, dst_mr.addr, dst_mr.rkey ^ 0x5A5A, wr_id=3)
+        with pytest.raises(rd.CompletionError) as info:
+            cq.poll_wait(wcs, timeout=30, check=True)
+        exc = info.value
+    got.sort(key=lambda wc: int(wc["wr_id"]))
+    qpns = {"a": a.qp_num, "b": b.qp_num}
+    return got, exc, qpns, (a, b, pd)
+
+
+@pytest.mark.device
+def test_extended_cq_fills_the_same_records_as_the_plain_cq():
+    with rd.Context() as ctx:
+        plain = rd.CompletionQueue(ctx, 32)
+        ext = rd.CompletionQueue(ctx, 32, extended=True)
+        assert ext.wc_flags == rd.WCExFlags.STANDARD and plain.wc_flags is None and "extended" in repr(ext)
+        want, want_exc, want_q, _ = _traffic(plain)
+        got, got_exc, got_q, _ = _traffic(ext)
+        assert [int(wc["wr_id"]) for wc in got] == [1, 2, 10, 11]
+        fields = ("status", "opcode", "byte_len", "imm_data", "wc_flags")
+        for w, g in zip(want, got):
+            assert all(w[f] == g[f] for f in fields), (w, g)
+        assert got[2]["imm_data"] == 0xC0FFEE and got[2]["wc_flags"] & rd.WC_WITH_IMM
+        assert got[3]["byte_len"] == 40 and got[3]["opcode"] == rd.WC_RECV
+        assert got[0]["qp_num"] == got_q["a"] and got[2]["qp_num"] == got_q["b"]
+        # a failed completion through ibv_start_poll: status, wr_id and qp_num, raised by check=True
+        assert got_exc.status == want_exc.status == rd.WC_REM_ACCESS_ERR
+        assert got_exc.wr_id == 3 and got_exc.qp_num == got_q["a"]
+
+
+@pytest.mark.device
+def test_extended_cq_teardown_channel_and_timestamp_flags():
+    with rd.Context() as ctx:
+        ch = rd.CompChannel(ctx)
+        cq = rd.CompletionQueue(ctx, 16, channel=ch, extended=True)
+        cq.req_notify()
+        _, _, _, (a, b, pd) = _traffic(cq, post_failure=False)
+        assert cq.wait(timeout=10) is True                  # the channel names the extended CQ too
+        wcs = np.zeros(4, rd.WC_DTYPE)
+        with pytest.raises(rd.UsageError, match="COMPLETION_TIMESTAMP"):
+            cq.poll_into(wcs, timestamps=np.zeros(4, np.uint64))
+        cq.close()                                          # the one teardown path: its QPs go first
+        assert a.closed and b.closed and not pd.closed
+        with pytest.raises(rd.UsageError, match="WCExFlags"):
+            rd.CompletionQueue(ctx, 16, wc_flags="timestamps")
+        # A completion clock where the device has one; a refusal that names the flag where it has not
+        # (Debian 12's rxe offers the standard flags only).
+        for flag in (rd.WCExFlags.COMPLETION_TIMESTAMP, rd.WCExFlags.COMPLETION_TIMESTAMP_WALLCLOCK):
+            try:
+                tcq = rd.CompletionQueue(ctx, 16, wc_flags=flag)
+            except rd.RDMAError as exc:
+                assert exc.call == "ibv_create_cq_ex" and flag.name in str(exc) and "refused" in str(exc), exc
+                continue
+            with tcq:
+                assert tcq.wc_flags & flag
+                stamps = []
+                _traffic(tcq, post_failure=False, stamps=stamps)
+                assert len(stamps) == 4 and all(stamps), stamps     # the device's clock was read

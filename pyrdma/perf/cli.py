@@ -112,6 +112,9 @@ def build_parser():
     p.add_argument("--json", dest="json_path", default=None, help="write the results here as JSON")
     p.add_argument("--check", action="store_true", help="verify the transferred data after every run")
     p.add_argument("--timeout", type=float, default=60.0, help="out-of-band timeout in seconds")
+    p.add_argument("-R", "--rdma_cm", "--rdma-cm", dest="rdma_cm", action="store_true",
+                   help="connect with rdma_cm as perftest's -R: the exchange and the QPs are rdma_cm "
+                        "connections to --port (write_bw, read_bw; the peer is perftest -R or pyrdma-perf -R)")
     p.add_argument("--perftest-compat", dest="perftest_compat", action="store_true",
                    help="speak Debian perftest 4.5's TCP exchange (client of an ib_*_bw/lat server)")
     return p
@@ -303,6 +306,7 @@ class Side:
     """One side of a test run against another pyrdma-perf: resources, channel, printing, JSON."""
 
     wire_name = "pyrdma wire v1"
+    exchange_name = "Ethernet"
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -363,7 +367,7 @@ class Side:
         import pyrdma as rd
         from pyrdma.perf import loops
         cfg = self.cfg
-        ctx = rd.Context(cfg.args.ib_dev)
+        ctx = self.open_device()
         try:
             port = cfg.args.ib_port
             gid_index = cfg.args.gid_index if cfg.args.gid_index >= 0 else ctx.best_gid_index(port)
@@ -380,18 +384,9 @@ class Side:
             send_depth = max(cfg.tx_depth, cfg.post_list, 16) + 1
             cq = rd.CompletionQueue(ctx, cqe=max(256, 2 * send_depth * nq))
             rcq = rd.CompletionQueue(ctx, cqe=max(256, (cfg.rx_depth + 16) * nq)) if cfg.verb == "send" else cq
-            qps = []
-            for _ in range(nq):
-                kwargs = dict(max_send_wr=send_depth, max_recv_wr=max(1, cfg.rx_depth) if cfg.verb == "send" else 1,
-                              max_inline_data=self.inline, port=port, gid_index=gid_index)
-                try:
-                    qps.append(rd.QueuePair(pd, rd.QPT_RC, cq, rcq, **kwargs))
-                except rd.RDMAError:
-                    if not self.inline:
-                        raise
-                    self.inline = 0   # the device refused that much inline data
-                    kwargs["max_inline_data"] = 0
-                    qps.append(rd.QueuePair(pd, rd.QPT_RC, cq, rcq, **kwargs))
+            self.qp_caps = dict(max_send_wr=send_depth,
+                                max_recv_wr=max(1, cfg.rx_depth) if cfg.verb == "send" else 1)
+            qps = self.create_qps(pd, cq, rcq, port, gid_index)
             self.res = loops.Resources(ctx=ctx, pd=pd, cq=cq, rcq=rcq, mr=mr, buf=buf, half=half, qps=qps,
                                        inline_size=self.inline, seed=seed)
         except BaseException:
@@ -408,6 +403,26 @@ class Side:
             # (ctx_set_recv_wqes runs before RTR): a SEND that finds no receive is RNR-NAKed and
             # retried only after the RNR timer, which on rxe is at least one tick (4 ms).
             loops.ensure_receives(self.res, cfg.rx_depth)
+
+    def open_device(self):
+        import pyrdma as rd
+        return rd.Context(self.cfg.args.ib_dev)
+
+    def create_qps(self, pd, cq, rcq, port, gid_index):
+        """The test's RC QPs in RESET (with rdma_cm they are made on the CM ids instead)."""
+        import pyrdma as rd
+        qps = []
+        for _ in range(self.cfg.num_qps):
+            kwargs = dict(self.qp_caps, max_inline_data=self.inline, port=port, gid_index=gid_index)
+            try:
+                qps.append(rd.QueuePair(pd, rd.QPT_RC, cq, rcq, **kwargs))
+            except rd.RDMAError:
+                if not self.inline:
+                    raise
+                self.inline = 0   # the device refused that much inline data
+                kwargs["max_inline_data"] = 0
+                qps.append(rd.QueuePair(pd, rd.QPT_RC, cq, rcq, **kwargs))
+        return qps
 
     def connect_qps(self):
         import pyrdma as rd
@@ -455,8 +470,8 @@ class Side:
             print(f" Outstand reads  : {self.out_reads}")
         else:
             print(f" Max inline data : {self.inline}[B]")
-        print(" rdma_cm QPs\t : OFF")
-        print(f" Data ex. method : Ethernet ({self.wire_name})")
+        print(f" rdma_cm QPs\t : {'ON' if self.exchange_name == 'rdma_cm' else 'OFF'}")
+        print(f" Data ex. method : {self.exchange_name} ({self.wire_name})")
         print(stats.RESULT_LINE)
         for ep in self.local:
             _print_addr("local", ep, cfg.verb, self.out_reads)
@@ -677,7 +692,10 @@ def _undict(d, kind):
 def main(argv=None):
     args = build_parser().parse_intermixed_args(argv)
     cfg = Config(args)
-    if args.perftest_compat:
+    if args.rdma_cm:
+        from pyrdma.perf.rdmacm import RdmaCmSide
+        side = RdmaCmSide(cfg)
+    elif args.perftest_compat:
         from pyrdma.perf.compat import PerftestSide
         side = PerftestSide(cfg)
     else:
