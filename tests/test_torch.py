@@ -63,7 +63,8 @@ def _torchrun(nproc, tmp_path, transport, *args, timeout=600):
 
 def _assert_all_passed(reports, transport):
     for rep in reports:
-        failed = {name: why for name, why in rep["checks"].items() if why is not True and name != "transport"}
+        failed = {name: why for name, why in rep["checks"].items()
+                  if why is not True and name not in ("transport", "gid indices")}
         assert not failed, f"rank {rep['rank']}: {failed}"
         assert rep["checks"]["transport"] == transport
 
@@ -99,6 +100,56 @@ def test_torchrun_collectives_ddp_and_a_dead_rank_over_rdma(tmp_path):
 @pytest.mark.torch_vm
 def test_torchrun_ddp_four_ranks_over_rdma(tmp_path):
     _assert_all_passed(_torchrun(4, tmp_path, "rdma", "--only", "ddp", "--steps", "2"), "rdma")
+
+
+@pytest.mark.device
+@pytest.mark.torch_vm
+def test_ddp_with_ranks_on_two_hosts_master_addr_on_the_other(tmp_path):
+    """The multi-host test bed (python -m pyrdma.testing.vm --hosts N): rank 0 on host 1, rank 1 on host 2,
+    each started as torchrun starts a node's worker (env://: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE;
+    no agent, whose own torch import would cost another minute), with its host's device and address.
+    MASTER_ADDR is host 1's address, so rank 1 reaches torch's store on another host, and the pyrdma
+    rendezvous goes through that store. DDP over pyrdma must match DDP over gloo, and the bytes must
+    cross both hosts' wires (their veths' counters)."""
+    from pyrdma.testing import hosts as testbed
+    hosts = testbed.load()
+    if len(hosts) < 2:
+        pytest.skip("PYRDMA_TEST_HOSTS is unset: run inside python -m pyrdma.testing.vm --hosts 2")
+    hosts = hosts[:2]
+    port = free_port(hosts[0].address)
+    before = [testbed.tx_bytes(h.netdev) for h in hosts]
+    procs = []
+    try:
+        for rank, host in enumerate(hosts):
+            env = host.full_env(_env("rdma"), MASTER_ADDR=hosts[0].address, MASTER_PORT=port, RANK=rank,
+                                LOCAL_RANK=0, WORLD_SIZE=len(hosts))
+            procs.append(subprocess.Popen([sys.executable, os.path.join(SCRIPTS, "check_backend.py"), str(tmp_path),
+                                           "--only", "ddp", "--steps", "2"], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                                          start_new_session=True))
+        outs = [p.communicate(timeout=CROSS_HOST_TIMEOUT)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the two ranks did not finish within {CROSS_HOST_TIMEOUT} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.communicate(timeout=30)
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-6000:]
+    reports = []
+    for rank in range(len(hosts)):
+        with open(tmp_path / f"rank{rank}.json") as f:
+            reports.append(json.load(f))
+    _assert_all_passed(reports, "rdma")
+    for rep, host in zip(reports, hosts):
+        assert rep["checks"]["gid indices"] == [host.gid_index], (host, rep["checks"]["gid indices"])
+    for host, b in zip(hosts, before):
+        assert testbed.tx_bytes(host.netdev) - b > 64 << 10, f"{host.name}'s veth carried too little"
+    print("phases (s) per rank:", [rep["phases"] for rep in reports])
+
+
+CROSS_HOST_TIMEOUT = 300
 
 
 def _dead_rank(transport, timeout_s):

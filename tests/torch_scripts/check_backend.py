@@ -157,8 +157,10 @@ def main():
     rank, size = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     t = phase("init", t)
-    checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(),
-              "transport": dist.distributed_c10d._get_default_group().comm.transport_name}
+    comm = dist.distributed_c10d._get_default_group().comm
+    checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(), "transport": comm.transport_name}
+    if comm.transport_name == "rdma":    # the GID index each QP uses (the test bed checks it is its host's)
+        checks["gid indices"] = sorted({comm.transport.qp[p].gid_index for p in comm.transport.peers})
     if args.only == "all":
         collectives(gloo, rank, size, checks)
         t = phase("collectives", t)
