@@ -1,6 +1,7 @@
 """Run under torchrun: the "pyrdma" backend against gloo in the same processes.
 
     torchrun --nproc-per-node N tests/torch_scripts/check_backend.py OUT_DIR [--steps K] [--only ddp]
+        [--dead-rank [--dead-rank-timeout S]] [--test-bed]
 
 Each rank writes OUT_DIR/rank<r>.json: the checks it made ("name": true/false or a message) and
 the DDP parameters' checksums; the caller (tests/test_torch.py) asserts on them. DDP trains the
@@ -150,8 +151,17 @@ def main():
     ap.add_argument("--only", choices=["ddp", "all"], default="all")
     ap.add_argument("--dead-rank", action="store_true",
                     help="at the end the last rank exits without a word; rank 0's next all_reduce in a group "
-                         "with a 15 s timeout must fail naming it (written to dead_rank.json)")
+                         "with a --dead-rank-timeout timeout must fail naming it (written to dead_rank.json)")
+    ap.add_argument("--dead-rank-timeout", type=float, default=15.0)
+    ap.add_argument("--test-bed", action="store_true",
+                    help="on the multi-host test bed (PYRDMA_TEST_HOSTS): local rank k runs on host k+1 (its "
+                         "device, GID and address), as one worker per node would")
     args = ap.parse_args()
+    host = None
+    if args.test_bed:
+        from pyrdma.testing import hosts as testbed
+        host = testbed.load()[int(os.environ["LOCAL_RANK"])]
+        os.environ.update(host.env())
     t = phase("import", T0)
     dist.init_process_group("pyrdma", timeout=datetime.timedelta(seconds=120))
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -161,6 +171,8 @@ def main():
     checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(), "transport": comm.transport_name}
     if comm.transport_name == "rdma":    # the GID index each QP uses (the test bed checks it is its host's)
         checks["gid indices"] = sorted({comm.transport.qp[p].gid_index for p in comm.transport.peers})
+    if host is not None:
+        checks["host"] = host.name
     if args.only == "all":
         collectives(gloo, rank, size, checks)
         t = phase("collectives", t)
@@ -178,13 +190,13 @@ def main():
                    "phases": PHASES},
                   f, indent=1)
     if args.dead_rank:
-        dead_rank(rank, size, args.out, t)
+        dead_rank(rank, size, args.out, t, args.dead_rank_timeout)
     dist.destroy_process_group()
     return 0
 
 
-def dead_rank(rank, size, out, t):
-    short = dist.new_group(backend="pyrdma", timeout=datetime.timedelta(seconds=15))
+def dead_rank(rank, size, out, t, timeout_s):
+    short = dist.new_group(backend="pyrdma", timeout=datetime.timedelta(seconds=timeout_s))
     dist.all_reduce(torch.ones(10), group=short)          # every rank is connected
     dist.barrier()
     phase("dead-rank group", t)
