@@ -79,12 +79,11 @@ def write_stream(a, b, nbytes, chunk=1 << 16, depth=16, qp_timeout=FAST_QP_TIMEO
 def allreduce_under_faults(rank, size, port, hosts_path, faults, nbytes, qp_timeout=FAST_QP_TIMEOUT):
     """One rank of two, on hosts 1 and 2 (call it in one process per rank). For each (name, spec) of
     ``faults`` rank 0 puts netem on host 1's wire (both directions) between barriers and both time a ring
-    allreduce of ``nbytes`` (float32); returns ({name: seconds}, {name: result exact})."""
+    allreduce of ``nbytes`` (float32; an int, or {fault name: bytes}); returns ({name: seconds},
+    {name: result exact})."""
     hosts = testbed.load(hosts_path)
     os.environ.update(hosts[rank].env())
     from pyrdma.collectives import Communicator
-    n = nbytes // 4
-    expected = (2 * (np.arange(n) % 4093) + 1).astype(np.float32)
     times, correct = {}, {}
     with Communicator(rank, size, f"{hosts[0].address}:{port}", transport="rdma", timeout=120,
                       qp_timeout=qp_timeout) as comm:
@@ -94,6 +93,7 @@ def allreduce_under_faults(rank, size, port, hosts_path, faults, nbytes, qp_time
                 for cmd in testbed.netem_commands(hosts[0], spec)[0]:
                     testbed.run_ip(*cmd)
             comm.barrier()
+            n = (nbytes[name] if isinstance(nbytes, dict) else nbytes) // 4
             x = (np.arange(n) % 4093 + rank).astype(np.float32)
             start = time.monotonic()
             try:
@@ -103,5 +103,5 @@ def allreduce_under_faults(rank, size, port, hosts_path, faults, nbytes, qp_time
                 if rank == 0 and spec:
                     for cmd in testbed.netem_commands(hosts[0], spec)[1]:
                         subprocess.run(cmd, capture_output=True, timeout=testbed.COMMAND_TIMEOUT_S)
-            correct[name] = bool(np.array_equal(x, expected))
+            correct[name] = bool(np.array_equal(x, (2 * (np.arange(n) % 4093) + 1).astype(np.float32)))
     return times, correct
