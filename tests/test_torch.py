@@ -61,10 +61,14 @@ def _torchrun(nproc, tmp_path, transport, *args, launch=("--standalone",), timeo
     return reports
 
 
+# Entries of a rank's "checks" that record a fact (asserted on by the tests) rather than pass or fail.
+INFO_CHECKS = ("transport", "gid indices", "host")
+
+
 def _assert_all_passed(reports, transport):
     for rep in reports:
         failed = {name: why for name, why in rep["checks"].items()
-                  if why is not True and name not in ("transport", "gid indices")}
+                  if why is not True and name not in INFO_CHECKS}
         assert not failed, f"rank {rep['rank']}: {failed}"
         assert rep["checks"]["transport"] == transport
 
