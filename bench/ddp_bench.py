@@ -4,7 +4,7 @@
         bench/ddp_bench.py --out build/bench
 
 For each backend, torchrun starts ``--ranks`` processes that train an MLP (``--hidden``: about
-4.2 M parameters by default) on synthetic data with DistributedDataParallel and time each step
+4.0 M parameters by default) on synthetic data with DistributedDataParallel and time each step
 (median after one warm-up step), then time an allreduce of one 25 MiB float32 bucket (DDP's
 default bucket size; median of ``--iters``). busbw = 2(n-1)/n * bytes / time, as nccl-tests;
 ib_write_bw's 8 MiB average on the same device is the physical anchor. Writes ddp.json.
@@ -83,7 +83,7 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench"))
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--features", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=1536, help="hidden width (1536: about 4.2 M parameters)")
+    p.add_argument("--hidden", type=int, default=1536, help="hidden width (1536 with 1024 features: 3.95 M parameters)")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     p.add_argument("--iters", type=int, default=5, help="timed 25 MiB allreduces")

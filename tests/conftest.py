@@ -23,7 +23,7 @@ def pytest_configure(config):
     # Also in pyproject.toml; repeated here so the markers exist whatever config file pytest picks.
     config.addinivalue_line("markers", "device: needs a real RDMA device (runs inside the Soft-RoCE VM in CI)")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and CuPy")
-    config.addinivalue_line("markers", "torch_vm: torchrun over RDMA (minutes in the emulated VM; not in CI)")
+    config.addinivalue_line("markers", "torch_vm: 4-worker torchrun over RDMA (over 5 minutes in the emulated VM; not in CI)")
 
 
 def active_rdma_devices(sysfs=SYSFS_INFINIBAND):

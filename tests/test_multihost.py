@@ -22,6 +22,7 @@ import pytest
 from mp import free_port, run_ranks
 from pyrdma.testing import hosts as testbed
 from pyrdma.testing import tcp_listening
+from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, write_stream
 
 HOSTS = testbed.load()
 pytestmark = [pytest.mark.device,
@@ -31,7 +32,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Spawned ranks import numpy and pyrdma first: slow under software emulation.
 RANKS_TIMEOUT = 240
 WAIT = 60          # any single completion wait
-FAST_QP_TIMEOUT = 14   # 4.096 us * 2^14 = 67 ms before an RC resend: loss costs little wall time
 
 
 def need(n):
@@ -367,47 +367,11 @@ def test_write_bw_client_on_one_host_server_on_another(pair):
 
 # ------------------------------------------------------------------------------------ faults
 
-def _write_stream(a, b, nbytes, chunk=1 << 16, depth=16, qp_timeout=FAST_QP_TIMEOUT, retry_cnt=7, wait=120):
-    """RC WRITEs of ``nbytes`` from host a to host b in ``chunk`` pieces, ``depth`` in flight; returns
-    (seconds, path MTUs) after checking every byte. CompletionError when the wire fails them."""
-    import pyrdma as rd
-    with rd.Context(a.device) as ctx_a, rd.Context(b.device) as ctx_b:
-        pd_a, pd_b = rd.ProtectionDomain(ctx_a), rd.ProtectionDomain(ctx_b)
-        cq_a, cq_b = rd.CompletionQueue(ctx_a, 4 * depth), rd.CompletionQueue(ctx_b, 16)
-        qp_a = rd.QueuePair(pd_a, rd.QPT_RC, cq_a, max_send_wr=2 * depth)
-        qp_b = rd.QueuePair(pd_b, rd.QPT_RC, cq_b)
-        src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-        dst = np.zeros(nbytes, np.uint8)
-        mr_a = rd.MemoryRegion(pd_a, src, rd.ACCESS_ALL)
-        mr_b = rd.MemoryRegion(pd_b, dst, rd.ACCESS_ALL)
-        ep_a, ep_b = qp_a.endpoint(mr=mr_a), qp_b.endpoint(mr=mr_b)
-        qp_a.connect(ep_b, timeout=qp_timeout, retry_cnt=retry_cnt)
-        qp_b.connect(ep_a, timeout=qp_timeout, retry_cnt=retry_cnt)
-        mtus = (qp_a.query().path_mtu, qp_b.query().path_mtu)
-        start = time.monotonic()
-        posted = done = 0
-        chunks = -(-nbytes // chunk)
-        try:
-            while done < chunks:
-                while posted < chunks and posted - done < depth:
-                    off = posted * chunk
-                    n = min(chunk, nbytes - off)
-                    qp_a.post_write(mr_a, off, n, ep_b.addr + off, ep_b.rkey, wr_id=posted)
-                    posted += 1
-                done += len(_poll(cq_a, 1, timeout=wait))
-            elapsed = time.monotonic() - start
-        finally:
-            pd_a.close()
-            pd_b.close()
-        assert np.array_equal(dst, src), f"{int((dst != src).sum())} bytes differ"
-        return elapsed, mtus
-
-
-FAULTS = [("none", None), ("loss 1%", "loss 1%"), ("loss 5%", "loss 5%"),
-          ("reorder", "delay 2ms reorder 25% 50%")]
-# Bytes of the WRITE stream per fault: under 5% loss or reordering the emulated VM moves ~0.3 MB/s
-# (every gap costs a go-back-N resend), so 16 MiB would take a minute each; 4 MiB shows the same.
-STREAM_BYTES = {"none": 16 << 20, "loss 1%": 16 << 20, "loss 5%": 4 << 20, "reorder": 4 << 20}
+# Bytes per fault, #19's sizes where the emulated VM moves them in seconds: under 5% loss or reordering
+# every gap costs a go-back-N resend and the VM moves ~0.3-0.5 MB/s, so a 64 MiB stream takes minutes
+# and a 16 MiB allreduce about a minute; those run in bench/fault_bench.py, which reports the slowdown.
+STREAM_BYTES = {"none": 64 << 20, "loss 1%": 64 << 20, "loss 5%": 4 << 20, "reorder": 4 << 20}
+ALLREDUCE_BYTES = {"none": 16 << 20, "loss 1%": 16 << 20, "loss 5%": 4 << 20, "reorder": 4 << 20}
 
 
 @pytest.mark.parametrize("name,spec", FAULTS, ids=[f[0].replace(" ", "") for f in FAULTS])
@@ -415,7 +379,7 @@ def test_rdma_write_stream_is_exact_under_netem(name, spec, record_property, cle
     a, b = need(2)
     nbytes = STREAM_BYTES[name]
     with testbed.netem(a, spec) if spec else _nothing():
-        elapsed, _ = _write_stream(a, b, nbytes)
+        elapsed, _ = write_stream(a, b, nbytes)
     record_property("seconds", round(elapsed, 2))
     print(f"write stream {nbytes >> 20} MiB h1->h2 under {name}: {elapsed:.2f} s, "
           f"{nbytes / elapsed / 1e6:.1f} MB/s, every byte checked")
@@ -429,47 +393,15 @@ class _nothing:
         return False
 
 
-def _allreduce_under_faults(rank, size, port, hosts_path, faults, nbytes):
-    """Two ranks on hosts 1 and 2; for each fault rank 0 puts netem on host 1's wire (both directions)
-    between barriers and both time an allreduce of ``nbytes`` (float32); returns (times, correct)."""
-    from pyrdma.testing import hosts as testbed
-    hosts = testbed.load(hosts_path)
-    me = hosts[rank]
-    os.environ.update(me.env())
-    from pyrdma.collectives import Communicator
-    n = nbytes // 4
-    times, correct = {}, {}
-    with Communicator(rank, size, f"{hosts[0].address}:{port}", transport="rdma", timeout=120,
-                      qp_timeout=FAST_QP_TIMEOUT) as comm:
-        for name, spec in faults:
-            comm.barrier()
-            if rank == 0 and spec:
-                add, _ = testbed.netem_commands(hosts[0], spec)
-                for cmd in add:
-                    testbed.run_ip(*cmd)
-            comm.barrier()
-            x = (np.arange(n) % 4093 + rank).astype(np.float32)
-            start = time.monotonic()
-            try:
-                comm.allreduce(x, algorithm="ring")
-            finally:
-                times[name] = time.monotonic() - start
-                if rank == 0 and spec:
-                    for cmd in testbed.netem_commands(hosts[0], spec)[1]:
-                        subprocess.run(cmd, capture_output=True, timeout=30)
-            correct[name] = bool(np.array_equal(x, (2 * (np.arange(n) % 4093) + 1).astype(np.float32)))
-    return times, correct
-
-
 def test_allreduce_is_exact_under_loss_and_reordering(clean_wire):
     hosts = need(2)
-    nbytes = 4 << 20
-    res = run_ranks(_allreduce_under_faults, 2, free_port(hosts[0].address), os.environ[testbed.HOSTS_ENV],
-                    FAULTS, nbytes, timeout=RANKS_TIMEOUT)
+    res = run_ranks(allreduce_under_faults, 2, free_port(hosts[0].address), os.environ[testbed.HOSTS_ENV],
+                    FAULTS, ALLREDUCE_BYTES, timeout=RANKS_TIMEOUT)
     for rank, (times, correct) in enumerate(res):
         assert all(correct.values()), (rank, correct)
-    print("allreduce 4 MiB float32, ranks on h1/h2, qp_timeout 14: " +
-          ", ".join(f"{name} {res[0][0][name]:.2f} s" for name, _ in FAULTS))
+        assert set(correct) == {name for name, _ in FAULTS}, (rank, correct)
+    print("allreduce float32, ranks on h1/h2, qp_timeout 14: " +
+          ", ".join(f"{name} {ALLREDUCE_BYTES[name] >> 20} MiB {res[0][0][name]:.2f} s" for name, _ in FAULTS))
 
 
 CUT_TIMEOUT = 10     # the Communicator's timeout in the link-down test
@@ -586,14 +518,14 @@ def test_mtu_mismatch_negotiates_down_or_fails_clearly(clean_wire):
     a, b = need(2)
     testbed.set_mtu(b, 9000)
     _wait_active_mtu(b.device, 4096)
-    elapsed, mtus = _write_stream(a, b, 4 << 20)
+    elapsed, mtus = write_stream(a, b, 4 << 20)
     assert mtus == (rd.MTU_1024, rd.MTU_1024), mtus
     print(f"MTU 1500 vs 9000: path MTU 1024 both ways, 4 MiB exact in {elapsed:.2f} s")
     testbed.set_mtu(a, 9000)
     _wait_active_mtu(a.device, 4096)
     start = time.monotonic()
     with pytest.raises((rd.CompletionError, rd.RDMATimeoutError)) as info:
-        _write_stream(a, b, 1 << 20, qp_timeout=10, retry_cnt=2, wait=10)
+        write_stream(a, b, 1 << 20, qp_timeout=10, retry_cnt=2, wait=10)
     took = time.monotonic() - start
     print(f"both 9000 on a 1500 wire: {type(info.value).__name__}: {info.value} after {took:.2f} s")
     assert took < 40

@@ -1,22 +1,36 @@
 """Run under torchrun: the "pyrdma" backend against gloo in the same processes.
 
     torchrun --nproc-per-node N tests/torch_scripts/check_backend.py OUT_DIR [--steps K] [--only ddp]
+        [--dead-rank [--dead-rank-timeout S]] [--test-bed]
 
 Each rank writes OUT_DIR/rank<r>.json: the checks it made ("name": true/false or a message) and
 the DDP parameters' checksums; the caller (tests/test_torch.py) asserts on them. DDP trains the
 same small model from the same seed twice, once over pyrdma and once over gloo.
 """
-import argparse
-import datetime
-import json
-import os
-import sys
 import time
 
-import torch
-import torch.distributed as dist
+T0 = time.monotonic()   # before torch's import, which dominates a rank's start-up under emulation
 
-import pyrdma.torch  # noqa: F401 -- registers the backend
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import pyrdma.torch  # noqa: F401,E402 -- registers the backend
+
+PHASES = {"import": time.monotonic() - T0}
+
+
+def phase(name, since):
+    """Record and print how long ``name`` took (seconds since ``since``); returns now."""
+    now = time.monotonic()
+    PHASES[name] = round(now - since, 3)
+    print(f"check_backend rank {os.environ.get('RANK')}: {name} {now - since:.1f} s", flush=True)
+    return now
 
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT,
        "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -137,17 +151,34 @@ def main():
     ap.add_argument("--only", choices=["ddp", "all"], default="all")
     ap.add_argument("--dead-rank", action="store_true",
                     help="at the end the last rank exits without a word; rank 0's next all_reduce in a group "
-                         "with a 15 s timeout must fail naming it (written to dead_rank.json)")
+                         "with a --dead-rank-timeout timeout must fail naming it (written to dead_rank.json)")
+    ap.add_argument("--dead-rank-timeout", type=float, default=15.0)
+    ap.add_argument("--test-bed", action="store_true",
+                    help="on the multi-host test bed (PYRDMA_TEST_HOSTS): local rank k runs on host k+1 (its "
+                         "device, GID and address), as one worker per node would")
     args = ap.parse_args()
+    host = None
+    if args.test_bed:
+        from pyrdma.testing import hosts as testbed
+        host = testbed.load()[int(os.environ["LOCAL_RANK"])]
+        os.environ.update(host.env())
+    t = phase("import", T0)
     dist.init_process_group("pyrdma", timeout=datetime.timedelta(seconds=120))
     rank, size = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
-    checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(),
-              "transport": dist.distributed_c10d._get_default_group().comm.transport_name}
+    t = phase("init", t)
+    comm = dist.distributed_c10d._get_default_group().comm
+    checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(), "transport": comm.transport_name}
+    if comm.transport_name == "rdma":    # the GID index each QP uses (the test bed checks it is its host's)
+        checks["gid indices"] = sorted({comm.transport.qp[p].gid_index for p in comm.transport.peers})
+    if host is not None:
+        checks["host"] = host.name
     if args.only == "all":
         collectives(gloo, rank, size, checks)
+        t = phase("collectives", t)
     params, t_pyrdma = train(None, args.steps, rank)
     params_gloo, t_gloo = train(gloo, args.steps, rank)
+    t = phase("ddp", t)
     everyone = [torch.zeros_like(params) for _ in range(size)]
     dist.all_gather(everyone, params, group=gloo)
     checks["ddp identical on every rank"] = all(torch.equal(p, params) for p in everyone)
@@ -155,18 +186,20 @@ def main():
         f"max difference {(params - params_gloo).abs().max().item()}"
     checks["ddp trained"] = not torch.equal(params, torch.cat([p.reshape(-1) for p in model().parameters()]))
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "size": size, "checks": checks, "seconds": {"pyrdma": t_pyrdma, "gloo": t_gloo}},
+        json.dump({"rank": rank, "size": size, "checks": checks, "seconds": {"pyrdma": t_pyrdma, "gloo": t_gloo},
+                   "phases": PHASES},
                   f, indent=1)
     if args.dead_rank:
-        dead_rank(rank, size, args.out)
+        dead_rank(rank, size, args.out, t, args.dead_rank_timeout)
     dist.destroy_process_group()
     return 0
 
 
-def dead_rank(rank, size, out):
-    short = dist.new_group(backend="pyrdma", timeout=datetime.timedelta(seconds=15))
+def dead_rank(rank, size, out, t, timeout_s):
+    short = dist.new_group(backend="pyrdma", timeout=datetime.timedelta(seconds=timeout_s))
     dist.all_reduce(torch.ones(10), group=short)          # every rank is connected
     dist.barrier()
+    phase("dead-rank group", t)
     if rank == size - 1:
         os._exit(0)
     start = time.monotonic()
