@@ -280,6 +280,13 @@ class RdmaTransport(_Waits):
         if self._closed:
             return
         self._closed = True
+        # Error state first: it flushes the sends still outstanding to a dead or unreachable peer, so
+        # the provider stops resending before the QP is destroyed.
+        for qp in self.qp.values():
+            try:
+                qp.to_error()
+            except RDMAError:
+                pass
         self.ctx.close()   # closes QPs, MRs, CQ, channel and PD, children first
 
     # ---- internals ----------------------------------------------------------------------------
