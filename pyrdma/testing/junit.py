@@ -1,4 +1,5 @@
-"""Check pytest's JUnit XML reports: ``python -m pyrdma.testing.junit HOST.xml DEVICE.xml``.
+"""Check pytest's JUnit XML reports: ``python -m pyrdma.testing.junit HOST.xml DEVICE.xml [DEVICE2.xml ...]``
+(several device reports, of device runs in separate pytest processes, count as one).
 
 Prints one summary line per report and exits non-zero if a report is missing or unreadable, any
 test failed or errored, no device test ran, or any device test was skipped (a skipped device test
@@ -65,14 +66,22 @@ def problems(label, report, device):
 
 
 def check(host_xml, device_xml, out=sys.stdout):
-    """Print a summary of both reports and what is wrong with them; 0 if nothing is."""
+    """Print a summary of the reports (``device_xml``: one path or a list, summed) and what is wrong
+    with them; 0 if nothing is."""
     found = []
-    for label, path, device in (("host", host_xml, False), ("device", device_xml, True)):
-        try:
-            report = summarize(path)
-        except (OSError, ET.ParseError) as exc:
-            found.append(f"{label}: no readable report at {path} ({exc})")
-            continue
+    device_paths = [device_xml] if isinstance(device_xml, str) else list(device_xml)
+    for label, paths, device in (("host", [host_xml], False), ("device", device_paths, True)):
+        report = Report()
+        for path in paths:
+            try:
+                part = summarize(path)
+            except (OSError, ET.ParseError) as exc:
+                found.append(f"{label}: no readable report at {path} ({exc})")
+                continue
+            for name in ("passed", "failed", "errors", "skipped", "xfailed"):
+                setattr(report, name, getattr(report, name) + getattr(part, name))
+            report.skipped_names += part.skipped_names
+            report.failed_names += part.failed_names
         print(report.line(label), file=out)
         found += problems(label, report, device)
     for p in found:
@@ -83,4 +92,6 @@ def check(host_xml, device_xml, out=sys.stdout):
 if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m pyrdma.testing.junit HOST.xml DEVICE.xml")
-    sys.exit(check(sys.argv[1], sys.argv[2]))
+    if len(sys.argv) < 3:
+        sys.exit("usage: python -m pyrdma.testing.junit HOST.xml DEVICE.xml [DEVICE2.xml ...]")
+    sys.exit(check(sys.argv[1], sys.argv[2:]))
