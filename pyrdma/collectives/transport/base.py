@@ -225,3 +225,23 @@ def _malformed(peer, what):
     err = PeerError(f"rank {peer} sent a malformed frame ({what}); its connection is dropped", peer=peer)
     err.malformed = True
     return err
+
+
+class _LentWorkArea:
+    """buffer() and use_buffer() of both transports, over their own work_area()."""
+
+    def buffer(self, nbytes):
+        """The current work area (the own buffer, grown to ``nbytes``, unless memory is lent)."""
+        if self._lent:
+            if self._work.nbytes < nbytes:
+                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
+            return self._work
+        return self.work_area(nbytes)
+
+    def use_buffer(self, whole, start=0, stop=None, device=None):
+        """Work in place on ``whole[start:stop]`` until use_buffer(None) (see work_area; ``device``
+        matters to RDMA only)."""
+        if whole is None:
+            self.work_area(0)
+        else:
+            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start, device)

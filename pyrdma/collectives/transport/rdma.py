@@ -5,8 +5,9 @@ import numpy as np
 
 from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, DEFAULT_QP_TIMEOUT,
                                                DEFAULT_RDMA_MESSAGE, DEFAULT_SLOTS, MAX_RDMA_MESSAGE,
-                                               PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _malformed, _Waits,
-                                               abort_error, check_header, closed_error, describe)
+                                               PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _LentWorkArea,
+                                               _malformed, _Waits, abort_error, check_header, closed_error,
+                                               describe)
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
 _CTRL_QUERY, _CTRL_REPORT = 0, 1
@@ -28,7 +29,7 @@ def _imm_control(sub, epoch, value=0):
     return (_KIND_CONTROL << 30) | (sub << 28) | ((epoch & 0xFFF) << 16) | (value & 0xFFFF)
 
 
-class RdmaTransport(_Waits):
+class RdmaTransport(_LentWorkArea, _Waits):
     """RC QPs to every peer, connected through ``exchange`` (anything with ``allgather(bytes)``).
 
     ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
@@ -196,21 +197,6 @@ class RdmaTransport(_Waits):
         # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
         self._gpu_sync = device.sync if on_gpu else None
         return self._work
-
-    def buffer(self, nbytes):
-        """The current work area (the own buffer, grown to ``nbytes``, unless memory is lent)."""
-        if self._lent:
-            if self._work.nbytes < nbytes:
-                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
-            return self._work
-        return self.work_area(nbytes)
-
-    def use_buffer(self, whole, start=0, stop=None, device=None):
-        """Work in place on ``whole[start:stop]`` until use_buffer(None) (see work_area)."""
-        if whole is None:
-            self.work_area(0)
-        else:
-            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start, device)
 
     def set_tag(self, desc):
         self._desc = _as_desc(desc)

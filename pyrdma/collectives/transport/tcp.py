@@ -13,8 +13,8 @@ import numpy as np
 from pyrdma import _reduce
 from pyrdma.collectives.schedule import consumer, execute
 from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_DATA, _REASONS, DEFAULT_TCP_MESSAGE, DESC,
-                                               NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _malformed, _Waits,
-                                               abort_error, check_header, describe)
+                                               NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _LentWorkArea,
+                                               _malformed, _Waits, abort_error, check_header, describe)
 from pyrdma.errors import PeerError, UsageError, WireFormatError
 
 _HELLO = struct.Struct("!8sBxxxii16s")       # magic, version, rank, world size, the listener's token
@@ -59,7 +59,7 @@ def read_frame(sock, peer, max_message, size):
         raise PeerError(f"the connection from rank {peer} broke ({exc or type(exc).__name__})", peer=peer) from None
 
 
-class TcpTransport(_Waits):
+class TcpTransport(_LentWorkArea, _Waits):
     """The same contract over one TCP connection per pair of ranks.
 
     ``host``: the address this rank listens on and advertises (default: the address it used to
@@ -173,20 +173,6 @@ class TcpTransport(_Waits):
         else:
             self._work, self._lent = lend[start:start + nbytes], True
         return self._work
-
-    def buffer(self, nbytes):
-        if self._lent:
-            if self._work.nbytes < nbytes:
-                raise UsageError(f"the lent work area has {self._work.nbytes} bytes, {nbytes} needed")
-            return self._work
-        return self.work_area(nbytes)
-
-    def use_buffer(self, whole, start=0, stop=None, device=None):
-        """Work in place on ``whole[start:stop]`` until use_buffer(None) (``device`` matters to RDMA)."""
-        if whole is None:
-            self.work_area(0)
-        else:
-            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start)
 
     def set_tag(self, desc):
         self._desc = _as_desc(desc)
