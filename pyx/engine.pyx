@@ -3,8 +3,8 @@
 
 A schedule (pyrdma.collectives.schedule) is a flat int64 array of steps and one of chunks, planned
 in Python once per (collective, size, rank, count, ...) and cached. ``Engine.run`` executes it in
-C: it posts the messages (an unsignaled WRITE of the 48-byte header, then the payload as
-WRITE_WITH_IMM into the peer's next receive slot), polls the CQ in batches (spinning briefly, then
+C: it posts the messages (one WRITE_WITH_IMM of the 48-byte header and the payload into the
+peer's next receive slot), polls the CQ in batches (spinning briefly, then
 sleeping on the completion channel), checks every received header against the collective's
 description, reduces or copies the received chunks with the C kernels of pyrdma_reduce.h, returns
 credits, answers the wait-for queries of other ranks, and enforces the timeout. One call per
@@ -17,6 +17,8 @@ reductions. Errors are recorded in C (``failure()`` describes them) and raised b
 in the one exception hierarchy.
 """
 cimport cython
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
+from cpython.bytes cimport PyBytes_FromString
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 from libc.errno cimport errno
@@ -24,7 +26,8 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memcmp, memset
 from pyrdma._verbs.libibverbs cimport *
-from pyrdma._verbs.base cimport VerbsObject, use, unuse, monotonic_now, pyrdma_load_flag, pyrdma_store_flag
+from pyrdma._verbs.base cimport (VerbsObject, use, unuse, monotonic_now, pyrdma_load_flag, pyrdma_store_flag,
+                                  pollfd, poll, POLLIN)
 from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.qp cimport QueuePair
 from pyrdma._verbs.mr cimport MemoryRegion
@@ -34,14 +37,6 @@ import threading
 from pyrdma.errors import UsageError
 
 cdef unsigned long _main_thread = threading.main_thread().ident
-
-cdef extern from "<poll.h>" nogil:
-    cdef struct pollfd:
-        int fd
-        short events
-        short revents
-    int poll(pollfd *fds, unsigned long nfds, int timeout)
-    enum: POLLIN
 
 cdef extern from "<arpa/inet.h>" nogil:
     uint32_t htonl(uint32_t x)
@@ -125,12 +120,89 @@ cdef struct peer_t:
     int report               # the rank this peer says it waits for (this wait's epoch), -1: none
 
 
+cdef int64_t _gcd(int64_t a, int64_t b) noexcept nogil:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+@cython.final
+cdef class Program:
+    """A schedule checked once for an engine's rank, size and max_message (Engine.program): every
+    peer exists, every chunk is within max_message and the step's ranges. A run then only checks
+    that its work area covers ``extent`` bytes and that the chunks it reduces hold whole elements
+    (their sizes' gcd, ``reduce_align``, is a multiple of the itemsize)."""
+    cdef object arrays                # the schedule's arrays, kept alive for the pointers below
+    cdef const int64_t *steps
+    cdef const int64_t *chunks
+    cdef Py_ssize_t nsteps
+    cdef int rank, size, max_message
+    cdef readonly int64_t extent
+    cdef readonly int64_t reduce_align
+
+    def __init__(self):
+        raise TypeError("a Program comes from Engine.program(schedule)")
+
+    cdef int _peer(self, int64_t peer, Py_ssize_t s) except -1:
+        if not 0 <= peer < self.size or peer == self.rank:
+            raise UsageError(f"schedule step {s} names rank {peer}, not a peer of rank {self.rank} (size {self.size})")
+        return 0
+
+    cdef int _check(self, int rank, int size, int max_message, const int64_t[:, ::1] steps,
+                    const int64_t[:, ::1] chunks) except -1:
+        cdef Py_ssize_t s, c, nchunks = chunks.shape[0]
+        cdef int64_t kind, sp, rp, s0, ns, r0, nr, ck, off, n, aux
+        cdef int64_t extent = 0, align = 0
+        self.rank, self.size, self.max_message = rank, size, max_message
+        if steps.shape[1] != STEP_COLUMNS or chunks.shape[1] != CHUNK_COLUMNS:
+            raise UsageError("malformed schedule arrays")
+        for s in range(steps.shape[0]):
+            kind, sp, rp = steps[s, 0], steps[s, 1], steps[s, 2]
+            s0, ns, r0, nr, ck = steps[s, 3], steps[s, 4], steps[s, 5], steps[s, 6], steps[s, 7]
+            if kind == WAIT_SENDS:
+                if sp != -1:
+                    self._peer(sp, s)
+                continue
+            if kind != EXCHANGE or not 0 <= ck <= CONSUME_REDUCE_UPPER or ns < 0 or nr < 0 \
+                    or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks:
+                raise UsageError(f"schedule step {s} is malformed")
+            if ns:
+                self._peer(sp, s)
+            if nr:
+                self._peer(rp, s)
+            for c in range(s0, s0 + ns):
+                off, n = chunks[c, 0], chunks[c, 1]
+                if off < 0 or n < 0 or n > max_message:
+                    raise UsageError(f"schedule chunk {c} ({off}, {n}) is outside the work area or over max_message")
+                extent = max(extent, off + n)
+            for c in range(r0, r0 + nr):
+                off, n, aux = chunks[c, 0], chunks[c, 1], chunks[c, 2]
+                if off < 0 or n < 0 or n > max_message or (ck >= CONSUME_REDUCE_LOWER and aux < 0):
+                    raise UsageError(f"schedule chunk {c} ({off}, {n}, {aux}) is outside the work area or over "
+                                     f"max_message")
+                extent = max(extent, off + n)
+                if ck >= CONSUME_REDUCE_LOWER:
+                    extent = max(extent, aux + n)
+                if ck >= CONSUME_REDUCE:
+                    align = _gcd(align, n)
+        self.extent, self.reduce_align = extent, align
+        self.nsteps = steps.shape[0]
+        self.steps = &steps[0, 0] if steps.shape[0] else NULL
+        self.chunks = &chunks[0, 0] if nchunks else NULL
+        self.arrays = (steps, chunks)
+        return 0
+
+    def __repr__(self):
+        return f"<Program {self.nsteps} steps, {self.extent}-byte work area, rank {self.rank} of {self.size}>"
+
+
 @cython.final
 cdef class Engine:
     """The data path of RdmaTransport: per-peer state in C, and ``run(schedule)``."""
     cdef peer_t *peers
     cdef int rank, size, slots, slot_stride, max_message, sq_depth, credit_batch
     cdef double timeout, probe_lead, spin
+    cdef int max_inline              # a message this long (header room included) is posted inline
     cdef ibv_cq *cq
     cdef ibv_comp_channel *channel
     cdef uint32_t header_lkey
@@ -164,7 +236,7 @@ cdef class Engine:
 
     def __init__(self, CompletionQueue cq not None, list qps, MemoryRegion slot_mr not None,
                  MemoryRegion header_mr not None, list remotes, int rank, int size, int slots, int slot_stride,
-                 int max_message, int sq_depth, double timeout, double spin):
+                 int max_message, int sq_depth, double timeout, double spin, int max_inline=0):
         """``qps[p]``: the QueuePair to rank p (None at ``rank``); ``remotes[p]``: (address of our
         slots in p's memory, rkey). Slots of peer p here start at slot_mr's address plus its index
         among the peers (rank order, skipping ours) times slots * slot_stride; header staging
@@ -180,6 +252,7 @@ cdef class Engine:
         self.max_message, self.sq_depth = max_message, sq_depth
         self.credit_batch = max(1, slots // 2)
         self.timeout, self.spin = timeout, spin
+        self.max_inline = max_inline
         self.probe_lead = min(1.0, timeout / 4)
         self.cq = cq.cq
         if cq.channel is None:
@@ -268,77 +341,84 @@ cdef class Engine:
                 return False
         return self._post_empty(peer, imm) == 0
 
-    def run(self, const int64_t[:, ::1] steps, const int64_t[:, ::1] chunks, uint64_t work_addr, int64_t work_len,
-            uint32_t work_lkey, bytes desc not None, int dtype, int op, consume=None):
-        """Execute a schedule on the work area [work_addr, + work_len) (registered with work_lkey).
-        ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None (host memory:
-        reductions and copies in C), or ``consume(kind, offset, nbytes, aux, slot_offset)`` called
-        with the GIL for every received chunk (GPU memory). Returns 0; on failure returns the
-        failure kind (see failure() and python_error()), leaving the error to the caller."""
-        cdef int rc, i, used
+    def program(self, schedule):
+        """The Program of a schedule (pyrdma.collectives.schedule.Schedule) for this engine's rank,
+        size and max_message: checked once, then kept on the schedule (its ``program`` slot) so
+        that every later run of the same cached plan skips the check."""
+        cdef Program prog = getattr(schedule, "program", None)
+        if prog is not None and prog.rank == self.rank and prog.size == self.size \
+                and prog.max_message == self.max_message:
+            return prog
+        prog = Program.__new__(Program)
+        prog._check(self.rank, self.size, self.max_message, schedule.steps, schedule.chunks)
+        try:
+            schedule.program = prog
+        except AttributeError:
+            pass
+        return prog
+
+    def description(self):
+        """The description of the collective the last run ran (what its messages carried)."""
+        return bytes((<char *>self.desc)[:DESC_SIZE])
+
+    def run(self, Program program not None, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
+            bytes desc not None, int dtype, int op, consume=None):
+        """Execute a Program (see program()) on the work area [work_addr, + work_len) (registered
+        with work_lkey). ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None
+        (host memory: reductions and copies in C), or ``consume(kind, offset, nbytes, aux,
+        slot_offset)`` called with the GIL for every received chunk (GPU memory). Returns 0; on
+        failure returns the failure kind (see failure() and python_error()), leaving the error to
+        the caller."""
+        cdef int rc
         if len(desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
-        if steps.shape[1] != STEP_COLUMNS or chunks.shape[1] != CHUNK_COLUMNS:
-            raise UsageError("malformed schedule arrays")
-        if not 0 <= dtype < 8 or not 0 <= op < 4:
-            raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
         if self.fail_kind != FAIL_NONE:
             return self.fail_kind
+        self._begin(program, work_addr, work_len, work_lkey, <const uint8_t *><char *>desc, dtype, op, consume)
+        try:
+            with nogil:
+                rc = self._execute(program.steps, program.nsteps, program.chunks)
+        finally:
+            self._end()
+        return self.fail_kind if rc < 0 else 0
+
+    cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
+                    const uint8_t *desc, int dtype, int op, object consume) except -1:
+        """Check a run's arguments against the program, then hold the verbs objects (a close()
+        elsewhere waits for _end)."""
+        cdef int i, used = 0
+        if not 0 <= dtype < 8 or not 0 <= op < 4:
+            raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
+        if prog.rank != self.rank or prog.size != self.size or prog.max_message != self.max_message:
+            raise UsageError("the program was checked for another rank, size or max_message")
+        if work_len < prog.extent:
+            raise UsageError(f"the schedule reaches byte {prog.extent} of a {work_len}-byte work area")
+        if consume is None and prog.reduce_align % <int64_t>pyrdma_itemsize[dtype] != 0:
+            raise UsageError(f"the schedule reduces chunks that are not whole {pyrdma_itemsize[dtype]}-byte elements")
         self.dtype, self.op, self.itemsize = dtype, op, <int>pyrdma_itemsize[dtype]
-        self._validate(steps, chunks, work_len, consume is not None)
-        memcpy(self.desc, <char *>desc, DESC_SIZE)
+        memcpy(self.desc, desc, DESC_SIZE)
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
         self.consume = consume
         self.py_error = None
         # only the main thread runs signal handlers: elsewhere a wait never takes the GIL for them
         self.signals = PyThread_get_thread_ident() == _main_thread
-        used = 0
         try:
             for i in range(len(self.keep)):
-                use(<VerbsObject>self.keep[i])      # a close() elsewhere waits for the run to leave
+                use(<VerbsObject>self.keep[i])
                 used += 1
-            with nogil:
-                rc = self._execute(&steps[0, 0] if steps.shape[0] else NULL, steps.shape[0],
-                                   &chunks[0, 0] if chunks.shape[0] else NULL)
-        finally:
+        except BaseException:
             for i in range(used):
                 unuse(<VerbsObject>self.keep[i])
             self.consume = None
-        self.runs += 1
-        return self.fail_kind if rc < 0 else 0
-
-    cdef int _validate(self, const int64_t[:, ::1] steps, const int64_t[:, ::1] chunks, int64_t work_len,
-                       bint callback) except -1:
-        cdef Py_ssize_t s, c, nchunks = chunks.shape[0]
-        cdef int64_t kind, sp, rp, s0, ns, r0, nr, ck, off, n, aux
-        for s in range(steps.shape[0]):
-            kind, sp, rp = steps[s, 0], steps[s, 1], steps[s, 2]
-            s0, ns, r0, nr, ck = steps[s, 3], steps[s, 4], steps[s, 5], steps[s, 6], steps[s, 7]
-            if kind == WAIT_SENDS:
-                if sp != -1:
-                    self._check_peer(sp)
-                continue
-            if kind != EXCHANGE or not 0 <= ck <= CONSUME_REDUCE_UPPER or ns < 0 or nr < 0 \
-                    or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks:
-                raise UsageError(f"schedule step {s} is malformed")
-            if ns:
-                self._check_peer(sp)
-            if nr:
-                self._check_peer(rp)
-            for c in range(s0, s0 + ns):
-                off, n = chunks[c, 0], chunks[c, 1]
-                if off < 0 or n < 0 or n > self.max_message or off + n > work_len:
-                    raise UsageError(f"schedule chunk {c} ({off}, {n}) is outside the {work_len}-byte work area "
-                                     f"or over max_message")
-            for c in range(r0, r0 + nr):
-                off, n, aux = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-                if off < 0 or n < 0 or n > self.max_message or off + n > work_len \
-                        or (ck >= CONSUME_REDUCE_LOWER and (aux < 0 or aux + n > work_len)):
-                    raise UsageError(f"schedule chunk {c} ({off}, {n}, {aux}) is outside the {work_len}-byte work "
-                                     f"area or over max_message")
-                if ck >= CONSUME_REDUCE and not callback and n % self.itemsize != 0:
-                    raise UsageError(f"schedule chunk {c} of {n} bytes is not a whole number of elements")
+            raise
         return 0
+
+    cdef void _end(self) noexcept:
+        cdef int i
+        for i in range(len(self.keep)):
+            unuse(<VerbsObject>self.keep[i])
+        self.consume = None
+        self.runs += 1
 
     # ---- the engine (no GIL) ----------------------------------------------------------------------
 
@@ -384,18 +464,12 @@ cdef class Engine:
             sent = 1
         last = ns if ns > nr else nr
         for k in range(last):
-            while sent < ns and sent <= k + self.slots and self._can_send(sp):
-                if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
-                    return -1
-                sent += 1
+            if self._send_ahead(sp, sch, ns, &sent, k) < 0:
+                return -1
             if k < nr:
                 data = self._recv(rp, rch[k * CHUNK_COLUMNS + 1])
-                if data == NULL:
+                if data == NULL or self._send_ahead(sp, sch, ns, &sent, k) < 0:
                     return -1
-                while sent < ns and sent <= k + self.slots and self._can_send(sp):
-                    if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
-                        return -1
-                    sent += 1
                 if self._consume(ck, rch + k * CHUNK_COLUMNS, data) < 0 or self._release(rp) < 0:
                     return -1
             if sent < ns and sent < k + 2:
@@ -404,15 +478,26 @@ cdef class Engine:
                 sent += 1
         return 0
 
+    cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil:
+        """Send the chunks after sent[0], up to k + slots, while sp takes them without a credit wait."""
+        while sent[0] < ns and sent[0] <= k + self.slots and self._can_send(sp):
+            if self._send(sp, sch[sent[0] * CHUNK_COLUMNS], sch[sent[0] * CHUNK_COLUMNS + 1]) < 0:
+                return -1
+            sent[0] += 1
+        return 0
+
     cdef inline bint _can_send(self, int peer) noexcept nogil:
-        return self.peers[peer].credits > 0 and self.peers[peer].outstanding + 2 <= self.sq_depth
+        return self.peers[peer].credits > 0 and self.peers[peer].outstanding < self.sq_depth
 
     cdef int _send(self, int peer, int64_t off, int64_t n) noexcept nogil:
+        """One WRITE_WITH_IMM of two gather entries, the header's room and the payload, into the
+        peer's next slot: one packet for a small message (a separate header WRITE doubled the
+        packets, and rxe's work, of every small collective)."""
         cdef peer_t *p = &self.peers[peer]
         cdef ibv_sge sge[2]
-        cdef ibv_send_wr wr[2]
+        cdef ibv_send_wr wr
         cdef ibv_send_wr *bad = NULL
-        cdef uint64_t slot, remote
+        cdef uint64_t slot
         cdef uint8_t *hdr
         cdef uint32_t len32 = <uint32_t>n
         cdef int rc
@@ -420,30 +505,29 @@ cdef class Engine:
             if self._wait(WAIT_CREDIT, peer, n) < 0:
                 return -1
         slot = p.send_seq % <uint64_t>self.slots
-        remote = p.remote + slot * <uint64_t>self.slot_stride
         hdr = p.headers + slot * C_HEADER_ROOM
         memcpy(hdr, self.desc, DESC_SIZE)
         memcpy(hdr + DESC_SIZE, &len32, 4)                # little-endian, as struct "<44sI"
-        memset(wr, 0, sizeof(wr))
-        sge[0].addr, sge[0].length, sge[0].lkey = <uint64_t><uintptr_t>hdr, HEADER_SIZE, self.header_lkey
-        wr[0].wr_id = (<uint64_t>peer << 2) | 2
-        wr[0].next = &wr[1]
-        wr[0].sg_list, wr[0].num_sge = &sge[0], 1
-        wr[0].opcode = IBV_WR_RDMA_WRITE
-        wr[0].send_flags = 0                               # retired by the payload's completion
-        wr[0].wr.rdma.remote_addr, wr[0].wr.rdma.rkey = remote, p.rkey
+        memset(&wr, 0, sizeof(wr))
+        sge[0].addr, sge[0].length, sge[0].lkey = <uint64_t><uintptr_t>hdr, C_HEADER_ROOM, self.header_lkey
         sge[1].addr, sge[1].length, sge[1].lkey = <uint64_t><uintptr_t>(self.work + off), len32, self.work_lkey
-        wr[1].wr_id = (<uint64_t>peer << 2) | 1
-        wr[1].sg_list, wr[1].num_sge = &sge[1], 1 if n else 0
-        wr[1].opcode = IBV_WR_RDMA_WRITE_WITH_IMM
-        wr[1].send_flags = IBV_SEND_SIGNALED
-        wr[1].imm_data = htonl((KIND_DATA << 30) | len32)
-        wr[1].wr.rdma.remote_addr, wr[1].wr.rdma.rkey = remote + C_HEADER_ROOM, p.rkey
-        rc = ibv_post_send(p.qp, &wr[0], &bad)
+        wr.sg_list, wr.num_sge = sge, 2 if n else 1
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
+        if C_HEADER_ROOM + n <= self.max_inline:
+            # copied at the post: the work area is free at once (no WAIT_SENDS for the ACK)
+            wr.wr_id = <uint64_t>peer << 2
+            wr.send_flags = IBV_SEND_SIGNALED | IBV_SEND_INLINE
+        else:
+            wr.wr_id = (<uint64_t>peer << 2) | 1
+            wr.send_flags = IBV_SEND_SIGNALED
+        wr.imm_data = htonl((KIND_DATA << 30) | len32)
+        wr.wr.rdma.remote_addr = p.remote + slot * <uint64_t>self.slot_stride
+        wr.wr.rdma.rkey = p.rkey
+        rc = ibv_post_send(p.qp, &wr, &bad)
         if rc:
             return self._fail(FAIL_POST, peer, rc, 0)
-        p.outstanding += 2
-        p.data_outstanding += 1
+        p.outstanding += 1
+        p.data_outstanding += <int>(wr.wr_id & 1)
         p.credits -= 1
         p.send_seq += 1
         return 0
@@ -676,7 +760,145 @@ cdef class Engine:
                         p.report = value
             else:
                 p.outstanding -= 1
-                if wc.wr_id & 1:                  # a payload: its header's WR is retired with it
-                    p.outstanding -= 1
+                if wc.wr_id & 1:                  # a payload read from the work area (not inline)
                     p.data_outstanding -= 1
         return 0 if self.fail_kind == FAIL_NONE else -1
+
+
+@cython.final
+cdef class HostCall:
+    """A blocking allreduce of host memory, prepared once by the Communicator for a (buffer format,
+    size, op, algorithm) (Communicator._prepare_host_allreduce): the Program, the description
+    (whose call number HostAllreduce patches per call), the reduction codes, and the work area:
+    the caller's buffer itself (``work_region`` None) or the transport's own buffer, with a copy
+    in and a copy out at ``result_offset``."""
+    cdef Program program
+    cdef uint8_t desc[DESC_SIZE]
+    cdef int dtype, op
+    cdef int64_t nbytes, result_offset, work_bytes
+    cdef MemoryRegion work_region
+
+    def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
+                 int64_t result_offset, int64_t work_bytes, MemoryRegion work_region=None):
+        if len(desc) != DESC_SIZE:
+            raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
+        if not 0 <= dtype < 8 or not 0 <= op < 4:
+            raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
+        if nbytes < 0 or result_offset < 0 or result_offset + nbytes > work_bytes or program.extent > work_bytes \
+                or (work_region is None and (result_offset or work_bytes != nbytes)):
+            raise UsageError("HostCall: the result or the schedule is outside the work area")
+        self.program = program
+        memcpy(self.desc, <char *>desc, DESC_SIZE)
+        self.dtype, self.op = dtype, op
+        self.nbytes, self.result_offset, self.work_bytes = nbytes, result_offset, work_bytes
+        self.work_region = work_region
+
+
+cdef object _MISSING = object()
+
+
+@cython.final
+cdef class HostAllreduce:
+    """``Communicator.allreduce(buf)`` in place on a host buffer over RDMA, as one C call: the
+    buffer comes by the buffer protocol, the prepared HostCall from a dict keyed by (format,
+    bytes, op, algorithm), and the copy in, the schedule and the copy out run without the GIL.
+    Python runs only to prepare a new shape, register new memory in place, and raise errors, so
+    the call costs about as much as a Python function call whatever its size. Everything it
+    does not take (a call() that returns None) goes the general way."""
+    cdef Engine engine
+    cdef object comm, transport
+    cdef dict calls
+    cdef object model, max_work_bytes, zero_copy_bytes   # what the calls were prepared under
+    cdef MemoryRegion lent                                # the last registration of a buffer in place
+
+    def __init__(self, Engine engine not None, comm, transport):
+        self.engine, self.comm, self.transport = engine, comm, transport
+        self.calls = {}
+
+    def __call__(self, buf, op, algorithm):
+        """``buf``, reduced in place; or None where the general path must run the call: not a
+        writable C-contiguous buffer, a collective still queued, a failed or closed group, or a
+        call that the Communicator does not prepare (it raises the errors of bad arguments)."""
+        cdef Py_buffer view
+        comm = self.comm
+        if comm._pending or comm._closed or comm._broken is not None:
+            return None
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            if comm.cost_model is not self.model or comm.max_work_bytes != self.max_work_bytes \
+                    or comm.zero_copy_bytes != self.zero_copy_bytes:
+                self.calls.clear()
+                self.model, self.max_work_bytes = comm.cost_model, comm.max_work_bytes
+                self.zero_copy_bytes = comm.zero_copy_bytes
+            key = (PyBytes_FromString(view.format) if view.format != NULL else b"B", view.len, op, algorithm)
+            call = self.calls.get(key, _MISSING)
+            if call is _MISSING:
+                if len(self.calls) >= 256:
+                    self.calls.clear()
+                call = self.calls[key] = comm._prepare_host_allreduce(buf, op, algorithm)
+            if call is None or (<HostCall>call).nbytes != view.len:
+                return None
+            return self._run(<HostCall>call, buf, &view)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef object _run(self, HostCall call, object buf, Py_buffer *view):
+        cdef Engine engine = self.engine
+        cdef Program prog = call.program
+        cdef MemoryRegion region
+        cdef uint8_t *data = <uint8_t *>view.buf
+        cdef uint8_t *work
+        cdef uint64_t seq
+        cdef int rc, i
+        cdef bint copy = call.work_region is not None
+        comm = self.comm
+        lock = comm._exec_lock
+        lock.acquire()
+        try:
+            if comm._pending or comm._closed or comm._broken is not None or engine.fail_kind != FAIL_NONE:
+                return None
+            seq = comm._seq
+            comm._seq = seq + 1             # the call is accepted: its number is taken, as in _submit
+            try:
+                if copy:
+                    region = call.work_region
+                    if region._closed:          # the transport's own buffer has grown since
+                        region = call.work_region = self.transport.own_region(call.work_bytes)
+                    work = <uint8_t *><uintptr_t>region.addr
+                else:
+                    region = self._registration(buf, view)
+                    work = data
+                for i in range(8):
+                    call.desc[i] = (seq >> (8 * i)) & 0xFF
+                engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
+                              call.dtype, call.op, None)
+                try:
+                    with nogil:
+                        if copy:
+                            memcpy(work, data, <size_t>call.nbytes)
+                        rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                        if rc == 0 and copy:
+                            memcpy(data, work + call.result_offset, <size_t>call.nbytes)
+                finally:
+                    engine._end()
+                if rc < 0:
+                    raise self.transport.engine_failed()
+            except BaseException as exc:
+                comm._fail(exc)
+                raise
+            return buf
+        finally:
+            lock.release()
+
+    cdef MemoryRegion _registration(self, buf, Py_buffer *view):
+        """The registration that covers the buffer (the last one, else the transport's cache)."""
+        cdef MemoryRegion mr = self.lent
+        cdef uint64_t addr = <uint64_t><uintptr_t>view.buf
+        if mr is None or mr._closed or addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
+            mr = self.lent = self.comm._host_registration(buf)
+            if addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
+                raise UsageError("the registration does not cover the buffer")
+        return mr

@@ -160,3 +160,63 @@ def test_a_malformed_schedule_is_refused_before_anything_is_posted():
     for errors, ok in run_ranks(_malformed, 2, free_port(), timeout=120):
         assert all(errors), errors
         assert ok
+
+
+def _fast_and_general(rank, size, port):
+    """Every blocking host allreduce(buf) runs as one C call (pyrdma._engine.HostAllreduce); the
+    same call with out= takes the general path. Both must give the same bits."""
+    rng = np.random.default_rng(1234 + rank)
+    mismatches, frames = [], []
+    with _comm(rank, size, port, timeout=60) as comm:
+        cases = []
+        for dtype in (np.float32, np.float16, np.int64, np.uint8):
+            for op in ("sum", "prod", "min", "max"):
+                for algorithm in ("auto", "ring", "recursive_doubling", "halving_doubling"):
+                    for count in (1, 7, 1000):
+                        cases.append((dtype, op, algorithm, count))
+        cases.append((np.float32, "sum", "ring", 300_000))               # 1.2 MB: in place
+        cases.append((np.float64, "max", "recursive_doubling", 200_000))  # grows the own work area
+        cases.append((np.int32, "sum", "auto", 5))
+        for dtype, op, algorithm, count in cases:
+            x = (rng.standard_normal(count) * 3).astype(dtype) if np.dtype(dtype).kind == "f" \
+                else rng.integers(0, 5, count).astype(dtype)
+            general = np.empty_like(x)
+            comm.allreduce(x, out=general, op=op, algorithm=algorithm)
+            fast = x.copy()
+            comm.allreduce(fast, op=op, algorithm=algorithm)
+            again = x.copy()
+            comm.allreduce(again, op=op, algorithm=algorithm)
+            if fast.tobytes() != general.tobytes() or again.tobytes() != general.tobytes():
+                mismatches.append((np.dtype(dtype).name, op, algorithm, count))
+            # warm (the shape prepared, the memory registered if in place): no Python below allreduce
+            frames.append(_count_calls(lambda: comm.allreduce(again, op=op, algorithm=algorithm)))
+        # more in-place buffers than the registration cache holds, round and round
+        bufs = [np.full(300_000, i + rank, np.float32) for i in range(10)]
+        for _ in range(2):
+            for i, b in enumerate(bufs):
+                b[:] = i + rank
+                comm.allreduce(b)
+                if not (b == 2 * i + sum(range(size))).all():
+                    mismatches.append(("cached registration", i))
+        raw = bytearray(np.arange(16, dtype=np.int32).tobytes())      # any writable buffer
+        assert comm.allreduce(raw) is raw
+        if bytes(raw) != (np.arange(16, dtype=np.int32) * size).tobytes():
+            mismatches.append("bytearray")
+        errors = []
+        for bad in (np.ones(8, np.float32)[::2], np.frombuffer(b"\0" * 32, np.float32)):
+            try:
+                comm.allreduce(bad)
+            except Exception as exc:
+                errors.append(type(exc).__name__)
+        check = np.ones(3, np.int64)
+        comm.allreduce(check)                     # the refused calls left the group working
+        return mismatches, max(frames), errors, check.tolist()
+
+
+@pytest.mark.device
+def test_the_one_call_host_allreduce_matches_the_general_path():
+    for mismatches, frames, errors, check in run_ranks(_fast_and_general, 2, free_port(), timeout=300):
+        assert mismatches == []
+        assert frames == 2, "a warm host allreduce is one Python frame (allreduce itself, and the lambda)"
+        assert errors == ["UsageError", "UsageError"]     # not C-contiguous; read-only
+        assert check == [2, 2, 2]

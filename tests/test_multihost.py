@@ -22,7 +22,7 @@ import pytest
 from mp import free_port, run_ranks
 from pyrdma.testing import hosts as testbed
 from pyrdma.testing import tcp_listening
-from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, write_stream
+from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, poll, write_stream
 
 HOSTS = testbed.load()
 pytestmark = [pytest.mark.device,
@@ -65,21 +65,6 @@ def _wait_active_mtu(device, nbytes, timeout=30):
         while ctx.query_port(1).active_mtu_bytes != nbytes:
             assert time.monotonic() < deadline, f"{device} active MTU never became {nbytes}"
             time.sleep(0.1)
-
-
-def _poll(cq, n, timeout=WAIT):
-    import pyrdma as rd
-    wcs = np.empty(max(n, 16), rd.WC_DTYPE)
-    got, out = 0, []
-    deadline = time.monotonic() + timeout
-    while got < n:
-        left = deadline - time.monotonic()
-        assert left > 0, f"{n - got} of {n} completions missing after {timeout} s"
-        k = cq.poll_wait(wcs, 1, timeout=left)
-        rd.check_wcs(wcs[:k])
-        out.append(wcs[:k].copy())
-        got += k
-    return np.concatenate(out) if out else wcs[:0]
 
 
 # ------------------------------------------------------------------------------------ the hosts
@@ -161,27 +146,27 @@ def test_connect_accept_every_rc_opcode_across_hosts():
         buf_a[:nbytes] = pattern
         tx_a, tx_b = tx(a), tx(b)
         conn.qp.post_write(mr_a, 0, nbytes, conn.remote.addr, conn.remote.rkey, wr_id=1)
-        _poll(cq_a, 1)
+        poll(cq_a, 1)
         assert np.array_equal(buf_b[:nbytes], pattern)
         conn.qp.post_read(mr_a, nbytes, nbytes, conn.remote.addr, conn.remote.rkey, wr_id=2)
-        _poll(cq_a, 1)
+        poll(cq_a, 1)
         assert np.array_equal(buf_a[nbytes:2 * nbytes], pattern)
         assert tx(a) - tx_a >= nbytes and tx(b) - tx_b >= nbytes, "the WRITE and READ did not cross the veths"
         # SEND of 3000 bytes: three packets at MTU 1024
         buf_b[:3000] = 0
         srv.qp.post_recv_buf(mr_b, 0, 4096, wr_id=3)
         conn.qp.post_send_buf(mr_a, 0, 3000, wr_id=4)
-        _poll(cq_a, 1)
-        (wc,) = _poll(cq_b, 1)
+        poll(cq_a, 1)
+        (wc,) = poll(cq_b, 1)
         assert wc["byte_len"] == 3000 and np.array_equal(buf_b[:3000], pattern[:3000])
         # atomics on 8 aligned bytes of host 2's memory
         atom = nbytes
         buf_b[atom:atom + 8] = np.frombuffer(np.uint64(40).tobytes(), np.uint8)
         conn.qp.post_atomic_fetch_add(mr_a, 2 * nbytes, conn.remote.addr + atom, conn.remote.rkey, 2, wr_id=5)
-        _poll(cq_a, 1)
+        poll(cq_a, 1)
         assert buf_a[2 * nbytes:2 * nbytes + 8].view(np.uint64)[0] == 40
         conn.qp.post_atomic_cmp_swap(mr_a, 2 * nbytes + 8, conn.remote.addr + atom, conn.remote.rkey, 42, 7, wr_id=6)
-        _poll(cq_a, 1)
+        poll(cq_a, 1)
         assert buf_a[2 * nbytes + 8:2 * nbytes + 16].view(np.uint64)[0] == 42
         assert buf_b[atom:atom + 8].view(np.uint64)[0] == 7
         conn.close()
@@ -211,8 +196,8 @@ def test_ud_with_address_handles_across_hosts():
             r_buf[:] = 0
             r_qp.post_recv_buf(r_mr, 0, rd.UD_GRH_BYTES + mtu, wr_id=1)
             s_qp.post_send_buf(s_mr, 0, mtu, ah=ah, remote_qpn=r_qp.qp_num, wr_id=2)
-            _poll(s_cq, 1)
-            (wc,) = _poll(r_cq, 1)
+            poll(s_cq, 1)
+            (wc,) = poll(r_cq, 1)
             assert wc["byte_len"] == rd.UD_GRH_BYTES + mtu and wc["src_qp"] == s_qp.qp_num
             assert np.array_equal(r_buf[rd.UD_GRH_BYTES:rd.UD_GRH_BYTES + mtu], payload)
             # RoCE v2 over IPv4: the last 20 bytes of the 40-byte GRH area are the IPv4 header

@@ -344,6 +344,11 @@ class Communicator:
         self._count_lock = threading.Lock()
         self._pending = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
+        # blocking host allreduces over RDMA: one C call each (the general path prepares them)
+        self._host_allreduce = None
+        if chosen == "rdma" and size > 1:
+            from pyrdma._engine import HostAllreduce
+            self._host_allreduce = HostAllreduce(self.transport.engine, self, self.transport)
 
     def _agree_on_transport(self, exchange, transport, device):
         """Every rank says what it wants (and, for auto, whether it can do RDMA); all must agree."""
@@ -501,6 +506,10 @@ class Communicator:
     def allreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks, into ``out`` (default: ``buf``, in place).
         Returns the result buffer."""
+        if out is None and dtype is None and self._host_allreduce is not None:
+            done = self._host_allreduce(buf, op, algorithm)
+            if done is not None:
+                return done
         if _is_cuda(buf, out):
             _check_op(op)
             algorithm = self._check_algorithm(algorithm)
@@ -523,6 +532,10 @@ class Communicator:
         _check_op(op)
         algorithm = self._check_algorithm(algorithm)
         src, dst = _in_and_out(buf, out, dtype, writes=True)
+        return self._submit(blocking, self._allreduce, src, dst, op, self._allreduce_plan(src, op, algorithm))
+
+    def _allreduce_plan(self, src, op, algorithm):
+        """[(lo, hi, algorithm, description)] of the pieces of an allreduce of ``src``."""
         plan = []
         for lo, hi in self._pieces(src.count, src.itemsize):
             nbytes = (hi - lo) * src.itemsize
@@ -534,7 +547,38 @@ class Communicator:
                     raise UsageError(f"the cost model chose an unknown algorithm {algo!r}")
             plan.append((lo, hi, algo, self._tag("allreduce", op=op, dtype=src.code, count=src.count, lo=lo, hi=hi,
                                                      algorithm=algo)))
-        return self._submit(blocking, self._allreduce, src, dst, op, plan)
+        return plan
+
+    def _prepare_host_allreduce(self, buf, op, algorithm):
+        """What pyrdma._engine.HostAllreduce needs to run ``allreduce(buf, op=op,
+        algorithm=algorithm)`` as one C call, again for every buffer of the same format and size
+        (its cache key): a HostCall, with the same plan, description and work area as the general
+        path (_allreduce); or None where the general path must run it (avg, one piece too many,
+        arguments it rejects with their error)."""
+        from pyrdma._engine import HostCall
+        if op not in OPS or op == "avg" or algorithm not in ALGORITHMS:
+            return None
+        try:
+            src = _Operand(buf, "buf", writable=True)
+        except UsageError:
+            return None
+        if src.count == 0 or src.code == _reduce.BFLOAT16 or src.nbytes > self.max_work_bytes:
+            return None
+        plan = self._allreduce_plan(src, op, self._check_algorithm(algorithm))
+        if len(plan) != 1:
+            return None
+        (lo, hi, algo, tag), = plan
+        t = self.transport
+        schedule = ALLREDUCE_PLANS[algo](self.size, self.rank, src.count, src.itemsize, t.max_message)
+        doubling = algo == "recursive_doubling"          # a second copy: never in place (as _allreduce)
+        in_place = not doubling and self.zero_copy_bytes and src.nbytes >= self.zero_copy_bytes
+        work_bytes = 2 * src.nbytes if doubling else src.nbytes
+        return HostCall(t.engine.program(schedule), tag, src.code, _op_code(op), src.nbytes, schedule.result_offset,
+                        work_bytes, None if in_place else t.own_region(work_bytes))
+
+    def _host_registration(self, buf):
+        """The MemoryRegion of a host buffer that an allreduce works on in place."""
+        return self.transport.registration(host_array(buf, "buf").reshape(-1).view(np.uint8))[0]
 
     def _check_algorithm(self, algorithm):
         if algorithm not in ALGORITHMS:

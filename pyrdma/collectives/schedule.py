@@ -26,9 +26,10 @@ STEP_COLUMNS, CHUNK_COLUMNS = 8, 3
 
 class Schedule:
     """A planned collective. ``result_offset``: where in the work area the result lies afterwards
-    (recursive doubling may end in the second half of its double buffer)."""
+    (recursive doubling may end in the second half of its double buffer). ``program``: set by the
+    C engine the first time it runs the schedule (checked once, then trusted)."""
 
-    __slots__ = ("steps", "chunks", "result_offset", "_rows", "_chunk_rows")
+    __slots__ = ("steps", "chunks", "result_offset", "program", "_rows", "_chunk_rows")
 
     def __init__(self, steps, chunks, result_offset=0):
         self.steps = np.array(steps, np.int64).reshape(-1, STEP_COLUMNS)
@@ -36,6 +37,7 @@ class Schedule:
         self.steps.flags.writeable = False       # cached and shared: nobody may edit one
         self.chunks.flags.writeable = False
         self.result_offset = result_offset
+        self.program = None            # the C engine's checked form (pyrdma._engine.Program), once run
         self._rows = self._chunk_rows = None
 
     def rows(self):

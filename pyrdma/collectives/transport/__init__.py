@@ -28,11 +28,11 @@ The point-to-point calls schedule.execute runs on (TcpTransport, and the tests' 
     t.wait_sends(peer=None)              every posted send has left local memory (work may change)
 
 RdmaTransport: one RC QP per peer. Each rank registers, once, ``slots`` receive slots of
-``max_message`` bytes per peer. A message is one RDMA WRITE_WITH_IMM from the sender's registered
-work buffer straight into the receiver's next slot (slot = message number mod slots: RC delivers in
-order, so the slot index need not travel), just after a small header written by an unsignaled WRITE
-posted before it (RC places it first): the collective's full description and the length, which the
-receiver compares exactly with its own. The 32-bit immediate carries the kind and the length.
+``max_message`` bytes per peer. A message is one RDMA WRITE_WITH_IMM into the receiver's next slot
+(slot = message number mod slots: RC delivers in order, so the slot index need not travel) that
+gathers a 64-byte header room and the payload, straight from the sender's registered work buffer:
+the header is the collective's full description and the length, which the receiver compares
+exactly with its own; the payload lands 64 bytes into the slot. The 32-bit immediate carries the kind and the length.
 Flow control is by credits: a sender starts with ``slots`` credits, spends one per message and
 waits when it has none; the receiver returns consumed slots as credits (a zero-byte WRITE_WITH_IMM,
 batched by half the slots), so a slot is never overwritten before it was consumed.

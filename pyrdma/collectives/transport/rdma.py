@@ -12,6 +12,9 @@ from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
 _CTRL_QUERY, _CTRL_REPORT = 0, 1
 HEADER_ROOM = 64           # a slot: the header, then the payload (64-byte aligned)
+# A message this long (the header room and up to 192 payload bytes) goes inline: the NIC copies it
+# at the post, so the collective need not wait for its ACK before it returns.
+MAX_INLINE = 256
 
 
 def _slot_consumer(consume, slots):
@@ -92,9 +95,9 @@ class RdmaTransport(_LentWorkArea, _Waits):
         npeers = len(self.peers)
         self.pd = rd.ProtectionDomain(self.ctx)
         self.channel = rd.CompChannel(self.ctx)
-        # data <= slots in flight (two WRs each: header and payload), credits <= slots / batch, plus
-        # control and abort messages
-        self.sq_depth = 3 * self.slots + 8
+        # data <= slots in flight (one WR each: header and payload gathered), credits <= slots /
+        # batch, plus control and abort messages
+        self.sq_depth = 2 * self.slots + 8
         self.rq_depth = 2 * self.slots + 8
         max_cqe = self.ctx.query_device().max_cqe
         cqe = max(16, min(max_cqe, npeers * (self.sq_depth + self.rq_depth) + 16))
@@ -112,9 +115,9 @@ class RdmaTransport(_LentWorkArea, _Waits):
         self.header_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * self.slots * HEADER_ROOM,
                                                   rd.ACCESS_LOCAL_WRITE)
         self.qp, self.remote = {}, {}
+        self.max_inline = MAX_INLINE
         for p in self.peers:
-            qp = rd.QueuePair(self.pd, rd.QPT_RC, self.cq, max_send_wr=self.sq_depth, max_recv_wr=self.rq_depth,
-                              port=port, gid_index=gid_index)
+            qp = self._queue_pair(rd, port, gid_index)
             qp.to_init()     # the port is the QP's already; to_init(port=) would re-pick the GID
             recv = rd.RecvWR([], wr_id=p << 2)    # WRITE_WITH_IMM consumes a receive but no buffer
             for _ in range(self.rq_depth):
@@ -150,8 +153,23 @@ class RdmaTransport(_LentWorkArea, _Waits):
         from pyrdma._engine import Engine
         self.engine = Engine(self.cq, [self.qp.get(p) for p in range(self.size)], self.slot_mr, self.header_mr,
                              [self.remote.get(p, (0, 0)) for p in range(self.size)], self.rank, self.size,
-                             self.slots, self.slot_stride, self.max_message, self.sq_depth, self.timeout, self.spin)
+                             self.slots, self.slot_stride, self.max_message, self.sq_depth, self.timeout, self.spin,
+                             self.max_inline)
         exchange.allgather(b"rdma-connected")   # nobody writes before every QP is ready to receive
+
+    def _queue_pair(self, rd, port, gid_index):
+        """An RC QP to a peer: two gather entries (header room and payload), and inline sends of
+        up to MAX_INLINE bytes where the device takes them (self.max_inline: what it gave)."""
+        kwargs = dict(max_send_wr=self.sq_depth, max_recv_wr=self.rq_depth, max_send_sge=2, port=port,
+                      gid_index=gid_index)
+        if self.max_inline:
+            try:
+                qp = rd.QueuePair(self.pd, rd.QPT_RC, self.cq, max_inline_data=self.max_inline, **kwargs)
+                self.max_inline = min(self.max_inline, qp.max_inline_data)
+                return qp
+            except RDMAError:
+                self.max_inline = 0
+        return rd.QueuePair(self.pd, rd.QPT_RC, self.cq, **kwargs)
 
     # ---- the interface ------------------------------------------------------------------------
 
@@ -165,38 +183,49 @@ class RdmaTransport(_LentWorkArea, _Waits):
         returns once what was written to the memory is there for the NIC to read (a CuPy array
         has ``.data.ptr``; pyrdma.cuda.collectives.DirectArea is such a device)."""
         if lend is None:
-            if self._own is None or self._own.nbytes < nbytes:
-                if self._own_mr is not None:
-                    self._own_mr.close()         # every schedule ends with its sends completed
-                self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
-                self._own = self._own_mr.array()
-            self._work, self._work_mr, self._work_offset = self._own, self._own_mr, 0
+            self._work_mr = self.own_region(nbytes)
+            self._work, self._work_offset = self._own, 0
             self._lent, self._gpu_sync = False, None
             return self._work
         on_gpu = not isinstance(lend, np.ndarray)
         if on_gpu and device is None:
             raise UsageError(f"work_area: lent memory of type {type(lend).__name__} needs its device "
                              f"(registration and sync)")
-        addr = lend.data.ptr if on_gpu else lend.__array_interface__["data"][0]
-        size = lend.nbytes
-        for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
-            if key_addr <= addr and addr + size <= key_addr + key_len:
-                self._user_mrs.move_to_end((key_addr, key_len))
-                base = key_offset + addr - key_addr
-                break
-        else:
-            if on_gpu:
-                mr, base = device.register(self.pd, lend)
-            else:
-                mr, base = self.rd.MemoryRegion(self.pd, lend, 0), 0   # local read: only sent from
-            self._user_mrs[(addr, size)] = (mr, base)
-            while len(self._user_mrs) > USER_MR_CACHE:
-                self._user_mrs.popitem(last=False)[1][0].close()
+        mr, base = self.registration(lend, device)
         self._work = lend[start:start + nbytes]
         self._work_mr, self._work_offset, self._lent = mr, base + start, True
         # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
         self._gpu_sync = device.sync if on_gpu else None
         return self._work
+
+    def own_region(self, nbytes):
+        """The MemoryRegion of this transport's own work buffer, grown to at least ``nbytes`` (a
+        grown buffer replaces, and closes, the old one)."""
+        if self._own is None or self._own.nbytes < nbytes:
+            if self._own_mr is not None:
+                self._own_mr.close()         # every schedule ends with its sends completed
+            self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
+            self._own = self._own_mr.array()
+        return self._own_mr
+
+    def registration(self, lend, device=None):
+        """(MemoryRegion, offset of ``lend`` in it) of a lent array (host memory, or GPU memory
+        with its ``device``), from the cache of the USER_MR_CACHE most recent registrations."""
+        on_gpu = not isinstance(lend, np.ndarray)
+        addr = lend.data.ptr if on_gpu else lend.__array_interface__["data"][0]
+        size = lend.nbytes
+        for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
+            if key_addr <= addr and addr + size <= key_addr + key_len:
+                self._user_mrs.move_to_end((key_addr, key_len))
+                return mr, key_offset + addr - key_addr
+        if on_gpu:
+            mr, base = device.register(self.pd, lend)
+        else:
+            mr, base = self.rd.MemoryRegion(self.pd, lend, 0), 0   # local read: only sent from
+        self._user_mrs[(addr, size)] = (mr, base)
+        while len(self._user_mrs) > USER_MR_CACHE:
+            self._user_mrs.popitem(last=False)[1][0].close()
+        return mr, base
 
     def set_tag(self, desc):
         self._desc = _as_desc(desc)
@@ -209,15 +238,21 @@ class RdmaTransport(_LentWorkArea, _Waits):
             self._gpu_sync()
         callback = None if consume is None else _slot_consumer(consume, self.slot_array)
         if self.failure is None:
-            failed = self.engine.run(schedule.steps, schedule.chunks, self._work_mr.addr + self._work_offset,
+            failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,
                                      self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback)
             if failed:
-                self.failure = self._engine_error()
+                self.engine_failed()
         if self.failure is not None:
             raise self.failure
 
+    def engine_failed(self):
+        """Record the engine's failure as this transport's (every later collective raises it) and
+        return it: an exception of the one hierarchy."""
+        if self.failure is None:
+            self.failure = self._engine_error()
+        return self.failure
+
     def _engine_error(self):
-        """The exception of the engine's failure, in the one hierarchy."""
         from pyrdma import _engine
         kind, peer, what, a, b, desc = self.engine.failure()
         name = _engine.FAILURES.get(kind)
@@ -229,7 +264,7 @@ class RdmaTransport(_LentWorkArea, _Waits):
             return abort_error(peer, a, b)
         if name == "mismatch":
             try:
-                check_header(peer, self.rank, desc, a, self._desc, b)
+                check_header(peer, self.rank, desc, a, self.engine.description(), b)
             except UsageError as exc:
                 return exc
         if name == "link":
