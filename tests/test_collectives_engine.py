@@ -163,7 +163,7 @@ def test_a_malformed_schedule_is_refused_before_anything_is_posted():
 
 
 def _fast_and_general(rank, size, port):
-    """Every blocking host allreduce(buf) runs as one C call (pyrdma._engine.HostAllreduce); the
+    """Every blocking host allreduce(buf) runs as one C call (pyrdma._engine.HostCollectives); the
     same call with out= takes the general path. Both must give the same bits."""
     rng = np.random.default_rng(1234 + rank)
     mismatches, frames = [], []
@@ -220,3 +220,71 @@ def test_the_one_call_host_allreduce_matches_the_general_path():
         assert frames == 2, "a warm host allreduce is one Python frame (allreduce itself, and the lambda)"
         assert errors == ["UsageError", "UsageError"]     # not C-contiguous; read-only
         assert check == [2, 2, 2]
+
+
+# A peer that speaks garbage over the collective's own QP: what the engine reads from a peer (the
+# immediate's kind and length, the header in the slot) must give an error naming that peer, never a
+# crash, a hang past the timeout, or a result.
+_HOSTILE = {
+    "a header of another collective": lambda rng, slots: [(0 << 30) | 4096],
+    "a length over max_message": lambda rng, slots: [(0 << 30) | 0x7FFFFF],
+    "credits it was never owed": lambda rng, slots: [(1 << 30) | 0xFFFF],
+    "more messages than credits": lambda rng, slots: [(0 << 30) | 4096] * (slots + 1),
+    "random immediates": lambda rng, slots: [int(v) for v in rng.integers(0, 1 << 32, 4, dtype=np.uint64)],
+}
+
+
+def _hostile_peer(rank, size, port, case, seed):
+    import os
+    import time
+
+    import pyrdma as rd
+    flag = f"/tmp/pyrdma-hostile-{port}"
+    rng = np.random.default_rng(seed)
+    with _comm(rank, size, port, timeout=8) as comm:
+        t = comm.transport
+        if rank == 1:
+            mr = rd.MemoryRegion.allocate(t.pd, 64 + 4096, rd.ACCESS_LOCAL_WRITE)
+            mr.array()[:] = rng.integers(0, 256, 64 + 4096, dtype=np.uint8)     # a random header and payload
+            addr, rkey = t.remote[0]
+            for i, imm in enumerate(_HOSTILE[case](rng, t.slots)):
+                slot = addr + (i % t.slots) * t.slot_stride
+                t.qp[0].post_send(rd.SendWR(rd.WR_RDMA_WRITE_WITH_IMM, [rd.SGE(mr, 0, 64 + 4096)], imm_data=imm,
+                                            remote_addr=slot, rkey=rkey))
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:   # stay until rank 0 has judged
+                time.sleep(0.05)
+            return None
+        x = np.ones(1024, np.float32)
+        start = time.monotonic()
+        try:
+            comm.allreduce(x)
+            outcome = "no error"
+        except rd.RDMAError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        finally:
+            open(flag, "w").close()
+        return outcome, time.monotonic() - start, getattr(comm._broken, "peer", None)
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("case", sorted(_HOSTILE))
+def test_garbage_from_a_peer_fails_the_collective_and_names_it(case):
+    import os
+    port = free_port()
+    try:
+        (outcome, seconds, culprit), _ = run_ranks(_hostile_peer, 2, port, case, 7, timeout=120)
+    finally:
+        if os.path.exists(f"/tmp/pyrdma-hostile-{port}"):
+            os.unlink(f"/tmp/pyrdma-hostile-{port}")
+    assert outcome != "no error", case
+    assert seconds < 8 + 5, (case, seconds)               # the collective's timeout bounds it
+    if case == "a header of another collective":
+        assert outcome.startswith("UsageError") and "different collective" in outcome, outcome
+    elif case in ("a length over max_message", "credits it was never owed"):
+        assert outcome.startswith("PeerError") and "malformed" in outcome, outcome
+    elif case == "more messages than credits":      # the first one's header, or the count, whichever is seen first
+        assert ("malformed" in outcome and outcome.startswith("PeerError")) or "different collective" in outcome, \
+            outcome
+    if case != "random immediates":
+        assert culprit == 1, (case, outcome)
