@@ -636,3 +636,108 @@ def test_perf_rdma_cm_between_pyrdma_sides(cm_device):
     (ours,) = cli.rows_for("batched")
     (shown,) = srv.rows_for(None)
     assert shown.size == 8192 and shown.bw_avg == pytest.approx(ours.bw_avg, abs=0.01)
+
+
+# The other tests over -R: who prints a result row. "both": each side its own run (send_bw, where
+# the server receives, and the ping-pongs); "client": the server is passive and prints none
+# (read_lat, atomic_lat); "mirror": the passive server prints the client's report (atomic_bw).
+ROWS = {"send_bw": "both", "write_lat": "both", "send_lat": "both", "read_lat": "client",
+        "atomic_lat": "client", "atomic_bw": "mirror"}
+
+
+def _size_args(test):
+    return [] if test.startswith("atomic") else ["-s", "4096" if test.endswith("_bw") else "64"]
+
+
+def _check_rows(test, server, client, ours):
+    """Both sides' output parsed: the rows ROWS says each prints, for our size and iteration count
+    (our side's rows are in the loop table, perftest's untagged)."""
+    size = 8 if test.startswith("atomic") else (4096 if test.endswith("_bw") else 64)
+    mode = {id(server): None, id(client): None, id(ours): "loop"}
+    if ROWS[test] == "mirror" and ours is server:
+        mode[id(server)] = None          # our passive server prints the client's report untagged
+    printing = {"both": (server, client), "client": (client,), "mirror": (server, client)}[ROWS[test]]
+    for run in (server, client):
+        rows = run.rows_for(mode[id(run)])
+        if run not in printing:
+            assert rows == [], rows
+            continue
+        (row,) = rows
+        assert row.size == size and row.iters == int(PERF_ITERS), row
+        if test.endswith("_bw"):
+            assert row.bw_avg > 0, row
+        else:
+            assert 0 < row.t_min <= row.t_avg, row
+
+
+@pytest.mark.parametrize("test", list(ROWS))
+def test_perf_rdma_cm_client_with_perftest_server_all_tests(cm_device, test):
+    """ib_<test> -R as the server, pyrdma-perf -R as the client (one pass, loop mode): the rdma_cm
+    exchange follows each test's script, and both sides print what they measured."""
+    from pyrdma.perf.parse import parse_output
+    port = str(next(_ports))
+    common = ["-R", *_size_args(test), "-n", PERF_ITERS, "-p", port]
+    out_s, out_c = _perf_pair([_perftest_tool(test), "-d", cm_device, *common],
+                              _perf_cmd(test, *common, "--timeout", "60", ADDR))
+    srv, cli = parse_output(out_s), parse_output(out_c)
+    assert re.search(r"rdma_cm QPs\s*: ON", out_c), out_c
+    _same_qps(srv, cli)
+    _same_qps(cli, srv)
+    _check_rows(test, srv, cli, cli)
+
+
+@pytest.mark.parametrize("test", list(ROWS))
+def test_perftest_rdma_cm_client_with_perf_server_all_tests(cm_device, test):
+    """pyrdma-perf -R as the server, ib_<test> -R as the client."""
+    from pyrdma.perf.parse import parse_output
+    port = str(next(_ports))
+    common = ["-R", *_size_args(test), "-n", PERF_ITERS, "-p", port]
+    out_s, out_c = _perf_pair(_perf_cmd(test, *common, "--bind", ADDR, "--timeout", "60"),
+                              [_perftest_tool(test), "-d", cm_device, *common, ADDR],
+                              ready="Waiting for client")
+    srv, cli = parse_output(out_s), parse_output(out_c)
+    assert re.search(r"rdma_cm QPs\s*: ON", out_s), out_s
+    _same_qps(srv, cli)
+    _same_qps(cli, srv)
+    _check_rows(test, srv, cli, srv)
+
+
+@pytest.mark.parametrize("test", ["send_bw", "write_lat"])
+@pytest.mark.parametrize("ours", ["client", "server"])
+def test_perf_rdma_cm_all_sizes_with_perftest(cm_device, test, ours):
+    """-a: perftest's size sweep (2 B .. 8 MiB) in one connection, either way round. send_bw meets
+    before and after every size (its -a loop only); write_lat runs size after size with no barrier,
+    each side spinning on the next size's last byte, so neither side may clear what the other writes."""
+    from pyrdma.perf import stats
+    from pyrdma.perf.parse import parse_output
+    port = str(next(_ports))
+    common = ["-R", "-a", "-n", "5", "-p", port]
+    perftest = [_perftest_tool(test), "-d", cm_device, *common]
+    if ours == "client":
+        out_s, out_c = _perf_pair(perftest, _perf_cmd(test, *common, "--timeout", "60", ADDR))
+    else:
+        out_s, out_c = _perf_pair(_perf_cmd(test, *common, "--bind", ADDR, "--timeout", "60"),
+                                  perftest + [ADDR], ready="Waiting for client")
+    sizes = stats.all_sizes()
+    for who, out in (("server", out_s), ("client", out_c)):
+        rows = parse_output(out).rows_for("loop" if who == ours else None)
+        assert [r.size for r in rows] == sizes, (who, out)
+        assert all(r.iters == 5 for r in rows), out
+
+
+@pytest.mark.parametrize("test", ["send_bw", "write_lat", "send_lat", "read_lat"])
+def test_perf_rdma_cm_between_pyrdma_sides_all_tests(cm_device, test):
+    """Both sides pyrdma-perf -R in batched mode: perftest's script for the test, on both ends."""
+    from pyrdma.perf.parse import parse_output
+    port = str(next(_ports))
+    common = ["-R", *_size_args(test), "-n", PERF_ITERS, "-p", port, "--mode", "batched", "--timeout", "60"]
+    out_s, out_c = _perf_pair(_perf_cmd(test, *common, "--bind", ADDR), _perf_cmd(test, *common, ADDR),
+                              ready="Waiting for client")
+    srv, cli = parse_output(out_s), parse_output(out_c)
+    assert _same_qps(srv, cli) == _same_qps(cli, srv)
+    size = 4096 if test.endswith("_bw") else 64
+    for run in (srv, cli) if ROWS[test] == "both" else (cli,):
+        (row,) = run.rows_for("batched")
+        assert row.size == size and row.iters == int(PERF_ITERS), row
+    if ROWS[test] == "client":
+        assert srv.rows == []

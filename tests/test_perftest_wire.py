@@ -179,7 +179,35 @@ def test_rdma_cm_key_record_is_checked():
         rdmacm.decode_dest_binary(bytes(bad))
 
 
-def test_rdma_cm_refuses_tests_it_cannot_run():
-    r = subprocess.run([sys.executable, "-m", "pyrdma.perf", "send_lat", "-R", "127.0.0.1"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode != 0 and "-R runs write_bw and read_bw" in r.stderr
+def test_rdma_cm_refuses_what_perftest_cannot_follow():
+    """-R runs every test, but not -b, --check, or (where both sides run in step) two modes or -D:
+    refused before anything is opened."""
+    for args, why in ((["write_bw", "-b"], "-R does not run -b"),
+                      (["send_bw", "--check"], "--check needs a pyrdma-perf peer"),
+                      (["send_lat", "--mode", "both"], "choose --mode loop or --mode batched"),
+                      (["write_lat", "-D", "4"], "-R runs write_lat for -n iterations, not -D")):
+        r = subprocess.run([sys.executable, "-m", "pyrdma.perf", *args, "-R", "127.0.0.1"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0 and why in r.stderr, (args, r.stderr)
+
+
+def test_rdma_cm_scripts_follow_perftest():
+    """Each test's handshakes (perftest 4.5's main()s): the passive servers wait for the client's run,
+    the send tests meet before each size, write_lat leaves without a last handshake."""
+    from pyrdma.perf import cli, compat
+    assert set(compat.SCRIPTS) == set(cli.TESTS)
+    s = compat.SCRIPTS
+    for test in ("write_bw", "read_bw", "atomic_bw"):
+        assert s[test].setup == ("keys", "rtr", "each", "first") and s[test].reports and not s[test].server_runs
+    for test in ("send_bw", "send_lat"):
+        assert s[test].setup == ("keys", "rtr", "first", "each") and s[test].server_runs and s[test].sync_before
+    assert s["send_bw"].sync_after and not s["send_lat"].sync_after
+    for test in ("write_lat", "read_lat", "atomic_lat"):
+        assert s[test].setup == ("first", "keys", "rtr", "each", "first") and not s[test].sync_before
+    assert s["write_lat"].server_runs and not s["write_lat"].close
+    assert not s["read_lat"].server_runs and s["read_lat"].close
+    # --mode's default: both tables, but one pass where a perftest peer runs in step
+    cfg = cli.Config(cli.build_parser().parse_intermixed_args(["send_lat", "-R", "127.0.0.1"]))
+    assert cfg.modes == ["loop", "batched"]
+    from pyrdma.perf.rdmacm import RdmaCmSide
+    assert RdmaCmSide(cfg).cfg.modes == ["loop"]

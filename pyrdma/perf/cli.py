@@ -107,14 +107,16 @@ def build_parser():
                    help="report Gb/sec instead of MB/sec (MB = 2^20 bytes, as perftest)")
     p.add_argument("-F", "--CPU-freq", dest="cpu_freq", action="store_true",
                    help="accepted for perftest compatibility; ignored (we time with perf_counter_ns)")
-    p.add_argument("--mode", choices=["loop", "batched", "both"], default="both",
-                   help="loop: one API call per op; batched: WR lists + poll_wait; both (default)")
+    p.add_argument("--mode", choices=["loop", "batched", "both"], default=None,
+                   help="loop: one API call per op; batched: WR lists + poll_wait; both (default; loop "
+                        "where a perftest peer runs too: send_bw, write_lat, send_lat with -R)")
     p.add_argument("--json", dest="json_path", default=None, help="write the results here as JSON")
     p.add_argument("--check", action="store_true", help="verify the transferred data after every run")
     p.add_argument("--timeout", type=float, default=60.0, help="out-of-band timeout in seconds")
     p.add_argument("-R", "--rdma_cm", "--rdma-cm", dest="rdma_cm", action="store_true",
                    help="connect with rdma_cm as perftest's -R: the exchange and the QPs are rdma_cm "
-                        "connections to --port (write_bw, read_bw; the peer is perftest -R or pyrdma-perf -R)")
+                        "connections to --port (every test; the peer is perftest's ib_<test> -R or "
+                        "pyrdma-perf -R, given the same -s/-a, -n and -q)")
     p.add_argument("--perftest-compat", dest="perftest_compat", action="store_true",
                    help="speak Debian perftest 4.5's TCP exchange (client of an ib_*_bw/lat server)")
     return p
@@ -139,7 +141,7 @@ class Config:
         self.verb, self.kind, self.title, def_iters, def_size = TESTS[self.test]
         self.is_server = args.host is None
         self.host = args.host
-        if args.mode == "both":
+        if args.mode in (None, "both"):
             self.modes = ["loop", "batched"]
         else:
             self.modes = [args.mode]

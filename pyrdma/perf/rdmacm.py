@@ -1,4 +1,4 @@
-"""``pyrdma-perf -R``: perftest's rdma_cm mode (``ib_write_bw -R``, ``ib_read_bw -R``).
+"""``pyrdma-perf -R``: perftest's rdma_cm mode (``ib_write_bw -R``, ``ib_send_lat -R``, ...).
 
     ib_write_bw -R -d rxecm0 -s 65536                               # perftest server on 198.19.0.1
     pyrdma-perf write_bw -R -s 65536 198.19.0.1                     # our client
@@ -19,12 +19,13 @@ exchange and the test QPs are rdma_cm connections to the same port (default 1851
    client retries a connect the server was not yet listening for, as perftest does (its server
    only listens after the handshake).
 3. The keys: a ``struct pingpong_dest`` in binary, fields in network order (not the text record of
-   the TCP exchange), exchanged as over TCP (per QP, per QP again, once more); the rest of the
-   conversation (the client's "finished" handshake, the reports, a last handshake) is as over TCP,
-   without the final "done".
+   the TCP exchange), swapped in the order of the test's script (pyrdma.perf.compat.SCRIPTS: e.g.
+   write_bw per QP, per QP again, once more; send_lat per QP, once, per QP again); the rest of the
+   conversation (send tests' barrier before each size, the BW reports, the last handshake) is as
+   over TCP, without the final "done".
 
-Only the tests whose perftest server is passive (write_bw, read_bw), as ``--perftest-compat``;
-two pyrdma-perf sides speak the same exchange, so ``-R`` works between them too.
+Every test of pyrdma-perf (the send tests, the latency tests, atomic), against perftest's ib_<test>
+-R either way round; two pyrdma-perf sides speak the same exchange, so ``-R`` works between them too.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import struct
 import time
 
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
-from pyrdma.perf.compat import TESTS, PerftestSide
+from pyrdma.perf.compat import SCRIPTS, PerftestSide
 from pyrdma.perf.perftest_wire import Conversation, Dest
 
 # struct pingpong_dest: lid, out_reads, qpn, psn, rkey, (4 bytes of padding), vaddr, gid, srqn,
@@ -144,11 +145,11 @@ class RdmaCmSide(PerftestSide):
 
     wire_name = "perftest's exchange over an rdma_cm QP"
     exchange_name = "rdma_cm"
+    option = "-R"
+    tests = tuple(SCRIPTS)
+    tests_why = "perftest's RC tests"
 
     def __init__(self, cfg):
-        if cfg.test not in TESTS:
-            raise SystemExit(f"pyrdma-perf: -R runs {' and '.join(TESTS)} (the tests whose perftest "
-                             f"server is passive), not {cfg.test}")
         super().__init__(cfg)
         self.listener = None      # server: the listening id (the comm and the test QPs' requests)
         self.comm_id = None
@@ -234,13 +235,15 @@ class RdmaCmSide(PerftestSide):
     def create_qps(self, pd, cq, rcq, port, gid_index):
         return []            # made on the CM ids in connect_qps
 
-    def connect_qps(self):
-        import pyrdma as rd
-        cfg, res, conv = self.cfg, self.res, self.conv
-        mtu = conv.mtu(self.port_attr.active_mtu)
+    def attach_qps(self):
+        """perftest's create_rdma_cm_connection: a handshake, one rdma_cm connection per test QP
+        (made on its CM id), another handshake. The key records follow as the test's script says."""
+        from pyrdma.perf import loops
+        cfg, res = self.cfg, self.res
         blank = Dest(lid=0, out_reads=0, qpn=0, psn=0, rkey=0, vaddr=0)
-        conv.keys(blank)             # perftest syncs before its rdma_cm connections ...
-        depth = self.out_reads if cfg.verb == "read" else 1
+        self.conv.keys(blank)        # perftest syncs before its rdma_cm connections ...
+        # perftest asks for read/atomic depth only in the tests that need it (0 otherwise; 1 here)
+        depth = self.out_reads if cfg.verb in ("read", "atomic") else 1
         conn = dict(responder_resources=depth, initiator_depth=depth)
         caps = dict(self.qp_caps, max_inline_data=self.inline)
 
@@ -261,26 +264,16 @@ class RdmaCmSide(PerftestSide):
                 cm_id, qp = self._connect(make_qp, conn)
             self.test_ids.append(cm_id)
             res.qps.append(qp)
-        conv.keys(blank)             # ... and after them
-        port = cfg.args.ib_port
-        gid = res.ctx.query_gid(port, self.gid_index)
-        vaddr = res.mr.addr + res.half
-        self.mine = [Dest(lid=self.port_attr.lid, out_reads=self.out_reads, qpn=qp.qp_num,
-                          psn=random.getrandbits(24), rkey=res.mr.rkey, vaddr=vaddr, gid=gid)
-                     for qp in res.qps]
-        theirs = [conv.keys(d) for d in self.mine]
-        length = max(cfg.sizes)
+        if cfg.verb == "send":
+            res.rx_posted = None     # build_resources saw no QPs: the first receives go up now
+            loops.ensure_receives(res, cfg.rx_depth)
+        self.conv.keys(blank)        # ... and after them
 
-        def endpoint(d):
-            return rd.Endpoint(qpn=d.qpn, psn=d.psn, lid=d.lid, gid=d.gid, port=port, gid_index=self.gid_index,
-                               mtu=mtu, addr=d.vaddr, rkey=d.rkey, length=length)
+    def sq_psn(self, qp):
+        return random.getrandbits(24)     # rdma_cm chose the PSNs; perftest prints a random one
 
-        for d in self.mine:          # perftest swaps them again to print the remote side ...
-            conv.keys(d)
-        conv.keys(self.mine[0])      # ... and once more (after RTR over TCP)
-        res.remotes = [endpoint(d) for d in theirs]
-        self.local = [endpoint(d) for d in self.mine]
-        self.mtu_bytes = rd.mtu_to_bytes(mtu)
+    def rtr(self, theirs, endpoint, mtu):
+        pass                 # rdma_cm connected the QPs
 
     def finish(self):
         try:
