@@ -767,9 +767,9 @@ cdef class Engine:
 
 @cython.final
 cdef class HostCall:
-    """A blocking allreduce of host memory, prepared once by the Communicator for a (buffer format,
-    size, op, algorithm) (Communicator._prepare_host_allreduce): the Program, the description
-    (whose call number HostAllreduce patches per call), the reduction codes, and the work area:
+    """A blocking collective on host memory, prepared once by the Communicator (for an allreduce,
+    per buffer format, size, op and algorithm: _prepare_host_allreduce): the Program, the description
+    (whose call number HostCollectives patches per call), the reduction codes, and the work area:
     the caller's buffer itself (``work_region`` None) or the transport's own buffer, with a copy
     in and a copy out at ``result_offset``."""
     cdef Program program
@@ -798,16 +798,18 @@ cdef object _MISSING = object()
 
 
 @cython.final
-cdef class HostAllreduce:
-    """``Communicator.allreduce(buf)`` in place on a host buffer over RDMA, as one C call: the
-    buffer comes by the buffer protocol, the prepared HostCall from a dict keyed by (format,
-    bytes, op, algorithm), and the copy in, the schedule and the copy out run without the GIL.
-    Python runs only to prepare a new shape, register new memory in place, and raise errors, so
-    the call costs about as much as a Python function call whatever its size. Everything it
-    does not take (a call() that returns None) goes the general way."""
+cdef class HostCollectives:
+    """Blocking collectives on host memory over RDMA as one C call each: ``allreduce(buf, op,
+    algorithm)`` in place, and ``barrier()``. The buffer comes by the buffer protocol, the
+    prepared HostCall from a dict keyed by (format, bytes, op, algorithm), and the copy in, the
+    schedule and the copy out run without the GIL. Python runs only to prepare a new shape,
+    register new memory in place, and raise errors, so a call costs about as much as a Python
+    function call whatever its size. What a method does not take (it returns None) goes the
+    Communicator's general way."""
     cdef Engine engine
     cdef object comm, transport
     cdef dict calls
+    cdef HostCall barrier_call
     cdef object model, max_work_bytes, zero_copy_bytes   # what the calls were prepared under
     cdef MemoryRegion lent                                # the last registration of a buffer in place
 
@@ -815,7 +817,7 @@ cdef class HostAllreduce:
         self.engine, self.comm, self.transport = engine, comm, transport
         self.calls = {}
 
-    def __call__(self, buf, op, algorithm):
+    def allreduce(self, buf, op, algorithm):
         """``buf``, reduced in place; or None where the general path must run the call: not a
         writable C-contiguous buffer, a collective still queued, a failed or closed group, or a
         call that the Communicator does not prepare (it raises the errors of bad arguments)."""
@@ -845,11 +847,21 @@ cdef class HostAllreduce:
         finally:
             PyBuffer_Release(&view)
 
-    cdef object _run(self, HostCall call, object buf, Py_buffer *view):
+    def barrier(self):
+        """True once every rank has entered the barrier; None where the general path must run it."""
+        comm = self.comm
+        if comm._pending or comm._closed or comm._broken is not None:
+            return None
+        if self.barrier_call is None:
+            self.barrier_call = comm._prepare_barrier()
+        return self._run(self.barrier_call, True, NULL)
+
+    cdef object _run(self, HostCall call, object result, Py_buffer *view):
+        """Run a prepared call on ``view`` (NULL: no data, as a barrier's) and return ``result``."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
         cdef MemoryRegion region
-        cdef uint8_t *data = <uint8_t *>view.buf
+        cdef uint8_t *data = <uint8_t *>view.buf if view != NULL else NULL
         cdef uint8_t *work
         cdef uint64_t seq
         cdef int rc, i
@@ -869,7 +881,7 @@ cdef class HostAllreduce:
                         region = call.work_region = self.transport.own_region(call.work_bytes)
                     work = <uint8_t *><uintptr_t>region.addr
                 else:
-                    region = self._registration(buf, view)
+                    region = self._registration(result, view)
                     work = data
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
@@ -877,10 +889,10 @@ cdef class HostAllreduce:
                               call.dtype, call.op, None)
                 try:
                     with nogil:
-                        if copy:
+                        if copy and call.nbytes:
                             memcpy(work, data, <size_t>call.nbytes)
                         rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
-                        if rc == 0 and copy:
+                        if rc == 0 and copy and call.nbytes:
                             memcpy(data, work + call.result_offset, <size_t>call.nbytes)
                 finally:
                     engine._end()
@@ -889,7 +901,7 @@ cdef class HostAllreduce:
             except BaseException as exc:
                 comm._fail(exc)
                 raise
-            return buf
+            return result
         finally:
             lock.release()
 

@@ -344,11 +344,11 @@ class Communicator:
         self._count_lock = threading.Lock()
         self._pending = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
-        # blocking host allreduces over RDMA: one C call each (the general path prepares them)
-        self._host_allreduce = None
+        # blocking host allreduces and barriers over RDMA: one C call each (prepared here)
+        self._host = None
         if chosen == "rdma" and size > 1:
-            from pyrdma._engine import HostAllreduce
-            self._host_allreduce = HostAllreduce(self.transport.engine, self, self.transport)
+            from pyrdma._engine import HostCollectives
+            self._host = HostCollectives(self.transport.engine, self, self.transport)
 
     def _agree_on_transport(self, exchange, transport, device):
         """Every rank says what it wants (and, for auto, whether it can do RDMA); all must agree."""
@@ -506,8 +506,8 @@ class Communicator:
     def allreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks, into ``out`` (default: ``buf``, in place).
         Returns the result buffer."""
-        if out is None and dtype is None and self._host_allreduce is not None:
-            done = self._host_allreduce(buf, op, algorithm)
+        if out is None and dtype is None and self._host is not None:
+            done = self._host.allreduce(buf, op, algorithm)
             if done is not None:
                 return done
         if _is_cuda(buf, out):
@@ -550,7 +550,7 @@ class Communicator:
         return plan
 
     def _prepare_host_allreduce(self, buf, op, algorithm):
-        """What pyrdma._engine.HostAllreduce needs to run ``allreduce(buf, op=op,
+        """What pyrdma._engine.HostCollectives needs to run ``allreduce(buf, op=op,
         algorithm=algorithm)`` as one C call, again for every buffer of the same format and size
         (its cache key): a HostCall, with the same plan, description and work area as the general
         path (_allreduce); or None where the general path must run it (avg, one piece too many,
@@ -575,6 +575,14 @@ class Communicator:
         work_bytes = 2 * src.nbytes if doubling else src.nbytes
         return HostCall(t.engine.program(schedule), tag, src.code, _op_code(op), src.nbytes, schedule.result_offset,
                         work_bytes, None if in_place else t.own_region(work_bytes))
+
+    def _prepare_barrier(self):
+        """The HostCall of barrier() (see _prepare_host_allreduce): the same plan and description
+        as the general path's."""
+        from pyrdma._engine import HostCall
+        t = self.transport
+        return HostCall(t.engine.program(tree.dissemination_barrier(self.size, self.rank)),
+                        self._tag("barrier", algorithm="dissemination"), 0, 0, 0, 0, 0, t.own_region(0))
 
     def _host_registration(self, buf):
         """The MemoryRegion of a host buffer that an allreduce works on in place."""
@@ -885,7 +893,8 @@ class Communicator:
 
     def barrier(self):
         """Return once every rank has entered the barrier."""
-        self._ibarrier(True).wait()
+        if self._host is None or self._host.barrier() is None:
+            self._ibarrier(True).wait()
 
     def ibarrier(self):
         return self._ibarrier(False)
