@@ -29,7 +29,7 @@ import time
 
 from pyrdma.connect import ANY_ADDRESS, Listener, dial_one
 from pyrdma.endpoint import WIRE_SIZE as ENDPOINT_SIZE, Endpoint
-from pyrdma.errors import PeerError, RDMATimeoutError, UsageError, WireFormatError
+from pyrdma.errors import PeerError, UsageError, WireFormatError
 from pyrdma.wire import GREETING, Doorman, Framing, Session, job_secret, send_all
 
 MAGIC = b"PYRDMAPF"
