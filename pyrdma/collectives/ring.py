@@ -37,37 +37,35 @@ def _allgather(b, n, r, segs, own_seg):
         b.exchange(right, segs.chunks((own_seg - s) % n), left, segs.chunks((own_seg - s - 1) % n), COPY)
 
 
-@_cached
-def allreduce(n, r, count, itemsize, max_message):
+def _ring(n, r, count, itemsize, max_message, bounds, reduced, gathered):
+    """Reduce-scatter ending with segment ``reduced`` complete here, then (or only) the allgather
+    of segment ``gathered`` (None: skip that phase)."""
     b = Builder()
     if n > 1:
-        segs = Segments(count, itemsize, n, max_message)
-        _reduce_scatter(b, n, r, segs, last_seg=(r + 1) % n)
-        _allgather(b, n, r, segs, own_seg=(r + 1) % n)
+        segs = Segments(count, itemsize, n, max_message, bounds)
+        if reduced is not None:
+            _reduce_scatter(b, n, r, segs, last_seg=reduced)
+        if gathered is not None:
+            _allgather(b, n, r, segs, own_seg=gathered)
         b.wait_sends()
     return b.build()
+
+
+@_cached
+def allreduce(n, r, count, itemsize, max_message):
+    return _ring(n, r, count, itemsize, max_message, None, (r + 1) % n, (r + 1) % n)
 
 
 @_cached
 def reduce_scatter(n, r, count, itemsize, max_message, bounds=None):
     """Afterwards this rank's segment r (of ``bounds``, a tuple; default segment_bounds) is reduced."""
-    b = Builder()
-    if n > 1:
-        segs = Segments(count, itemsize, n, max_message, bounds)
-        _reduce_scatter(b, n, r, segs, last_seg=r)
-        b.wait_sends()
-    return b.build()
+    return _ring(n, r, count, itemsize, max_message, bounds, r, None)
 
 
 @_cached
 def allgather(n, r, count, itemsize, max_message, bounds=None):
     """``count`` elements in n blocks (``bounds``, default equal); block r goes to every rank."""
-    b = Builder()
-    if n > 1:
-        segs = Segments(count, itemsize, n, max_message, bounds)
-        _allgather(b, n, r, segs, own_seg=r)
-        b.wait_sends()
-    return b.build()
+    return _ring(n, r, count, itemsize, max_message, bounds, None, r)
 
 
 def whole_chunks(count, itemsize, max_message):
