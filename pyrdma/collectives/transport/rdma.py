@@ -36,13 +36,14 @@ class RdmaTransport(_LentWorkArea, _Waits):
     """RC QPs to every peer, connected through ``exchange`` (anything with ``allgather(bytes)``).
 
     ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
-    busy polling precede sleeping on the completion channel (cheap on an idle core, polite on a
-    busy one); ``qp_timeout`` is the QPs' local ACK timeout exponent (1..31, as NCCL_IB_TIMEOUT)."""
+    polling, yielding the CPU between polls, precede sleeping on the completion channel (a wake-up
+    costs more than a short spin; the yields hand the CPU to other ranks where they outnumber the
+    cores); ``qp_timeout`` is the QPs' local ACK timeout exponent (1..31, as NCCL_IB_TIMEOUT)."""
 
     name = "rdma"
 
     def __init__(self, rank, size, exchange, timeout=60.0, device=None, max_message=DEFAULT_RDMA_MESSAGE,
-                 slots=DEFAULT_SLOTS, spin=50e-6, port=1, gid_index=None, qp_timeout=DEFAULT_QP_TIMEOUT):
+                 slots=DEFAULT_SLOTS, spin=200e-6, port=1, gid_index=None, qp_timeout=DEFAULT_QP_TIMEOUT):
         import pyrdma as rd
         from pyrdma.endpoint import Endpoint, WIRE_SIZE
 
