@@ -34,6 +34,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from pyrdma.perf.parse import parse_output  # noqa: E402
+from pyrdma.testing import PERFTEST_CLOCK_FAILED as CLOCK_CALIBRATION_FAILED  # noqa: E402
 from pyrdma.testing import counting_rc_resends, tcp_listening  # noqa: E402
 
 BW_TESTS = ["write_bw", "read_bw", "send_bw", "atomic_bw"]
@@ -43,7 +44,6 @@ DEF_BW_SIZES = [64, 4096, 65536, 1048576]
 DEF_LAT_SIZES = [2, 64, 4096]
 MODES = ["loop", "batched"]
 PERFTEST_ATTEMPTS = 3
-CLOCK_CALIBRATION_FAILED = "Correlation coefficient r^2"
 # Our batched client against perftest's server (--perftest-compat): the bench talking to a program
 # we did not write; its rows are compared with perftest's own client like the other modes.
 INTEROP = "interop"

@@ -21,7 +21,7 @@ import pytest
 
 from mp import free_port, run_ranks
 from pyrdma.testing import hosts as testbed
-from pyrdma.testing import tcp_listening
+from pyrdma.testing import again_if_perftest_clock_failed, tcp_listening
 from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, poll, write_stream
 
 HOSTS = testbed.load()
@@ -297,7 +297,17 @@ def test_collectives_with_ranks_on_different_hosts(size, torchrun):
 # ------------------------------------------------------------------------------------ perf tools
 
 def _pair(server_cmd, client_cmd, port, timeout=180):
-    """Server, then the client once the server listens; both must exit 0; both always reaped."""
+    """Server, then the client once the server listens; both must exit 0; both always reaped. A
+    perftest that gave up on its clock runs again on a fresh port (of the server's address, the
+    client's last argument)."""
+    def run(attempt):
+        new = port if attempt == 0 else free_port(client_cmd[-1])
+        swap = [[str(new) if arg == str(port) else arg for arg in cmd] for cmd in (server_cmd, client_cmd)]
+        return _pair_once(*swap, new, timeout)
+    return again_if_perftest_clock_failed(run)
+
+
+def _pair_once(server_cmd, client_cmd, port, timeout):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1")
     srv = subprocess.Popen(server_cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     cli = None

@@ -52,3 +52,20 @@ def counting_rc_resends(dev, port=1, sysfs=SYSFS_INFINIBAND):
         after = rc_resends(dev, port, sysfs)
         if before is not None and after is not None:
             resends.update((k, after[k] - before[k]) for k in RESEND_COUNTERS)
+
+
+# perftest times its cycle counter against the clock at start-up and gives up ("Can't produce a
+# report") when the two disagree, as they now and then do in the emulated VM: not a failure of the
+# program on the other side.
+PERFTEST_CLOCK_FAILED = "Correlation coefficient r^2"
+
+
+def again_if_perftest_clock_failed(run, attempts=3):
+    """``run(attempt)``'s result; an AssertionError that carries PERFTEST_CLOCK_FAILED runs it again
+    (attempt 1, 2, ...: give it a fresh TCP port, the old one may linger), up to ``attempts`` times."""
+    for attempt in range(attempts):
+        try:
+            return run(attempt)
+        except AssertionError as exc:
+            if PERFTEST_CLOCK_FAILED not in str(exc) or attempt == attempts - 1:
+                raise
