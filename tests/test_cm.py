@@ -551,7 +551,7 @@ def _perf_pair(server_cmd, client_cmd, ready=None):
     """Server, then client (once the server printed ``ready``, if given); both must exit 0 within
     their deadlines. Both are killed on the way out. Returns (server output, client output). A
     perftest that gave up on its clock runs again (rdma_cm ports do not linger)."""
-    return again_if_perftest_clock_failed(lambda attempt: _perf_pair_once(server_cmd, client_cmd, ready))
+    return again_if_perftest_clock_failed(lambda srv, cli, _: _perf_pair_once(srv, cli, ready), server_cmd, client_cmd)
 
 
 def _perf_pair_once(server_cmd, client_cmd, ready):

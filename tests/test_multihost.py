@@ -300,11 +300,8 @@ def _pair(server_cmd, client_cmd, port, timeout=180):
     """Server, then the client once the server listens; both must exit 0; both always reaped. A
     perftest that gave up on its clock runs again on a fresh port (of the server's address, the
     client's last argument)."""
-    def run(attempt):
-        new = port if attempt == 0 else free_port(client_cmd[-1])
-        swap = [[str(new) if arg == str(port) else arg for arg in cmd] for cmd in (server_cmd, client_cmd)]
-        return _pair_once(*swap, new, timeout)
-    return again_if_perftest_clock_failed(run)
+    return again_if_perftest_clock_failed(lambda srv, cli, p: _pair_once(srv, cli, p, timeout), server_cmd,
+                                          client_cmd, port, lambda: free_port(client_cmd[-1]))
 
 
 def _pair_once(server_cmd, client_cmd, port, timeout):

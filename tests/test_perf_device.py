@@ -36,18 +36,11 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _with_port(cmd, old, new):
-    return [str(new) if arg == str(old) else arg for arg in cmd]
-
-
 def _pair(server_cmd, client_cmd, port):
     """Run a server, and a client once the server listens on ``port`` (perftest's client does not
     retry); both are killed on the way out. Both must succeed; returns their outputs. A perftest
     that gave up on its clock runs again on a fresh port."""
-    def run(attempt):
-        new = port if attempt == 0 else _free_port()
-        return _pair_once(_with_port(server_cmd, port, new), _with_port(client_cmd, port, new), new)
-    return again_if_perftest_clock_failed(run)
+    return again_if_perftest_clock_failed(_pair_once, server_cmd, client_cmd, port, _free_port)
 
 
 def _pair_once(server_cmd, client_cmd, port):

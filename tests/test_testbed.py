@@ -14,6 +14,7 @@ import pytest
 
 import conftest
 from mp import free_port, run_ranks
+from pyrdma import testing
 from pyrdma.testing import junit, vm
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,6 +101,39 @@ def test_counting_rc_resends_gives_the_increase_over_the_block(tmp_path):
     with counting_rc_resends("mlx5_0", sysfs=str(tmp_path)) as resends:
         pass
     assert resends == {}                  # no such counters: nothing to report
+
+
+def test_a_perftest_clock_failure_runs_again_on_a_fresh_port_and_nothing_else_does():
+    calls = []
+    ports = iter([6001, 6002])
+
+    def run_once(srv, cli, port):
+        calls.append((srv, cli, port))
+        if len(calls) < 3:
+            raise AssertionError(f"ib_write_bw: {testing.PERFTEST_CLOCK_FAILED}: 0.85 < 0.9")
+        return "ok"
+
+    assert testing.again_if_perftest_clock_failed(run_once, ["s", "-p", "6000"], ["c", "-p", "6000", "h"], 6000,
+                                                  lambda: next(ports)) == "ok"
+    assert calls == [(["s", "-p", "6000"], ["c", "-p", "6000", "h"], 6000),
+                     (["s", "-p", "6001"], ["c", "-p", "6001", "h"], 6001),
+                     (["s", "-p", "6002"], ["c", "-p", "6002", "h"], 6002)]
+
+    def other_failure(srv, cli, port):
+        calls.append(port)
+        raise AssertionError("ib_write_bw exited 1: Couldn't connect")
+    calls.clear()
+    with pytest.raises(AssertionError, match="connect"):
+        testing.again_if_perftest_clock_failed(other_failure, ["s"], ["c"])
+    assert calls == [None]
+
+    def always(srv, cli, port):
+        calls.append(port)
+        raise AssertionError(testing.PERFTEST_CLOCK_FAILED)
+    calls.clear()
+    with pytest.raises(AssertionError):
+        testing.again_if_perftest_clock_failed(always, ["s"], ["c"], attempts=2)
+    assert calls == [None, None]
 
 
 def test_sysfs_best_gid_index(tmp_path):

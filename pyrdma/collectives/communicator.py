@@ -570,9 +570,7 @@ class Communicator:
         (lo, hi, algo, tag), = plan
         t = self.transport
         schedule = ALLREDUCE_PLANS[algo](self.size, self.rank, src.count, src.itemsize, t.max_message)
-        doubling = algo == "recursive_doubling"          # a second copy: never in place (as _allreduce)
-        in_place = not doubling and self.zero_copy_bytes and src.nbytes >= self.zero_copy_bytes
-        work_bytes = 2 * src.nbytes if doubling else src.nbytes
+        in_place, work_bytes = self._allreduce_work(algo, src.nbytes)
         return HostCall(t.engine.program(schedule), tag, src.code, _op_code(op), src.nbytes, schedule.result_offset,
                         work_bytes, None if in_place else t.own_region(work_bytes))
 
@@ -600,6 +598,14 @@ class Communicator:
             return self.transport.work_area(b - a, result, a), True
         return self.transport.work_area(b - a if size is None else size), False
 
+    def _allreduce_work(self, algo, nbytes):
+        """(in place?, work bytes) of an allreduce of ``nbytes`` by ``algo``, for the general path and
+        the one-call path alike: in place from zero_copy_bytes up, except recursive doubling, which
+        needs room for a second copy."""
+        if algo == "recursive_doubling":
+            return False, 2 * nbytes
+        return bool(self.zero_copy_bytes) and nbytes >= self.zero_copy_bytes, nbytes
+
     def _allreduce(self, src, dst, op, plan):
         t = self.transport
         opc = _op_code(op)
@@ -607,9 +613,8 @@ class Communicator:
         for lo, hi, algo, tag in plan:
             a, b = lo * itemsize, hi * itemsize
             nbytes = b - a
-            doubling = algo == "recursive_doubling"     # needs room for a second copy: never in place
-            work, in_place = self._work_area(None if doubling else dst.bytes, a, b,
-                                             size=2 * nbytes if doubling else None)
+            in_place, work_bytes = self._allreduce_work(algo, nbytes)
+            work = t.work_area(nbytes, dst.bytes, a) if in_place else t.work_area(work_bytes)
             if not in_place or src is not dst:
                 work[:nbytes] = src.bytes[a:b]
             if op == "avg" and src.code in _FLOAT_CODES:

@@ -60,12 +60,19 @@ def counting_rc_resends(dev, port=1, sysfs=SYSFS_INFINIBAND):
 PERFTEST_CLOCK_FAILED = "Correlation coefficient r^2"
 
 
-def again_if_perftest_clock_failed(run, attempts=3):
-    """``run(attempt)``'s result; an AssertionError that carries PERFTEST_CLOCK_FAILED runs it again
-    (attempt 1, 2, ...: give it a fresh TCP port, the old one may linger), up to ``attempts`` times."""
+def again_if_perftest_clock_failed(run_once, server_cmd, client_cmd, port=None, fresh_port=None, attempts=3):
+    """``run_once(server_cmd, client_cmd, port)``'s result. An AssertionError that carries
+    PERFTEST_CLOCK_FAILED runs it again, up to ``attempts`` times in all; with ``fresh_port`` (a
+    callable) each new attempt gets a new TCP port in place of ``port`` in both commands, since the
+    old one may linger."""
     for attempt in range(attempts):
+        if attempt and fresh_port is not None:
+            new = fresh_port()
+            server_cmd, client_cmd = ([str(new) if arg == str(port) else arg for arg in cmd]
+                                      for cmd in (server_cmd, client_cmd))
+            port = new
         try:
-            return run(attempt)
+            return run_once(server_cmd, client_cmd, port)
         except AssertionError as exc:
             if PERFTEST_CLOCK_FAILED not in str(exc) or attempt == attempts - 1:
                 raise
