@@ -205,6 +205,7 @@ cdef class Engine:
     cdef peer_t *peers
     cdef int rank, size, slots, slot_stride, max_message, sq_depth, credit_batch
     cdef double timeout, probe_lead, spin
+    cdef double spin_now             # this run's spin: ``spin``, or 0 in the background
     cdef int max_inline              # a message this long (header room included) is posted inline
     cdef ibv_cq *cq
     cdef ibv_comp_channel *channel
@@ -365,19 +366,22 @@ cdef class Engine:
         return bytes((<char *>self.desc)[:DESC_SIZE])
 
     def run(self, Program program not None, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
-            bytes desc not None, int dtype, int op, consume=None):
+            bytes desc not None, int dtype, int op, consume=None, bint background=False):
         """Execute a Program (see program()) on the work area [work_addr, + work_len) (registered
         with work_lkey). ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None
         (host memory: reductions and copies in C), or ``consume(kind, offset, nbytes, aux,
-        slot_offset)`` called with the GIL for every received chunk (GPU memory). Returns 0; on
-        failure returns the failure kind (see failure() and python_error()), leaving the error to
-        the caller."""
+        slot_offset)`` called with the GIL for every received chunk (GPU memory). ``background``:
+        the run overlaps the caller's work (a non-blocking collective), so it sleeps on the
+        completion channel as soon as there is nothing to do instead of spinning first: the CPU
+        goes to the caller's compute. Returns 0; on failure returns the failure kind (see failure()
+        and python_error()), leaving the error to the caller."""
         cdef int rc
         if len(desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
         if self.fail_kind != FAIL_NONE:
             return self.fail_kind
-        self._begin(program, work_addr, work_len, work_lkey, <const uint8_t *><char *>desc, dtype, op, consume)
+        self._begin(program, work_addr, work_len, work_lkey, <const uint8_t *><char *>desc, dtype, op, consume,
+                    background)
         try:
             with nogil:
                 rc = self._execute(program.steps, program.nsteps, program.chunks)
@@ -386,7 +390,7 @@ cdef class Engine:
         return self.fail_kind if rc < 0 else 0
 
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
-                    const uint8_t *desc, int dtype, int op, object consume) except -1:
+                    const uint8_t *desc, int dtype, int op, object consume, bint background=False) except -1:
         """Check a run's arguments against the program, then hold the verbs objects (a close()
         elsewhere waits for _end)."""
         cdef int i, used = 0
@@ -403,6 +407,7 @@ cdef class Engine:
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
         self.consume = consume
         self.py_error = None
+        self.spin_now = 0.0 if background else self.spin
         # only the main thread runs signal handlers: elsewhere a wait never takes the GIL for them
         self.signals = PyThread_get_thread_ident() == _main_thread
         try:
@@ -700,14 +705,14 @@ cdef class Engine:
         cdef void *ev_ctx
         n = ibv_poll_cq(self.cq, NWC, self.wcs)
         if n == 0 and seconds > 0:
-            end = monotonic_now() + min(self.spin, seconds)
+            end = monotonic_now() + min(self.spin_now, seconds)
             while n == 0 and monotonic_now() < end:
                 # yield between polls: where ranks outnumber cores (4 ranks on the VM's 2 vCPUs) the
                 # peer we wait for gets the CPU now, not after our spin (8 B allreduce, 4 ranks:
                 # 809 us without, 421 us with a 200 us spin; 2 ranks: no difference)
                 sched_yield()
                 n = ibv_poll_cq(self.cq, NWC, self.wcs)
-            if n == 0 and seconds > self.spin:
+            if n == 0 and seconds > self.spin_now:
                 ibv_req_notify_cq(self.cq, 0)
                 n = ibv_poll_cq(self.cq, NWC, self.wcs)        # one that came before the arming
                 if n == 0:

@@ -1,7 +1,9 @@
 """bench/side_by_side.py analysis on the host: ratios, targets, table and plots from known rows."""
 import importlib.util
+import multiprocessing
 import os
 import socket
+import sys
 
 import pytest
 
@@ -182,3 +184,18 @@ def test_allreduce_bench_without_anchors_says_so(arb):
     table = arb.summarize(rounds, ranks=2)
     assert all(r["vs_mpi"] is None and r["vs_ib_write_bw"] is None for r in table)
     assert [v for _, v, _ in arb.targets(table)] == ["n/a", "n/a"]
+
+
+def test_the_overlap_baseline_computes_only_while_its_traffic_runs(arb, monkeypatch):
+    """The compute loops start (a spawn takes seconds in the VM) before the traffic does, and a
+    baseline whose traffic ended before the loops did is flagged, not taken for one."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
+    monkeypatch.setitem(sys.modules, "allreduce_bench", arb)        # the children unpickle _compute_child
+    ctx = multiprocessing.get_context("spawn")
+    events = []
+    rate, covered = arb._compute_beside(ctx, 2, 0.3, lambda: events.append("start"), lambda: events.append("stop"),
+                                        lambda: events.append("alive?") or True)
+    assert rate > 0 and covered
+    assert events == ["start", "alive?", "stop"]
+    rate, covered = arb._compute_beside(ctx, 1, 0.3, lambda: None, lambda: None, lambda: False)
+    assert rate > 0 and not covered

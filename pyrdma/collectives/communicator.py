@@ -455,7 +455,11 @@ class Communicator:
                 if self._closed:
                     raise closed_error()
                 self._raise_if_broken()
-                return self._guarded(fn, *args)
+                self.transport.background = True
+                try:
+                    return self._guarded(fn, *args)
+                finally:
+                    self.transport.background = False
         finally:
             with self._count_lock:
                 self._pending -= 1

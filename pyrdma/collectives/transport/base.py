@@ -142,6 +142,10 @@ class _Waits:
     ``_send_query(peer, epoch)`` and keep ``self.reports`` ({peer: rank it waits for}, for the
     current epoch) up to date from incoming REPORTs."""
 
+    # True while a collective runs behind the caller's back (a non-blocking one, on the
+    # communicator's thread): its waits sleep rather than spin, leaving the CPU to the caller.
+    background = False
+
     def _init_waits(self, timeout):
         if self.size > MAX_RANKS:
             raise UsageError(f"at most {MAX_RANKS} ranks are supported, got {self.size}")

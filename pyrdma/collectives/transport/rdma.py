@@ -240,7 +240,8 @@ class RdmaTransport(_LentWorkArea, _Waits):
         callback = None if consume is None else _slot_consumer(consume, self.slot_array)
         if self.failure is None:
             failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,
-                                     self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback)
+                                     self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback,
+                                     self.background)
             if failed:
                 self.engine_failed()
         if self.failure is not None:
