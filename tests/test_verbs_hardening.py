@@ -5,7 +5,6 @@ was closed), close() from another thread wakes a blocked call, Ctrl-C interrupts
 checked in 64 bits, address handles are checked at post time, CQs share a completion channel.
 Tests without the ``device`` mark run on any host.
 """
-import os
 import signal
 import subprocess
 import sys
