@@ -595,20 +595,25 @@ class Communicator:
             raise UsageError(f"unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
         return ALIASES.get(algorithm, algorithm)
 
-    def _work_area(self, result, a, b, size=None):
-        """(work array, in place?) for bytes [a, b) of ``result``: that memory itself when it is at
-        least zero_copy_bytes (nothing to copy back), else the transport's buffer of ``size`` bytes."""
-        if result is not None and self.zero_copy_bytes and b - a >= self.zero_copy_bytes:
+    def _zero_copy(self, nbytes):
+        """Whether a collective works on ``nbytes`` of the caller's memory itself (registered, no
+        copies) rather than on the transport's buffer."""
+        return bool(self.zero_copy_bytes) and nbytes >= self.zero_copy_bytes
+
+    def _work_area(self, result, a, b):
+        """(work array, in place?) for bytes [a, b) of ``result``: that memory itself when
+        _zero_copy (nothing to copy back), else the transport's buffer."""
+        if result is not None and self._zero_copy(b - a):
             return self.transport.work_area(b - a, result, a), True
-        return self.transport.work_area(b - a if size is None else size), False
+        return self.transport.work_area(b - a), False
 
     def _allreduce_work(self, algo, nbytes):
         """(in place?, work bytes) of an allreduce of ``nbytes`` by ``algo``, for the general path and
-        the one-call path alike: in place from zero_copy_bytes up, except recursive doubling, which
-        needs room for a second copy."""
+        the one-call path alike: in place when _zero_copy, except recursive doubling, which needs
+        room for a second copy."""
         if algo == "recursive_doubling":
             return False, 2 * nbytes
-        return bool(self.zero_copy_bytes) and nbytes >= self.zero_copy_bytes, nbytes
+        return self._zero_copy(nbytes), nbytes
 
     def _allreduce(self, src, dst, op, plan):
         t = self.transport
