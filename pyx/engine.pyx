@@ -7,7 +7,7 @@ C: it posts the messages (one WRITE_WITH_IMM of the 48-byte header and the paylo
 peer's next receive slot), polls the CQ in batches (spinning briefly, then
 sleeping on the completion channel), checks every received header against the collective's
 description, reduces or copies the received chunks with the C kernels of pyrdma_reduce.h, returns
-credits, answers the wait-for queries of other ranks, and enforces the timeout. One call per
+credits (riding on its own data messages to that peer where it can), answers the wait-for queries of other ranks, and enforces the timeout. One call per
 collective, whatever its size and rank count. The wire protocol is the one the transport module
 documents (RdmaTransport).
 
@@ -70,6 +70,8 @@ cdef enum:
     CTRL_QUERY = 0
     CTRL_REPORT = 1
     LEN_MASK = 0x7FFFFF
+    CREDIT_SHIFT = 23                # a data message's immediate returns up to CREDIT_MASK credits
+    CREDIT_MASK = 0x7F
     DESC_SIZE = 44
     HEADER_SIZE = 48
     C_HEADER_ROOM = 64
@@ -507,7 +509,7 @@ cdef class Engine:
         cdef ibv_send_wr *bad = NULL
         cdef uint64_t slot
         cdef uint8_t *hdr
-        cdef uint32_t len32 = <uint32_t>n
+        cdef uint32_t len32 = <uint32_t>n, back
         cdef int rc
         if not self._can_send(peer):
             if self._wait(WAIT_CREDIT, peer, n) < 0:
@@ -528,7 +530,11 @@ cdef class Engine:
         else:
             wr.wr_id = (<uint64_t>peer << 2) | 1
             wr.send_flags = IBV_SEND_SIGNALED
-        wr.imm_data = htonl((KIND_DATA << 30) | len32)
+        # the slots consumed since the last return ride along: with an exchange (recursive
+        # doubling, halving-doubling, the barrier) no credit message of its own, whose posting and
+        # completion cost the peer a wake-up where ranks outnumber cores
+        back = <uint32_t>min(p.unreturned, CREDIT_MASK)
+        wr.imm_data = htonl((KIND_DATA << 30) | (back << CREDIT_SHIFT) | len32)
         wr.wr.rdma.remote_addr = p.remote + slot * <uint64_t>self.slot_stride
         wr.wr.rdma.rkey = p.rkey
         rc = ibv_post_send(p.qp, &wr, &bad)
@@ -537,6 +543,7 @@ cdef class Engine:
         p.outstanding += 1
         p.data_outstanding += <int>(wr.wr_id & 1)
         p.credits -= 1
+        p.unreturned -= <int>back
         p.send_seq += 1
         return 0
 
@@ -757,6 +764,9 @@ cdef class Engine:
                         continue
                     p.arrivals[(p.arr_head + p.arr_count) % self.slots] = imm & LEN_MASK
                     p.arr_count += 1
+                    p.credits += (imm >> CREDIT_SHIFT) & CREDIT_MASK
+                    if p.credits > self.slots:
+                        self._fail(FAIL_MALFORMED, peer, imm, 0)
                 elif kind == KIND_CREDIT:
                     p.credits += imm & 0xFFFF
                     if p.credits > self.slots:

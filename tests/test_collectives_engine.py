@@ -260,6 +260,7 @@ _HOSTILE = {
     "a header of another collective": lambda rng, slots: [(0 << 30) | 4096],
     "a length over max_message": lambda rng, slots: [(0 << 30) | 0x7FFFFF],
     "credits it was never owed": lambda rng, slots: [(1 << 30) | 0xFFFF],
+    "credits it was never owed, riding on data": lambda rng, slots: [(0 << 30) | (0x7F << 23) | 4096],
     "more messages than credits": lambda rng, slots: [(0 << 30) | 4096] * (slots + 1),
     "random immediates": lambda rng, slots: [int(v) for v in rng.integers(0, 1 << 32, 4, dtype=np.uint64)],
 }
@@ -312,7 +313,8 @@ def test_garbage_from_a_peer_fails_the_collective_and_names_it(case):
     assert seconds < 8 + 5, (case, seconds)               # the collective's timeout bounds it
     if case == "a header of another collective":
         assert outcome.startswith("UsageError") and "different collective" in outcome, outcome
-    elif case in ("a length over max_message", "credits it was never owed"):
+    elif case in ("a length over max_message", "credits it was never owed",
+                  "credits it was never owed, riding on data"):
         assert outcome.startswith("PeerError") and "malformed" in outcome, outcome
     elif case == "more messages than credits":      # the first one's header, or the count, whichever is seen first
         assert ("malformed" in outcome and outcome.startswith("PeerError")) or "different collective" in outcome, \

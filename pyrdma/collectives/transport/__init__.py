@@ -32,10 +32,12 @@ RdmaTransport: one RC QP per peer. Each rank registers, once, ``slots`` receive 
 (slot = message number mod slots: RC delivers in order, so the slot index need not travel) that
 gathers a 64-byte header room and the payload, straight from the sender's registered work buffer:
 the header is the collective's full description and the length, which the receiver compares
-exactly with its own; the payload lands 64 bytes into the slot. The 32-bit immediate carries the kind and the length.
+exactly with its own; the payload lands 64 bytes into the slot. The 32-bit immediate carries the
+kind (2 bits), credits returned (7 bits) and the length (23 bits).
 Flow control is by credits: a sender starts with ``slots`` credits, spends one per message and
-waits when it has none; the receiver returns consumed slots as credits (a zero-byte WRITE_WITH_IMM,
-batched by half the slots), so a slot is never overwritten before it was consumed.
+waits when it has none; the receiver returns consumed slots as credits, so a slot is never
+overwritten before it was consumed. They ride on its next data message to that peer, or, once half
+the slots wait to be returned, go in a zero-byte WRITE_WITH_IMM of their own.
 
 TcpTransport: the same contract over one TCP connection per pair of ranks, for machines without
 RDMA and for host tests; a reader thread per peer drains its socket so senders never block on a
