@@ -18,9 +18,10 @@ share (column "vs -b/2").
 With ``--rounds N`` the three (ours, MPI, ib_write_bw) are measured N times in turn: a boot of the
 emulated VM drifts by 10-25% within minutes, so each ratio is taken within its round and the table
 shows the median (the JSON also the range). The last lines give the targets for the best algorithm
-per size (busbw >= 0.9x ib_write_bw at >= 8 MiB; time <= MPI's at every size) and the overlap
-measurement (overlap(): a Python loop's speed while iallreduces run in its own process, against its
-speed while ib_write_bw moves the same bytes between two other processes; target >= 0.9x).
+per size (busbw >= 0.9x ib_write_bw at >= 8 MiB; time <= MPI's at every size) and the overlap,
+measured once per round after them (overlap(): a Python loop's speed while iallreduces run in its
+own process, against its speed while the same bytes cross the device outside it; target >= 0.9x,
+the median over the rounds).
 Writes allreduce.json and allreduce.png.
 """
 import argparse
@@ -425,6 +426,28 @@ def targets(table):
     return out
 
 
+def overlap_target(overs):
+    """The overlap target over the rounds' measurements (overlap() each): per round the worst
+    rank against the stricter of the two baselines, then the median over the rounds whose
+    baselines ran throughout (a single run swings by 10% in the VM, as the times do).
+    Returns (target, verdict, detail)."""
+    name = "overlap: compute >= 0.9x its speed beside the same bytes outside the process"
+    valid = [o for o in overs if all(o["baselines_covered"].values())]
+    dropped = len(overs) - len(valid)
+    note = f"; {dropped} round(s) without a baseline (its traffic ended before the compute loops did)" \
+        if dropped else ""
+    if not valid:
+        return name, "NO BASELINE", f"no round had traffic throughout its baseline{note}"
+    worst = _median([min(o["ratio"], o["ratio_ib_write_bw"]) for o in valid])
+
+    def each(key):
+        values = [o[key] for o in valid]
+        return f"{_median(values):.3f} (rounds {', '.join(format(v, '.3f') for v in values)})"
+    detail = (f"median over {len(valid)} round(s) of the worst rank against the stricter baseline: {worst:.3f}; "
+              f"beside the same allreduces {each('ratio')}, beside ib_write_bw {each('ratio_ib_write_bw')}{note}")
+    return name, "MET" if worst >= 0.9 else "MISSED", detail
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "build", "bench"))
@@ -483,30 +506,28 @@ def main(argv=None):
               f"{_fmt(row['mpi_time_us'], '.1f'):>13} {_fmt(row['mpi_busbw'], '.4f'):>10} {_fmt(row['vs_mpi'], '.2f'):>7} "
               f"{row['cpu_user_ms']:.1f}/{row['cpu_sys_ms']:.1f}".rjust(16))
     verdicts = targets(table)
-    over = None
-    if not args.no_overlap:
+    overs = []
+    for k in range(0 if args.no_overlap else args.rounds):
         over = overlap(args, seconds=args.overlap_seconds)
-        print(f"# overlap: while iallreduces of {over['bytes'] >> 20} MiB run in each rank's own process, a Python "
-              f"compute loop there runs at {', '.join(f'{r:.0f}' for r in over['rank_rates'])} it/s "
-              f"({over['allreduces']} allreduces in {', '.join(f'{t:.1f}' for t in over['allreduce_seconds'])} s): "
+        overs.append(over)
+        uncovered = [name for name, ok in over["baselines_covered"].items() if not ok]
+        print(f"# overlap {k + 1}/{args.rounds}: while iallreduces of {over['bytes'] >> 20} MiB run in each rank's "
+              f"own process, a Python compute loop there runs at {', '.join(f'{r:.0f}' for r in over['rank_rates'])} "
+              f"it/s ({over['allreduces']} allreduces in "
+              f"{', '.join(f'{t:.1f}' for t in over['allreduce_seconds'])} s): "
               f"{over['ratio']:.3f}x its speed beside the same allreduces in other processes "
               f"({over['baseline_rate']:.0f} it/s), {over['ratio_ib_write_bw']:.3f}x beside ib_write_bw "
-              f"({over['baseline_rate_ib_write_bw']:.0f} it/s)")
-        uncovered = [name for name, ok in over["baselines_covered"].items() if not ok]
-        worst = min(over["ratio"], over["ratio_ib_write_bw"])
-        verdicts.append(("overlap: compute >= 0.9x its speed beside the same bytes outside the process",
-                         "NO BASELINE" if uncovered else "MET" if worst >= 0.9 else "MISSED",
-                         f"{over['ratio']:.3f} beside the same allreduces in other processes, "
-                         f"{over['ratio_ib_write_bw']:.3f} beside ib_write_bw"
-                         + (f"; the traffic of {', '.join(uncovered)} ended before the compute loops did"
-                            if uncovered else "")))
+              f"({over['baseline_rate_ib_write_bw']:.0f} it/s)"
+              + (f"; no baseline: the traffic of {', '.join(uncovered)} ended first" if uncovered else ""), flush=True)
+    if overs:
+        verdicts.append(overlap_target(overs))
     for name, verdict, detail in verdicts:
         print(f"# target {name}: {verdict} ({detail})")
     with open(os.path.join(args.out, "allreduce.json"), "w") as fh:
         json.dump(dict(ranks=args.ranks, device=args.dev, iters=args.iters, dtype=args.dtype,
                        rounds=[dict(ib_write_bw_gbps=r["ib_write_bw"], ib_write_bw_bidir_gbps=r["ib_write_bw_bidir"],
                                     mpi=r["mpi_note"], rc_resends=r["resends"] or None) for r in rounds],
-                       rows=table, overlap=over,
+                       rows=table, overlap=overs or None,
                        targets=[dict(target=t, verdict=v, detail=d) for t, v, d in verdicts]), fh, indent=1)
     anchor = _median([r["ib_write_bw"] for r in rounds])
     bidir = _median([r["ib_write_bw_bidir"] for r in rounds])

@@ -199,3 +199,14 @@ def test_the_overlap_baseline_computes_only_while_its_traffic_runs(arb, monkeypa
     assert events == ["start", "alive?", "stop"]
     rate, covered = arb._compute_beside(ctx, 1, 0.3, lambda: None, lambda: None, lambda: False)
     assert rate > 0 and not covered
+
+
+def test_the_overlap_target_is_the_median_of_the_rounds_with_a_baseline(arb):
+    def measured(ratio, ratio_bw, covered=True):
+        return dict(ratio=ratio, ratio_ib_write_bw=ratio_bw,
+                    baselines_covered=dict(allreduce=True, ib_write_bw=covered))
+    # per round the stricter baseline: 0.88, 0.95; the third round's baseline is no baseline
+    name, verdict, detail = arb.overlap_target([measured(1.1, 0.88), measured(0.95, 0.97), measured(0.5, 0.5, False)])
+    assert verdict == "MET" and "0.915" in detail and "1 round(s) without a baseline" in detail, detail
+    assert arb.overlap_target([measured(1.1, 0.85), measured(0.8, 0.97), measured(1.0, 0.95)])[1] == "MISSED"
+    assert arb.overlap_target([measured(1.3, 1.3, False)])[1] == "NO BASELINE"
