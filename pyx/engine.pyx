@@ -7,9 +7,9 @@ C: it posts the messages (one WRITE_WITH_IMM of the 48-byte header and the paylo
 peer's next receive slot), polls the CQ in batches (spinning briefly, then
 sleeping on the completion channel), checks every received header against the collective's
 description, reduces or copies the received chunks with the C kernels of pyrdma_reduce.h, returns
-credits (riding on its own data messages to that peer where it can), answers the wait-for queries of other ranks, and enforces the timeout. One call per
-collective, whatever its size and rank count. The wire protocol is the one the transport module
-documents (RdmaTransport).
+credits (on its own data messages to that peer where it can), answers the wait-for queries of
+other ranks, and enforces the timeout. One call per collective, whatever its size and rank count.
+The wire protocol is the one the transport module documents (RdmaTransport).
 
 The GIL is taken only to run signal handlers while waiting (Ctrl-C raises KeyboardInterrupt, as in
 pyzmq) and, for GPU work areas, to call the Python ``consume`` callback that runs CUDA copies and
