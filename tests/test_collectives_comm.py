@@ -614,11 +614,11 @@ def test_collectives_in_place_on_the_callers_memory(worlds, transport, size):
 
 def _ack_timeouts(comm, port):
     from pyrdma.collectives.transport import DEFAULT_QP_TIMEOUT
-    default = {p: qp.query().timeout for p, qp in comm.transport.qp.items()}
+    default = {p: link.qp.query().timeout for p, link in comm.transport.links.items()}
     with fresh_comm(comm, port, qp_timeout=17) as c:
         x = np.full(10, c.rank + 1.0)
         c.allreduce(x)
-        given = {p: qp.query().timeout for p, qp in c.transport.qp.items()}
+        given = {p: link.qp.query().timeout for p, link in c.transport.links.items()}
     return DEFAULT_QP_TIMEOUT, default, given, x.tolist()
 
 

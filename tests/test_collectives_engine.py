@@ -278,10 +278,10 @@ def _hostile_peer(rank, size, port, case, seed):
         if rank == 1:
             mr = rd.MemoryRegion.allocate(t.pd, 64 + 4096, rd.ACCESS_LOCAL_WRITE)
             mr.array()[:] = rng.integers(0, 256, 64 + 4096, dtype=np.uint8)     # a random header and payload
-            addr, rkey = t.remote[0]
+            addr, rkey = t.links[0].remote
             for i, imm in enumerate(_HOSTILE[case](rng, t.slots)):
                 slot = addr + (i % t.slots) * t.slot_stride
-                t.qp[0].post_send(rd.SendWR(rd.WR_RDMA_WRITE_WITH_IMM, [rd.SGE(mr, 0, 64 + 4096)], imm_data=imm,
+                t.links[0].qp.post_send(rd.SendWR(rd.WR_RDMA_WRITE_WITH_IMM, [rd.SGE(mr, 0, 64 + 4096)], imm_data=imm,
                                             remote_addr=slot, rkey=rkey))
             deadline = time.monotonic() + 60
             while not os.path.exists(flag) and time.monotonic() < deadline:   # stay until rank 0 has judged

@@ -506,9 +506,9 @@ def test_gid_index_reaches_the_queue_pairs(monkeypatch):
         comms = make_world("rdma", device=name, port=1, gid_index=index)
         try:
             for c in comms:
-                for qp in c.transport.qp.values():
-                    assert qp.gid_index == index
-                    ep = qp.endpoint()
+                for link in c.transport.links.values():
+                    assert link.qp.gid_index == index
+                    ep = link.qp.endpoint()
                     assert ep.gid_index == index and bytes(ep.gid) == gid
             results = run_all(comms, lambda c: c.allreduce(np.ones(4, np.float32)))
             assert all(s == "ok" and v.tolist() == [2.0] * 4 for s, v in results), results
@@ -520,7 +520,7 @@ def test_gid_index_reaches_the_queue_pairs(monkeypatch):
     monkeypatch.setenv("PYRDMA_IB_GID_INDEX", str(index))
     comms = make_world("rdma")
     try:
-        assert all(qp.gid_index == index for c in comms for qp in c.transport.qp.values())
+        assert all(link.qp.gid_index == index for c in comms for link in c.transport.links.values())
     finally:
         close_all(comms)
 

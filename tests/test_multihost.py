@@ -236,7 +236,7 @@ def _spread(rank, size, port, hosts_path, algorithms, rooted, torchrun):
     with comm:
         t = comm.transport
         out["transport"] = type(t).__name__
-        out["gids"] = {p: (t.qp[p].gid_index, t.qp[p].query().path_mtu) for p in t.peers}
+        out["gids"] = {p: (t.links[p].qp.gid_index, t.links[p].qp.query().path_mtu) for p in t.peers}
         for algo in algorithms:
             for n, dtype in ((1, "int64"), (100003, "float64"), (300000, "int32")):
                 x = (np.arange(n) % 1000 + rank * 7).astype(dtype)

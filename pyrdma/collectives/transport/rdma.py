@@ -115,7 +115,7 @@ class RdmaTransport(_LentWorkArea, _Waits):
         # credit comes back only after its message, and so its header, has arrived).
         self.header_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * self.slots * HEADER_ROOM,
                                                   rd.ACCESS_LOCAL_WRITE)
-        self.qp, self.remote = {}, {}
+        self.links = {}                      # peer -> _Link
         self.max_inline = MAX_INLINE
         for p in self.peers:
             qp = self._queue_pair(rd, port, gid_index)
@@ -123,7 +123,7 @@ class RdmaTransport(_LentWorkArea, _Waits):
             recv = rd.RecvWR([], wr_id=p << 2)    # WRITE_WITH_IMM consumes a receive but no buffer
             for _ in range(self.rq_depth):
                 qp.post_recv(recv)
-            self.qp[p] = qp
+            self.links[p] = _Link(qp)
         self._own_mr = self._own = None
         self._work_mr = self._work = None
         self._work_offset = 0          # where the work area starts in _work_mr
@@ -134,7 +134,7 @@ class RdmaTransport(_LentWorkArea, _Waits):
         self._user_mrs = collections.OrderedDict()
         self.buffer(0)
         placeholder = Endpoint(qpn=0, psn=0)
-        record = b"".join((placeholder if p == self.rank else self.qp[p].endpoint(mr=self.slot_mr)).to_bytes()
+        record = b"".join((placeholder if p == self.rank else self.links[p].qp.endpoint(mr=self.slot_mr)).to_bytes()
                           for p in range(self.size))
         records = exchange.allgather(record)
         for p in self.peers:
@@ -146,14 +146,17 @@ class RdmaTransport(_LentWorkArea, _Waits):
             if ep.length != self.slot_mr.length:
                 raise UsageError(f"rank {p} registered {ep.length} bytes of receive slots, rank {self.rank} "
                                  f"{self.slot_mr.length}: the ranks were given different max_message or slots")
-            self.qp[p].to_rtr(ep)
-            self.qp[p].to_rts(timeout=self.qp_timeout)
+            link = self.links[p]
+            link.qp.to_rtr(ep)
+            link.qp.to_rts(timeout=self.qp_timeout)
             # our slots in the peer's region: it orders its peers by rank, skipping itself
             their_index = self.rank if self.rank < p else self.rank - 1
-            self.remote[p] = (ep.addr + their_index * self.slots * self.slot_stride, ep.rkey)
+            link.remote = (ep.addr + their_index * self.slots * self.slot_stride, ep.rkey)
         from pyrdma._engine import Engine
-        self.engine = Engine(self.cq, [self.qp.get(p) for p in range(self.size)], self.slot_mr, self.header_mr,
-                             [self.remote.get(p, (0, 0)) for p in range(self.size)], self.rank, self.size,
+        mine = _Link(None)                    # no QP to itself
+        links = [self.links.get(p, mine) for p in range(self.size)]
+        self.engine = Engine(self.cq, [link.qp for link in links], self.slot_mr, self.header_mr,
+                             [link.remote for link in links], self.rank, self.size,
                              self.slots, self.slot_stride, self.max_message, self.sq_depth, self.timeout, self.spin,
                              self.max_inline)
         exchange.allgather(b"rdma-connected")   # nobody writes before every QP is ready to receive
@@ -305,9 +308,9 @@ class RdmaTransport(_LentWorkArea, _Waits):
         self._closed = True
         # Error state first: it flushes the sends still outstanding to a dead or unreachable peer, so
         # the provider stops resending before the QP is destroyed.
-        for qp in self.qp.values():
+        for link in self.links.values():
             try:
-                qp.to_error()
+                link.qp.to_error()
             except RDMAError:
                 pass
         self.ctx.close()   # closes QPs, MRs, CQ, channel and PD, children first
@@ -320,3 +323,12 @@ class RdmaTransport(_LentWorkArea, _Waits):
 
     def _send_query(self, peer, epoch):
         self._post_control(peer, _imm_control(_CTRL_QUERY, epoch))
+
+
+class _Link:
+    """What the transport keeps of one peer (its flow control lives in the engine's C record)."""
+    __slots__ = ("qp", "remote")
+
+    def __init__(self, qp):
+        self.qp = qp
+        self.remote = (0, 0)                 # (address, rkey) of our receive slots there, once connected
