@@ -170,7 +170,7 @@ def main():
     comm = dist.distributed_c10d._get_default_group().comm
     checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(), "transport": comm.transport_name}
     if comm.transport_name == "rdma":    # the GID index each QP uses (the test bed checks it is its host's)
-        checks["gid indices"] = sorted({comm.transport.qp[p].gid_index for p in comm.transport.peers})
+        checks["gid indices"] = sorted({link.qp.gid_index for link in comm.transport.links.values()})
     if host is not None:
         checks["host"] = host.name
     if args.only == "all":
