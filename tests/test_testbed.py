@@ -135,6 +135,14 @@ def test_a_perftest_clock_failure_runs_again_on_a_fresh_port_and_nothing_else_do
         testing.again_if_perftest_clock_failed(always, ["s"], ["c"], attempts=2)
     assert calls == [None, None]
 
+    def exits_0_with_the_clock_failed(srv, cli, port):      # ib_write_lat -a: a row missing, exit 0
+        calls.append(port)
+        return ("server output", f"client output\n{testing.PERFTEST_CLOCK_FAILED}: 0.855 < 0.9\n")
+    calls.clear()
+    with pytest.raises(AssertionError, match="clock failed"):
+        testing.again_if_perftest_clock_failed(exits_0_with_the_clock_failed, ["s"], ["c"], attempts=2)
+    assert calls == [None, None]
+
 
 def test_sysfs_best_gid_index(tmp_path):
     port = tmp_path / "rxe0" / "ports" / "1"
