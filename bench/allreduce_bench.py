@@ -4,7 +4,9 @@ as anchors, all in one run (one VM boot):
     python3 -m pyrdma.testing.vm --rwdir build/bench -- "$(python3 -c 'import sys;print(sys.executable)')" \
         bench/allreduce_bench.py --out build/bench
 
-Per size and algorithm: time (us; per iteration the slowest rank, median over iterations),
+Per size and algorithm: time (us; per iteration the slowest rank, median over iterations; MPI's
+the same way, in the same loop, and both bound to a core per rank where the ranks fit, as mpirun
+does by default, else neither),
 algbw = bytes / time and busbw = algbw * 2(n-1)/n (GB/s, GB = 1e9), as nccl-tests prints them,
 and the busiest rank's CPU time per iteration, user / kernel;
 ib_write_bw's average at 8 MiB is the physical limit, MPI_Allreduce through OpenMPI's UCX pml
@@ -42,11 +44,22 @@ sys.path.insert(0, ROOT)
 from pyrdma.testing import counting_rc_resends  # noqa: E402
 
 
+def cores_for(size):
+    """The CPUs rank r is bound to (the r-th), as mpirun binds by default: one core each where the
+    ranks fit on the CPUs this process may use, else None (no binding). mpi_sweep passes the same
+    choice to mpirun explicitly, so both sides of a ratio run under the same placement."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:size] if size <= len(cpus) else None
+
+
 def _rank(rank, size, master, sizes, algorithms, iters, results, options):
     import resource
     from pyrdma.collectives import Communicator
     options = dict(options)
     dtype = options.pop("dtype", "float32")
+    cores = cores_for(size)
+    if cores:
+        os.sched_setaffinity(0, {cores[rank]})
     with Communicator(rank, size, master, transport="rdma", timeout=300, **options) as comm:
         rows = []
         for nbytes in sizes:
@@ -72,7 +85,8 @@ def _rank(rank, size, master, sizes, algorithms, iters, results, options):
 def sweep(size, sizes, algorithms, iters, options=None):
     """[(bytes, algorithm, seconds, (user, sys))]: per iteration the slowest rank's time, median
     over iterations (a collective ends when its slowest rank does; mpi_allreduce.py measures the
-    same way), and the CPU seconds per iteration of the busiest rank, user and kernel (barrier
+    same way, with the same loop and the same placement, cores_for), and the CPU seconds per
+    iteration of the busiest rank, user and kernel (barrier
     included). On Soft-RoCE the kernel part is rxe's packet work, done inside the ranks' posts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,7 +143,8 @@ def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     failures = []
     for label, extra in _mpi_configs(dev, port):
-        cmd = ["mpirun", "-np", str(size), "--oversubscribe", *extra, "/usr/bin/python3", script,
+        cmd = ["mpirun", "-np", str(size), "--oversubscribe", "--bind-to", "core" if cores_for(size) else "none",
+               *extra, "/usr/bin/python3", script,
                "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)

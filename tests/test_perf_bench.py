@@ -3,6 +3,7 @@ import importlib.util
 import multiprocessing
 import os
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -210,3 +211,19 @@ def test_the_overlap_target_is_the_median_of_the_rounds_with_a_baseline(arb):
     assert verdict == "MET" and "0.915" in detail and "1 round(s) without a baseline" in detail, detail
     assert arb.overlap_target([measured(1.1, 0.85), measured(0.8, 0.97), measured(1.0, 0.95)])[1] == "MISSED"
     assert arb.overlap_target([measured(1.3, 1.3, False)])[1] == "NO BASELINE"
+
+
+def test_mpi_runs_under_the_placement_of_our_ranks(arb, monkeypatch):
+    """Both sides of a ratio run under one placement: a core per rank where the ranks fit on the
+    CPUs (mpirun's default), else neither side is bound; mpirun gets the choice spelled out."""
+    monkeypatch.setattr(arb.os, "sched_getaffinity", lambda pid: {3, 1})
+    assert arb.cores_for(2) == [1, 3] and arb.cores_for(3) is None
+    cmds = []
+
+    def run(cmd, **kwargs):
+        cmds.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"rows": [[8, 1e-05]]}\n', stderr="")
+    monkeypatch.setattr(arb.subprocess, "run", run)
+    for size, bind in ((2, "core"), (4, "none")):
+        assert arb.mpi_sweep(size, [8], 3, "rxe0")[0] == {8: 1e-05}
+        assert cmds[-1][cmds[-1].index("--bind-to") + 1] == bind
