@@ -321,3 +321,38 @@ def test_garbage_from_a_peer_fails_the_collective_and_names_it(case):
             outcome
     if case != "random immediates":
         assert culprit == 1, (case, outcome)
+
+
+def test_the_exec_lock_behaves_as_an_rlock():
+    """The Communicator's lock on RDMA (HostCollectives takes it by C calls): reentrant, owned by
+    one thread, and a timed acquire gives up while another thread holds it."""
+    import threading
+    from pyrdma._engine import ExecLock
+    lock = ExecLock()
+    assert lock.acquire() and lock.acquire(timeout=0.01)       # reentrant
+    lock.release()
+    got = []
+    other = threading.Thread(target=lambda: got.append((lock.acquire(timeout=0.05), lock.acquire(blocking=False))))
+    other.start()
+    other.join(5)
+    assert got == [(False, False)]
+    lock.release()
+    with pytest.raises(RuntimeError, match="un-acquired"):
+        lock.release()
+    errors = []
+
+    def release_in_another_thread():
+        try:
+            lock.release()
+        except RuntimeError as exc:
+            errors.append(exc)
+    with lock:
+        t = threading.Thread(target=release_in_another_thread)
+        t.start()
+        t.join(5)
+    assert len(errors) == 1
+    got.clear()
+    other = threading.Thread(target=lambda: got.append(lock.acquire(timeout=5)) or lock.release())
+    other.start()
+    other.join(10)
+    assert got == [True]

@@ -347,7 +347,8 @@ class Communicator:
         # blocking host allreduces and barriers over RDMA: one C call each (prepared here)
         self._host = None
         if chosen == "rdma" and size > 1:
-            from pyrdma._engine import HostCollectives
+            from pyrdma._engine import ExecLock, HostCollectives
+            self._exec_lock = ExecLock()      # the same lock, which HostCollectives takes without a Python call
             self._host = HostCollectives(self.transport.engine, self, self.transport)
 
     def _agree_on_transport(self, exchange, transport, device):
