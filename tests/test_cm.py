@@ -719,6 +719,11 @@ def test_perf_rdma_cm_all_sizes_with_perftest(cm_device, test, ours):
     port = str(next(_ports))
     common = ["-R", "-a", "-n", "5", "-p", port]
     perftest = [_perftest_tool(test), "-d", cm_device, *common]
+    if test.endswith("_lat"):
+        # perftest calibrates its clock again for every size's report, and under emulation one of
+        # the 23 calibrations often fails; -C reports cycles and skips them (what is checked here
+        # is sizes and iterations, not times)
+        perftest.append("-C")
     if ours == "client":
         out_s, out_c = _perf_pair(perftest, _perf_cmd(test, *common, "--timeout", "60", ADDR))
     else:

@@ -1,5 +1,7 @@
 """The perftest-output parser, on real output captured from Debian's perftest 4.5 (and from
 pyrdma-perf) on Soft-RoCE rxe0 inside the test VM; and the row format, byte for byte."""
+import math
+
 from pyrdma.perf import stats
 from pyrdma.perf.parse import parse_output
 
@@ -215,6 +217,22 @@ def test_latency_rows():
             row.p999) == (2, 100, 13.13, 284.13, 14.11, 15.72, 4.71, 284.13, 284.13)
     row = parse_output(READ_LAT_CLIENT).rows[0]
     assert row.t_typical == 54.09 and row.p99 == 1004.26
+
+
+def test_a_latency_row_of_a_perftest_whose_clock_failed_is_kept():
+    """ib_write_lat in the emulated VM, its calibration failed (r^2 < 0.9): its times are inf, its
+    stdev -nan. The row is still a row of that size, not a line to skip."""
+    text = ("Correlation coefficient r^2: 0.85904 < 0.9\n"
+            " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    "
+            "t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] \n"
+            " 2       5          inf            inf          inf      \t       inf         \t-nan   \t\tinf"
+            "     \t\tinf    \n"
+            " 4       5          14.27          37.73        15.52    \t       15.52       \t1.00   \t\t37.73"
+            "   \t\t37.73  \n")
+    rows = parse_output(text).rows
+    assert [(r.size, r.iters) for r in rows] == [(2, 5), (4, 5)]
+    assert math.isinf(rows[0].t_typical) and math.isnan(rows[0].t_stdev)
+    assert rows[1].t_typical == 15.52
 
 
 def test_our_output_tags_modes():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pyrdma.perf.stats import BWReport, LatDurationReport, LatReport
 
-_NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf"
+_NUM = r"[-+]?(?:(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"   # -nan: perftest whose clock failed
 _ROW = re.compile(rf"^\s*(\d+)\s+(\d+)((?:\s+(?:{_NUM}))+)\s*$")
 _SETTING = re.compile(r"^\s?([A-Za-z][A-Za-z0-9 .*\-]*?)\s*:\s*(.*?)\s*$")
 _MODE = re.compile(r"^\s*pyrdma mode\s*:\s*(\w+)")
