@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -164,9 +165,10 @@ class Bench:
                 base += ["-s", str(size)]
             rc_s, out_s, rc_c, out_c = run_pair(base, base + [a.host], port, a.timeout, self.log)
             self._save(f"perftest_{test}_{size}", out_s, out_c)
-            rows = parse_output(out_c).rows_for(None)
             # Under emulation perftest's TSC calibration can fail ("Correlation coefficient r^2 <
-            # 0.9"): it then divides by a 0 MHz clock and prints inf for every latency. Run again.
+            # 0.9"): it then divides by a 0 MHz clock and prints inf for every latency. Such rows
+            # are no measurement: run again.
+            rows = [r for r in parse_output(out_c).rows_for(None) if math.isfinite(getattr(r, "t_typical", 0.0))]
             if (rc_c == 0 and rows) or CLOCK_CALIBRATION_FAILED not in out_c:
                 break
         if rc_c != 0 or not rows:
