@@ -670,7 +670,7 @@ cdef class Engine:
         """Make progress until ready; on timeout fail with FAIL_TIMEOUT (the transport names the
         rank to blame from the reports gathered by the queries sent shortly before)."""
         cdef double start, deadline, probe_at, now, next_signals
-        cdef int suspect, q
+        cdef int suspect, q, i
         if self._ready(what, peer):
             return 0
         self.epoch = (self.epoch + 1) & 0xFFF
@@ -679,10 +679,13 @@ cdef class Engine:
         memset(self.queried, 0, self.size)
         self.waiting_on = peer
         if self.spin_now > 0:
-            q = self._first_polls(what, peer)
-            if q != 0:
-                self.waiting_on = -1
-                return 0 if q > 0 else -1
+            for i in range(FIRST_POLLS):                  # before the first clock read
+                q = self._progress(0.0)
+                if q == 0:
+                    sched_yield()
+                elif q < 0 or self._ready(what, peer):
+                    self.waiting_on = -1
+                    return 0 if q > 0 else -1
         start = monotonic_now()
         deadline = start + self.timeout
         probe_at = deadline - self.probe_lead
@@ -716,26 +719,9 @@ cdef class Engine:
         self.waiting_on = -1
         return -1
 
-    cdef int _first_polls(self, int what, int peer) noexcept nogil:
-        """Up to FIRST_POLLS polls, yielding between them, before a wait reads the clock: 1 once
-        ready, 0 if not yet, -1 on failure."""
-        cdef int i, n
-        for i in range(FIRST_POLLS):
-            n = ibv_poll_cq(self.cq, NWC, self.wcs)
-            if n == 0:
-                sched_yield()
-                continue
-            if n < 0:
-                return self._fail(FAIL_POLL, -1, errno, 0)
-            if self._handle(n) < 0:
-                return -1
-            if self._ready(what, peer):
-                return 1
-        return 0
-
     cdef int _progress(self, double seconds) noexcept nogil:
         """Handle the completions there are; if none, wait up to ``seconds`` for one: spin first,
-        then sleep on the completion channel."""
+        then sleep on the completion channel. The number handled, or -1 on failure."""
         cdef int n, rc, k = 0
         cdef double end
         cdef pollfd pfd
@@ -817,7 +803,7 @@ cdef class Engine:
                 p.outstanding -= 1
                 if wc.wr_id & 1:                  # a payload read from the work area (not inline)
                     p.data_outstanding -= 1
-        return 0 if self.fail_kind == FAIL_NONE else -1
+        return n if self.fail_kind == FAIL_NONE else -1
 
 
 @cython.final

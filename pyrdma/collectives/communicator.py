@@ -339,17 +339,19 @@ class Communicator:
                 exchange.close()
         self.transport_name = chosen
         self.cost_model = cost_model or CostModel(transport=chosen)
-        # reentrant: close() from inside a collective's own thread (a signal handler) must not deadlock
-        self._exec_lock = threading.RLock()
         self._count_lock = threading.Lock()
         self._pending = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
-        # blocking host allreduces and barriers over RDMA: one C call each (prepared here)
+        # The lock is reentrant: close() from inside a collective's own thread (a signal handler)
+        # must not deadlock. Over RDMA, blocking host allreduces and barriers are one C call each
+        # (HostCollectives), which takes the same lock, an ExecLock, without a Python call.
         self._host = None
         if chosen == "rdma" and size > 1:
             from pyrdma._engine import ExecLock, HostCollectives
-            self._exec_lock = ExecLock()      # the same lock, which HostCollectives takes without a Python call
+            self._exec_lock = ExecLock()
             self._host = HostCollectives(self.transport.engine, self, self.transport)
+        else:
+            self._exec_lock = threading.RLock()
 
     def _agree_on_transport(self, exchange, transport, device):
         """Every rank says what it wants (and, for auto, whether it can do RDMA); all must agree."""
