@@ -12,7 +12,6 @@ import argparse
 import multiprocessing as mp
 import os
 import resource
-import socket
 import sys
 import time
 
@@ -22,13 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from allreduce_bench import cores_for  # noqa: E402
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from allreduce_bench import _free_port, cores_for  # noqa: E402
 
 
 def _rank(rank, size, ports, nbytes, algorithm, iters, spins, results):
