@@ -670,7 +670,7 @@ cdef class Engine:
         """Make progress until ready; on timeout fail with FAIL_TIMEOUT (the transport names the
         rank to blame from the reports gathered by the queries sent shortly before)."""
         cdef double start, deadline, probe_at, now, next_signals
-        cdef int suspect, q, i
+        cdef int suspect, q, i, handled
         if self._ready(what, peer):
             return 0
         self.epoch = (self.epoch + 1) & 0xFFF
@@ -680,12 +680,12 @@ cdef class Engine:
         self.waiting_on = peer
         if self.spin_now > 0:
             for i in range(FIRST_POLLS):                  # before the first clock read
-                q = self._progress(0.0)
-                if q == 0:
+                handled = self._progress(0.0)
+                if handled == 0:
                     sched_yield()
-                elif q < 0 or self._ready(what, peer):
+                elif handled < 0 or self._ready(what, peer):
                     self.waiting_on = -1
-                    return 0 if q > 0 else -1
+                    return 0 if handled > 0 else -1
         start = monotonic_now()
         deadline = start + self.timeout
         probe_at = deadline - self.probe_lead
