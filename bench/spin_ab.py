@@ -39,7 +39,6 @@ def _rank(rank, size, ports, nbytes, algorithm, iters, spins, results):
         switches = [[0, 0] for _ in comms]
         for it in range(iters):
             for i in (range(len(comms)) if it % 2 == 0 else reversed(range(len(comms)))):
-                x[:] = 1
                 before = resource.getrusage(resource.RUSAGE_SELF)
                 comms[i].barrier()
                 t0 = time.perf_counter()
@@ -48,8 +47,11 @@ def _rank(rank, size, ports, nbytes, algorithm, iters, spins, results):
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 switches[i][0] += after.ru_nvcsw - before.ru_nvcsw
                 switches[i][1] += after.ru_nivcsw - before.ru_nivcsw
-                if x[0] != size:
-                    raise SystemExit(f"rank {rank}: allreduce gave {x[0]}, expected {size}")
+        for comm in comms:                                  # checked after the loop, as allreduce_bench does
+            x[:] = 1
+            comm.allreduce(x, algorithm=algorithm)
+            if x[0] != size:
+                raise SystemExit(f"rank {rank}: allreduce gave {x[0]}, expected {size}")
         results.put((rank, times, switches))
     finally:
         for comm in comms:
