@@ -31,7 +31,6 @@ import json
 import multiprocessing as mp
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from pyrdma.testing import counting_rc_resends  # noqa: E402
+from pyrdma.testing import counting_rc_resends, free_port  # noqa: E402
 
 
 def cores_for(size):
@@ -93,9 +92,7 @@ def sweep(size, sizes, algorithms, iters, options=None):
     same way, with the same loop and the same placement, cores_for), and the CPU seconds per
     iteration of the busiest rank, user and kernel (barrier
     included). On Soft-RoCE the kernel part is rxe's packet work, done inside the ranks' posts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, size, f"127.0.0.1:{port}", sizes, algorithms, iters, results,
@@ -267,12 +264,6 @@ def _compute_beside(ctx, nprocs, seconds, start_traffic, stop_traffic, traffic_a
 BW_SETTLE_S = 2.0
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def overlap(args, nbytes=8 << 20, seconds=10.0, count=10):
     """The overlap target: the compute loop's speed in every rank while iallreduces of ``nbytes``
     run in the rank's own process, against its speed in as many processes while the same bytes
@@ -314,7 +305,7 @@ def overlap(args, nbytes=8 << 20, seconds=10.0, count=10):
     traffic = []
 
     def start_allreduces():
-        port = _free_port()
+        port = free_port()
         traffic.extend(ctx.Process(target=_traffic_rank, args=(r, args.ranks, f"127.0.0.1:{port}", nbytes, stop,
                                                                results)) for r in range(args.ranks))
         for p in traffic:
@@ -333,7 +324,7 @@ def overlap(args, nbytes=8 << 20, seconds=10.0, count=10):
     while not results.empty():
         results.get()                          # the traffic ranks' ("done", rank, n)
 
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_overlap_rank, args=(r, args.ranks, f"127.0.0.1:{port}", nbytes, count, results))
              for r in range(args.ranks)]
     try:

@@ -20,7 +20,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -28,15 +27,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)      # the checkout's pyrdma (built in place), as the other benches
 
-from pyrdma.testing import counting_rc_resends  # noqa: E402
+from pyrdma.testing import counting_rc_resends, free_port  # noqa: E402
 from pyrdma.testing import hosts as testbed  # noqa: E402
 from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, write_stream  # noqa: E402
-
-
-def free_port(host):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def clean_wire(hosts):

@@ -183,10 +183,8 @@ def bench_collective(args):
     """allreduce of a CuPy array (staged through pinned host memory) against the same Communicator's
     allreduce of a numpy array of the same bytes: what staging costs on top of the host collective."""
     import multiprocessing
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from pyrdma.testing import free_port
+    port = free_port()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     sizes = [n for n in args.sizes if n >= args.collective_min_bytes]

@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from allreduce_bench import _free_port, cores_for  # noqa: E402
+from allreduce_bench import cores_for  # noqa: E402
+from pyrdma.testing import free_port  # noqa: E402
 
 
 def _rank(rank, size, ports, nbytes, algorithm, iters, spins, results):
@@ -67,7 +68,7 @@ def main(argv=None):
     p.add_argument("--spins", default="200e-6,1e-3", help="comma-separated spin values in seconds")
     args = p.parse_args(argv)
     spins = [float(s) for s in args.spins.split(",")]
-    ports = [_free_port() for _ in spins]
+    ports = [free_port() for _ in spins]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, ports, args.bytes, args.algorithm, args.iters, spins,

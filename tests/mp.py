@@ -1,6 +1,7 @@
 """Run one function in N processes, one per rank, and always reap them.
 
-    from mp import run_ranks, free_port
+    from mp import run_ranks
+    from pyrdma.testing import free_port
     results = run_ranks(fn, 2, port, timeout=120)   # fn(rank, size, port) in 2 spawned processes
 
 ``fn`` must be importable by the children (a module-level function of a test module or helper).
@@ -8,20 +9,12 @@ Every wait has a timeout, and the children are killed and joined whatever happen
 """
 import multiprocessing
 import queue
-import socket
 import time
 import traceback
 
 DEFAULT_TIMEOUT = 300
 # After the last live child exits, how long to keep reading results it may still be flushing.
 _DRAIN_S = 2.0
-
-
-def free_port(host="127.0.0.1"):
-    """A TCP port that was free a moment ago (the usual race applies)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _child(fn, rank, size, args, kwargs, results):

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from mp import free_port, run_ranks
+from mp import run_ranks
+from pyrdma.testing import free_port
 
 DTYPES = ["int8", "uint8", "int32", "int64", "float16", "float32", "float64"]
 OPS = ["sum", "prod", "min", "max", "avg"]

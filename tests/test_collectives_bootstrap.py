@@ -18,13 +18,8 @@ import pytest
 import pyrdma
 from pyrdma.collectives import Communicator, CostModel, MPIExchange, TCPStore, env_config, init_from_env
 from pyrdma import wire
+from pyrdma.testing import free_port
 from pyrdma.collectives import bootstrap, segment_bounds
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def in_threads(size, fn, timeout=60):
@@ -75,7 +70,7 @@ def test_store_allgather_rounds_and_barrier():
         assert host == "127.0.0.1"
 
 
-def test_store_on_any_free_port():
+def test_store_on_anyfree_port():
     store = TCPStore("127.0.0.1", 0, 0, 2, timeout=10)
     port = store.port
     assert port != 0

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 
+from pyrdma.testing import free_port
 from test_collectives_world import World
 
 try:
@@ -431,13 +432,6 @@ def test_bad_input_is_a_clear_usage_error(worlds, transport, size):
 
 
 # ---- failures: mismatched calls, dead and stalled ranks ----------------------------------------------
-
-def free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def fresh_comm(comm, port, **kwargs):
     """A second communicator among the same rank processes (for tests that break one on purpose)."""

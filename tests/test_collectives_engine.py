@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from mp import free_port, run_ranks
+from mp import run_ranks
+from pyrdma.testing import free_port
 from pyrdma.collectives import ring, schedule, tree
 
 ROOTED = [ring.chain_broadcast, ring.chain_reduce, tree.binomial_broadcast, tree.binomial_reduce]

@@ -26,7 +26,7 @@ import zlib
 import numpy as np
 import pytest
 
-from mp import free_port
+from pyrdma.testing import free_port
 
 TIMEOUT = 10.0
 START_TIMEOUT = 120.0      # Python starts slowly in the emulated VM

@@ -9,15 +9,10 @@ import pytest
 
 import pyrdma as rd
 from pyrdma.endpoint import Endpoint, WIRE_SIZE
+from pyrdma.testing import free_port
 
 # A spawned child imports numpy and pyrdma first: slow under software emulation.
 STARTUP_TIMEOUT = 180
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_endpoint_round_trip():
@@ -91,7 +86,7 @@ def _strangers(host, port, stop):
 @pytest.mark.device
 @pytest.mark.parametrize("host, secret", [("0.0.0.0", None), ("127.0.0.2", b"pair-secret")])
 def test_rc_between_two_processes(host, secret):
-    port = _free_port()
+    port = free_port()
     ctxmp = mp.get_context("spawn")
     q = ctxmp.Queue()
     server = ctxmp.Process(target=_server, args=(port, q, host, secret), daemon=True)
@@ -137,7 +132,7 @@ def test_rc_between_two_processes(host, secret):
 
 @pytest.mark.device
 def test_connect_rejects_a_foreign_peer():
-    port = _free_port()
+    port = free_port()
     listener = socket.create_server(("127.0.0.1", port))
     with listener, rd.Context() as ctx:
         pd = rd.ProtectionDomain(ctx)
@@ -162,4 +157,4 @@ def test_connect_times_out_without_peer():
         pd = rd.ProtectionDomain(ctx)
         cq = rd.CompletionQueue(ctx, 4)
         with pytest.raises(rd.RDMATimeoutError, match="could not reach"):
-            rd.connect(pd, cq, "127.0.0.1", port=_free_port(), timeout=0.5)
+            rd.connect(pd, cq, "127.0.0.1", port=free_port(), timeout=0.5)

@@ -15,12 +15,7 @@ from pyrdma.collectives import TCPStore, bootstrap
 from pyrdma.connect import FRAMING as CONNECT, Listener, accept_verified, dial_exchange
 from pyrdma.endpoint import Endpoint
 from pyrdma.perf import cli, oob
-
-
-def free_port(host="127.0.0.1"):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from pyrdma.testing import free_port
 
 
 def in_threads(fns, timeout=60):

@@ -19,9 +19,9 @@ import time
 import numpy as np
 import pytest
 
-from mp import free_port, run_ranks
+from mp import run_ranks
+from pyrdma.testing import again_if_perftest_clock_failed, free_port, tcp_listening
 from pyrdma.testing import hosts as testbed
-from pyrdma.testing import again_if_perftest_clock_failed, tcp_listening
 from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, poll, write_stream
 
 HOSTS = testbed.load()

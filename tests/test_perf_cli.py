@@ -7,6 +7,7 @@ import pytest
 
 from pyrdma import Endpoint, PeerError, WireFormatError
 from pyrdma.perf import cli, oob
+from pyrdma.testing import free_port
 
 
 def _cfg(*argv):
@@ -167,9 +168,7 @@ def test_wrong_message_type(pair):
 
 
 def test_listen_and_dial_on_loopback():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     result = {}
 
     def server():

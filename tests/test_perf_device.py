@@ -8,7 +8,6 @@ against a program we did not write."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import time
 import pytest
 
 from pyrdma.perf.parse import parse_output
-from pyrdma.testing import again_if_perftest_clock_failed, tcp_listening
+from pyrdma.testing import again_if_perftest_clock_failed, free_port, tcp_listening
 
 pytestmark = pytest.mark.device
 
@@ -28,12 +27,6 @@ def _device_args():
     import pyrdma
     with pyrdma.Context() as ctx:
         return ["-d", ctx.name, "-x", str(ctx.best_gid_index(1))]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pair(server_cmd, client_cmd, port):
@@ -72,7 +65,7 @@ def _pair_once(server_cmd, client_cmd, port):
 
 
 def _run(test, extra, tmp_path):
-    port = _free_port()
+    port = free_port()
     base = [sys.executable, "-m", "pyrdma.perf", test, *_device_args(), "-p", str(port), "--check", *extra]
     out_s, out_c = _pair(base + ["--json", str(tmp_path / "server.json")],
                          base + ["--json", str(tmp_path / "client.json"), "127.0.0.1"], port)
@@ -132,7 +125,7 @@ def test_duration_mode(tmp_path):
 
 
 def test_mismatched_tests_fail_cleanly(tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     dev = _device_args()
     srv = subprocess.Popen([sys.executable, "-m", "pyrdma.perf", "write_bw", *dev, "-p", port],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
@@ -169,7 +162,7 @@ def _same_qps(a, b):
 
 @pytest.mark.parametrize("test", ["write_bw", "read_bw"])
 def test_our_client_with_perftest_server(test):
-    port, dev = _free_port(), _device_args()
+    port, dev = free_port(), _device_args()
     common = [*dev, "-s", "65536", "-n", ITERS, "-p", str(port)]
     out_s, out_c = _pair([_perftest(test), *common],
                          [sys.executable, "-m", "pyrdma.perf", test, "--perftest-compat", "--mode", "batched",
@@ -186,7 +179,7 @@ def test_our_client_with_perftest_server(test):
 
 @pytest.mark.parametrize("test", ["write_bw", "read_bw"])
 def test_perftest_client_with_our_server(test, tmp_path):
-    port, dev = _free_port(), _device_args()
+    port, dev = free_port(), _device_args()
     common = [*dev, "-s", "4096", "-n", ITERS, "-p", str(port)]
     out_s, out_c = _pair([sys.executable, "-m", "pyrdma.perf", test, "--perftest-compat", *common,
                           "--json", str(tmp_path / "server.json")],

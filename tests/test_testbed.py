@@ -13,7 +13,8 @@ import time
 import pytest
 
 import conftest
-from mp import free_port, run_ranks
+from mp import run_ranks
+from pyrdma.testing import free_port
 from pyrdma import testing
 from pyrdma.testing import junit, vm
 

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from mp import free_port
+from pyrdma.testing import free_port
 
 if os.environ.get("PYRDMA_REQUIRE_TORCH"):     # CI: a missing torch is a failure, not a skip
     import torch  # noqa: F401

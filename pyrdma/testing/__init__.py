@@ -1,11 +1,20 @@
 """Helpers for tests and benchmarks that run pyrdma against real devices and other programs."""
 import contextlib
 import os
+import socket
 
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 # Soft-RoCE's counters of RC retransmission: ACK timeouts (each resends everything not yet
 # acknowledged) and packets the responder had already received.
 RESEND_COUNTERS = ("completer_retry_err", "duplicate_request")
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port on ``host`` that was free a moment ago (another process may take it before the
+    caller binds it: the usual race of asking the kernel for an ephemeral port)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def tcp_listening(port):
