@@ -47,17 +47,19 @@ echo "== device tests (real RDMA device; the Soft-RoCE VM when the host has none
 MARKERS="device and not gpu and not torch_vm"
 # The MTU-mismatch test runs first, in a VM boot of its own: its MTU changes on rxe's veths have hung
 # the VM's kernel (rxe, Debian 6.1), twice when run after the other tests in one boot and once alone
-# at the start of the shared boot. A hung kernel ends in the VM's timeout (exit 124), which is no
-# verdict on the test: that boot alone is tried once more. A test that fails is not tried again.
+# at the start of the shared boot (and in 3 of 4 such boots of one day, while it passed in 2 others
+# run by hand from the same clone). A hung kernel ends in the VM's timeout (exit 124), which is no
+# verdict on the test: that boot alone is tried again, up to 3 boots (a passing one takes about 90 s).
+# A test that fails is not tried again.
 MTU_TEST=tests/test_multihost.py::test_mtu_mismatch_negotiates_down_or_fails_clearly
-MTU_VM_TIMEOUT=420
-for attempt in 1 2; do
+MTU_VM_TIMEOUT=240
+for attempt in 1 2 3; do
   PYRDMA_REQUIRE_DEVICE=1 "$PYTHON" -m pyrdma.testing.vm --hosts 4 --rwdir "$REPORTS" --timeout "$MTU_VM_TIMEOUT" -- \
     "$PYTHON" -m pytest -m "$MARKERS" -p no:cacheprovider -q -rs --junitxml="$PWD/$REPORTS/device-mtu.xml" \
     "$MTU_TEST" 2>&1 | tee -a "$REPORTS/device.log"
   mtu=${PIPESTATUS[0]}
   [ "$mtu" -eq 124 ] || break
-  echo "test.sh: the MTU test's VM hung (no exit in $MTU_VM_TIMEOUT s); once more, in a fresh boot"
+  echo "test.sh: the MTU test's VM hung (no exit in $MTU_VM_TIMEOUT s, boot $attempt of 3)"
 done
 device_timeout=$(( $(remaining) - 60 ))
 if [ "$device_timeout" -lt 300 ]; then device_timeout=300; fi
