@@ -47,8 +47,8 @@ echo "== device tests (real RDMA device; the Soft-RoCE VM when the host has none
 MARKERS="device and not gpu and not torch_vm"
 # The MTU-mismatch test runs first, in a VM boot of its own: its MTU changes on rxe's veths have hung
 # the VM's kernel (rxe, Debian 6.1), twice when run after the other tests in one boot and once alone
-# at the start of the shared boot (and in 3 of 4 such boots of one day, while it passed in 2 others
-# run by hand from the same clone). A hung kernel ends in the VM's timeout (exit 124), which is no
+# at the start of the shared boot, then in a boot of its own in the next CI run; it passed in the
+# boots after those, by hand and in CI. A hung kernel ends in the VM's timeout (exit 124), which is no
 # verdict on the test: that boot alone is tried again, up to 3 boots (a passing one takes about 90 s).
 # A test that fails is not tried again.
 MTU_TEST=tests/test_multihost.py::test_mtu_mismatch_negotiates_down_or_fails_clearly
