@@ -33,7 +33,7 @@ def _pair(server_cmd, client_cmd, port):
     """Run a server, and a client once the server listens on ``port`` (perftest's client does not
     retry); both are killed on the way out. Both must succeed; returns their outputs. A perftest
     that gave up on its clock runs again on a fresh port."""
-    return again_if_perftest_clock_failed(_pair_once, server_cmd, client_cmd, port, _free_port)
+    return again_if_perftest_clock_failed(_pair_once, server_cmd, client_cmd, port, free_port)
 
 
 def _pair_once(server_cmd, client_cmd, port):
