@@ -606,6 +606,37 @@ def test_collectives_in_place_on_the_callers_memory(worlds, transport, size):
             assert after == USER_MR_CACHE
 
 
+def _after_in_place(comm, count):
+    """An allreduce in place on the caller's array, then reduce and reduce_scatter of other arrays:
+    those work in the transport's own buffer, never in the memory the allreduce was lent."""
+    comm.zero_copy_bytes = 1
+    try:
+        x = make_input(comm.rank, count, "int32", "sum")
+        comm.allreduce(x)
+        result = x.copy()
+        y = make_input(comm.rank, count // 2, "int32", "sum")
+        comm.reduce(y, root=0)
+        z = comm.reduce_scatter(make_input(comm.rank, count // 2, "int32", "sum"))
+        return result, x, y, z
+    finally:
+        comm.zero_copy_bytes = 1 << 20
+
+
+@pytest.mark.parametrize("transport, size", _world_params([3], [3]))
+def test_rooted_collectives_leave_an_earlier_lent_buffer_alone(worlds, transport, size):
+    count = 40003
+    ints = reference([make_input(r, count, "int32", "sum") for r in range(size)], "int32", "sum", size)
+    half = reference([make_input(r, count // 2, "int32", "sum") for r in range(size)], "int32", "sum", size)
+    from pyrdma.collectives import segment_bounds
+    bounds = segment_bounds(count // 2, size)
+    for r, (result, x, y, z) in enumerate(worlds(transport, size).run(_after_in_place, count, timeout=300)):
+        assert np.array_equal(result, ints), f"rank {r}: allreduce in place"
+        assert np.array_equal(x, ints), f"rank {r}: a later reduce or reduce_scatter wrote into the allreduce's array"
+        if r == 0:
+            assert np.array_equal(y, half), "reduce at the root"
+        assert np.array_equal(z, half[bounds[r]:bounds[r + 1]]), f"rank {r}: reduce_scatter"
+
+
 def _ack_timeouts(comm, port):
     from pyrdma.collectives.transport import DEFAULT_QP_TIMEOUT
     default = {p: link.qp.query().timeout for p, link in comm.transport.links.items()}

@@ -1263,11 +1263,11 @@ def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(
         t.use_buffer(whole, 100, 300)
     t.use_buffer(whole, 100, 300, device)
     assert registered == [("pd", whole, 0)]              # local read only: it is sent from
-    assert t._work_offset == 96 + 100 and t._work.nbytes == 200 and t._lent
+    assert t._work_offset == 96 + 100 and t._work.nbytes == 200 and t._work_mr is not t._own_mr
     t._gpu_sync()
     assert synced == [1]
     t.use_buffer(None)
-    assert t._gpu_sync is None and not t._lent and t._work_mr == "own MR"
+    assert t._gpu_sync is None and t._work_mr == "own MR"
     t.use_buffer(whole[1024:2048], 8, 16, device)        # inside the cached registration: no new one
     assert len(registered) == 1 and t._work_offset == 96 + 1024 + 8
     for i in range(tr.USER_MR_CACHE):                    # the cache keeps the most recent few

@@ -3,12 +3,12 @@
 A transport executes schedules (schedule.py); it never knows the algorithm.
 
     t.rank, t.size, t.max_message        who we are; the largest message in bytes
-    t.buffer(nbytes) -> uint8 array      the work buffer (registered once, reused; grows on demand)
     t.work_area(nbytes, lend=None, start=0) -> the work area of the next collective: the
                                          transport's own buffer, or lend[start:start+nbytes] in
                                          place (zero copy; registered once over RDMA)
-    t.buffer(nbytes), t.use_buffer(whole, start, stop)   the current work area; lend until
-                                         use_buffer(None)
+    t.buffer(nbytes) -> uint8 array      work_area(nbytes): the own buffer (registered once,
+                                         reused; grows on demand), never memory lent before
+    t.use_buffer(whole, start, stop)     work_area over whole[start:stop]; use_buffer(None): own
     t.set_tag(desc)                      the description of the collective now running (describe();
                                          every message carries it, the receiver compares it exactly)
     t.run(schedule, dtype, op, consume)  execute a schedule on the work area (RDMA: the C engine, one

@@ -127,7 +127,6 @@ class RdmaTransport(_LentWorkArea, _Waits):
         self._own_mr = self._own = None
         self._work_mr = self._work = None
         self._work_offset = 0          # where the work area starts in _work_mr
-        self._lent = False
         self._gpu_sync = None          # set while the work area is GPU memory
         # Callers' buffers registered by use_buffer, most recent last. Each MR keeps its buffer
         # alive, so its address range cannot be freed and handed to other memory while cached.
@@ -189,7 +188,7 @@ class RdmaTransport(_LentWorkArea, _Waits):
         if lend is None:
             self._work_mr = self.own_region(nbytes)
             self._work, self._work_offset = self._own, 0
-            self._lent, self._gpu_sync = False, None
+            self._gpu_sync = None
             return self._work
         on_gpu = not isinstance(lend, np.ndarray)
         if on_gpu and device is None:
@@ -197,7 +196,7 @@ class RdmaTransport(_LentWorkArea, _Waits):
                              f"(registration and sync)")
         mr, base = self.registration(lend, device)
         self._work = lend[start:start + nbytes]
-        self._work_mr, self._work_offset, self._lent = mr, base + start, True
+        self._work_mr, self._work_offset = mr, base + start
         # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
         self._gpu_sync = device.sync if on_gpu else None
         return self._work

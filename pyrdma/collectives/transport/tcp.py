@@ -84,7 +84,6 @@ class TcpTransport(_LentWorkArea, _Waits):
         self.queries = {}                    # peer -> epoch of its unanswered QUERY (answered by _step)
         self.socks = {}                      # peer -> socket, while connecting
         self._own = self._work = None
-        self._lent = False
         self.buffer(0)
         host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
         try:      # listen only where the peers are told to connect
@@ -169,9 +168,9 @@ class TcpTransport(_LentWorkArea, _Waits):
         if lend is None:
             if self._own is None or self._own.nbytes < nbytes:
                 self._own = np.empty(_grow(nbytes), np.uint8)
-            self._work, self._lent = self._own, False
+            self._work = self._own
         else:
-            self._work, self._lent = lend[start:start + nbytes], True
+            self._work = lend[start:start + nbytes]
         return self._work
 
     def set_tag(self, desc):
