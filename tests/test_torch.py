@@ -62,7 +62,7 @@ def _torchrun(nproc, tmp_path, transport, *args, launch=("--standalone",), timeo
 
 
 # Entries of a rank's "checks" that record a fact (asserted on by the tests) rather than pass or fail.
-INFO_CHECKS = ("transport", "gid indices", "host")
+INFO_CHECKS = ("transport", "gid indices", "host", "device")
 
 
 def _assert_all_passed(reports, transport):
@@ -79,6 +79,19 @@ def test_torchrun_collectives_ddp_and_a_dead_rank_over_tcp(tmp_path, nproc):
     _assert_all_passed(reports, "tcp")
     assert len(reports[0]["checks"]) > 30        # the collectives ran, not only DDP
     _assert_dead_rank_named(tmp_path, nproc - 1)
+
+
+@pytest.mark.gpu
+def test_torchrun_cuda_tensors_collectives_and_ddp_over_tcp(tmp_path):
+    """CUDA tensors through the backend (it stages them through host memory): every collective against
+    gloo's CPU result, and DDP of a model on the GPU against the same DDP over gloo."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.fail("CuPy sees a GPU but this torch has no CUDA", pytrace=False)
+    reports = _torchrun(2, tmp_path, "tcp", "--device", "cuda")
+    _assert_all_passed(reports, "tcp")
+    assert all(rep["checks"]["device"].startswith("cuda:") for rep in reports), reports
+    assert len(reports[0]["checks"]) > 30
 
 
 def _assert_dead_rank_named(tmp_path, dead, timeout_s=15):

@@ -1,11 +1,13 @@
 """Run under torchrun: the "pyrdma" backend against gloo in the same processes.
 
     torchrun --nproc-per-node N tests/torch_scripts/check_backend.py OUT_DIR [--steps K] [--only ddp]
-        [--dead-rank [--dead-rank-timeout S]] [--test-bed]
+        [--dead-rank [--dead-rank-timeout S]] [--test-bed] [--device cuda]
 
 Each rank writes OUT_DIR/rank<r>.json: the checks it made ("name": true/false or a message) and
 the DDP parameters' checksums; the caller (tests/test_torch.py) asserts on them. DDP trains the
-same small model from the same seed twice, once over pyrdma and once over gloo.
+same small model from the same seed twice, once over pyrdma and once over gloo. With --device cuda
+pyrdma's tensors, and both DDP models, live on the GPU; gloo's collective references stay on the CPU
+(gloo has no CUDA reduce, all_gather or reduce_scatter).
 """
 import time
 
@@ -23,6 +25,11 @@ import torch.distributed as dist  # noqa: E402
 import pyrdma.torch  # noqa: F401,E402 -- registers the backend
 
 PHASES = {"import": time.monotonic() - T0}
+DEVICE = torch.device("cpu")     # where pyrdma's tensors and the DDP models live (--device)
+
+
+def here(t):
+    return t.to(DEVICE)
 
 
 def phase(name, since):
@@ -42,18 +49,18 @@ def model():
 
 
 def train(group, steps, rank):
-    net = model()
+    net = model().to(DEVICE)
     # small buckets: several allreduces per step, overlapping the backward pass
     ddp = torch.nn.parallel.DistributedDataParallel(net, process_group=group, bucket_cap_mb=0.004)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(rank)
     start = time.perf_counter()
     for _ in range(steps):
-        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        x, y = here(torch.randn(16, 32, generator=gen)), here(torch.randn(16, 8, generator=gen))
         opt.zero_grad()
         torch.nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), time.perf_counter() - start
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).cpu(), time.perf_counter() - start
 
 
 def values(rank, n, dtype):
@@ -64,48 +71,50 @@ def values(rank, n, dtype):
 
 def collectives(gloo, rank, size, checks):
     def same(name, a, b):
+        a, b = a.cpu(), b.cpu()
         checks[name] = bool(torch.equal(a, b)) or f"pyrdma {a[:6].tolist()} gloo {b[:6].tolist()}"
 
     for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.float16, torch.bfloat16):
         for opname, op in OPS.items():
             if opname == "avg" or (opname == "product" and dtype in (torch.float16, torch.bfloat16)):
                 continue     # gloo has no AVG; checked below against the sum
-            a, b = values(rank, 1000, dtype), values(rank, 1000, dtype)
+            a, b = here(values(rank, 1000, dtype)), values(rank, 1000, dtype)
             dist.all_reduce(a, op=op)
             ref = b.float() if dtype in (torch.float16, torch.bfloat16) else b   # gloo: no half reductions
             dist.all_reduce(ref, op=op, group=gloo)
             same(f"all_reduce {opname} {dtype}", a, ref.to(dtype))
-    a = values(rank, 999, torch.float32)
-    s = a.clone()
+    a = here(values(rank, 999, torch.float32))
+    s = values(rank, 999, torch.float32)
     dist.all_reduce(a, op=dist.ReduceOp.AVG)
     dist.all_reduce(s, group=gloo)
+    a = a.cpu()
     checks["all_reduce avg float32"] = bool(torch.allclose(a, s / size)) or f"{a[:4].tolist()} vs {(s / size)[:4]}"
     # async, several in flight, then waited on in reverse order
-    ts = [values(rank, 4096 + i, torch.float32) for i in range(4)]
+    ts = [here(values(rank, 4096 + i, torch.float32)) for i in range(4)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
     for w in reversed(works):
         w.wait()
     refs = [values(rank, 4096 + i, torch.float32) for i in range(4)]
     for r in refs:
         dist.all_reduce(r, group=gloo)
-    checks["async all_reduce x4"] = all(torch.equal(t, r) for t, r in zip(ts, refs))
-    fut = dist.all_reduce(values(rank, 10, torch.float32), async_op=True).get_future()
-    checks["get_future"] = bool(torch.equal(fut.wait()[0], refs[0][:0].new_tensor(
+    checks["async all_reduce x4"] = all(torch.equal(t.cpu(), r) for t, r in zip(ts, refs))
+    fut = dist.all_reduce(here(values(rank, 10, torch.float32)), async_op=True).get_future()
+    checks["get_future"] = bool(torch.equal(fut.wait()[0].cpu(), refs[0][:0].new_tensor(
         [sum((i % 7) + r + 1 for r in range(size)) for i in range(10)], dtype=torch.float32)))
     # non-contiguous tensor: goes through a copy written back
-    m = values(rank, 64, torch.float32).reshape(8, 8).t()
-    mr = m.clone()
+    m = here(values(rank, 64, torch.float32)).reshape(8, 8).t()
+    mr = values(rank, 64, torch.float32).reshape(8, 8).t()
     dist.all_reduce(m)
     dist.all_reduce(mr, group=gloo)
     same("all_reduce non-contiguous", m, mr)
     # broadcast from every root
     for root in range(size):
-        a, b = values(rank, 300, torch.float32), values(rank, 300, torch.float32)
+        a, b = here(values(rank, 300, torch.float32)), values(rank, 300, torch.float32)
         dist.broadcast(a, src=root)
         dist.broadcast(b, src=root, group=gloo)
         same(f"broadcast root {root}", a, b)
     # reduce to the last rank
-    a, b = values(rank, 257, torch.int64), values(rank, 257, torch.int64)
+    a, b = here(values(rank, 257, torch.int64)), values(rank, 257, torch.int64)
     dist.reduce(a, dst=size - 1, op=dist.ReduceOp.MAX)
     dist.reduce(b, dst=size - 1, op=dist.ReduceOp.MAX, group=gloo)
     if rank == size - 1:     # elsewhere torch leaves the tensor undefined (gloo writes partial results)
@@ -114,31 +123,31 @@ def collectives(gloo, rank, size, checks):
         same("reduce leaves non-root tensors alone", a, values(rank, 257, torch.int64))
     # all_gather (list) and all_gather_into_tensor
     x = values(rank, 33, torch.float32)
-    outs, refs = [torch.zeros(33) for _ in range(size)], [torch.zeros(33) for _ in range(size)]
-    dist.all_gather(outs, x)
+    outs, refs = [here(torch.zeros(33)) for _ in range(size)], [torch.zeros(33) for _ in range(size)]
+    dist.all_gather(outs, here(x))
     dist.all_gather(refs, x, group=gloo)
     same("all_gather", torch.stack(outs), torch.stack(refs))
-    big, bigref = torch.zeros(size * 33), torch.zeros(size * 33)
-    dist.all_gather_into_tensor(big, x)
+    big, bigref = here(torch.zeros(size * 33)), torch.zeros(size * 33)
+    dist.all_gather_into_tensor(big, here(x))
     dist.all_gather_into_tensor(bigref, x, group=gloo)
     same("all_gather_into_tensor", big, bigref)
-    bf = values(rank, 40, torch.bfloat16)
-    bouts = torch.zeros(size * 40, dtype=torch.bfloat16)
+    bf = here(values(rank, 40, torch.bfloat16))
+    bouts = here(torch.zeros(size * 40, dtype=torch.bfloat16))
     dist.all_gather_into_tensor(bouts, bf)
     same("all_gather_into_tensor bfloat16", bouts, torch.cat([values(r, 40, torch.bfloat16) for r in range(size)]))
     # reduce_scatter (list) and reduce_scatter_tensor
     ins = [values(rank + i, 50, torch.float32) for i in range(size)]
-    out, ref = torch.zeros(50), torch.zeros(50)
-    dist.reduce_scatter(out, ins)
+    out, ref = here(torch.zeros(50)), torch.zeros(50)
+    dist.reduce_scatter(out, [here(t) for t in ins])
     dist.reduce_scatter_tensor(ref, torch.cat(ins), group=gloo)
     same("reduce_scatter", out, ref)
-    out = torch.zeros(50)
-    dist.reduce_scatter_tensor(out, torch.cat(ins))
+    out = here(torch.zeros(50))
+    dist.reduce_scatter_tensor(out, here(torch.cat(ins)))
     same("reduce_scatter_tensor", out, ref)
     dist.barrier()
     checks["barrier"] = True
     try:
-        dist.send(torch.zeros(1), dst=(rank + 1) % size)
+        dist.send(here(torch.zeros(1)), dst=(rank + 1) % size)
         checks["send refused"] = "send was accepted"
     except Exception as exc:     # noqa: BLE001 -- the message is what is checked
         checks["send refused"] = "send is not supported" in str(exc) or str(exc)
@@ -156,7 +165,13 @@ def main():
     ap.add_argument("--test-bed", action="store_true",
                     help="on the multi-host test bed (PYRDMA_TEST_HOSTS): local rank k runs on host k+1 (its "
                          "device, GID and address), as one worker per node would")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where pyrdma's tensors and the DDP models live (cuda: this rank's LOCAL_RANK GPU)")
     args = ap.parse_args()
+    global DEVICE
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE)
     host = None
     if args.test_bed:
         from pyrdma.testing import hosts as testbed
@@ -168,7 +183,8 @@ def main():
     gloo = dist.new_group(backend="gloo")
     t = phase("init", t)
     comm = dist.distributed_c10d._get_default_group().comm
-    checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(), "transport": comm.transport_name}
+    checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(), "transport": comm.transport_name,
+              "device": str(DEVICE)}
     if comm.transport_name == "rdma":    # the GID index each QP uses (the test bed checks it is its host's)
         checks["gid indices"] = sorted({link.qp.gid_index for link in comm.transport.links.values()})
     if host is not None:
