@@ -637,6 +637,87 @@ def test_rooted_collectives_leave_an_earlier_lent_buffer_alone(worlds, transport
         assert np.array_equal(z, half[bounds[r]:bounds[r + 1]]), f"rank {r}: reduce_scatter"
 
 
+SEQ_KINDS = ("allreduce", "allreduce_out", "iallreduce", "reduce", "reduce_out", "broadcast", "allgather",
+             "allgather_out", "reduce_scatter", "reduce_scatter_out")
+
+
+def _sequence(size, seed, steps):
+    """The same random sequence of (kind, count, dtype, op, root) on every rank and in the parent;
+    counts on both sides of zero_copy_bytes and max_work_bytes (set by _run_sequence)."""
+    import random
+    rng = random.Random(seed)
+    return [(rng.choice(SEQ_KINDS), rng.choice((1, 7, 1000, 5003, 40003)), rng.choice(("int32", "int64", "float64")),
+             rng.choice(("sum", "min", "max", "avg")), rng.randrange(size)) for _ in range(steps)]
+
+
+def _run_sequence(comm, seed, steps):
+    """Run the sequence; per step (result copied at once, every array the call was given or returned)."""
+    comm.zero_copy_bytes, comm.max_work_bytes = 4096, 64 * 1024
+    try:
+        done = []
+        for i, (kind, count, dtype, op, root) in enumerate(_sequence(comm.size, seed, steps)):
+            x = make_input(comm.rank, count, dtype, op, seed=i)
+            buf = x.copy()
+            if kind == "allreduce":
+                res = comm.allreduce(buf, op=op)
+            elif kind == "allreduce_out":
+                res = comm.allreduce(buf, out=np.empty_like(buf), op=op)
+            elif kind == "iallreduce":
+                res = comm.iallreduce(buf, op=op).wait(timeout=60)
+            elif kind in ("reduce", "reduce_out"):
+                out = np.empty_like(buf) if kind == "reduce_out" else None
+                res = comm.reduce(buf, out=out, op=op, root=root)
+                res = buf if res is None else res            # not the root: its input must stay as it was
+            elif kind == "broadcast":
+                res = comm.broadcast(buf, root=root)
+            elif kind == "allgather":
+                res = comm.allgather(buf)
+            elif kind == "allgather_out":
+                res = comm.allgather(buf, out=np.empty(count * comm.size, buf.dtype))
+            elif kind == "reduce_scatter":
+                res = comm.reduce_scatter(buf, op=op)
+            else:
+                from pyrdma.collectives import segment_bounds
+                b = segment_bounds(count, comm.size)
+                res = comm.reduce_scatter(buf, out=np.empty(b[comm.rank + 1] - b[comm.rank], buf.dtype), op=op)
+            done.append((res.copy(), res, buf))
+        return done
+    finally:
+        comm.zero_copy_bytes, comm.max_work_bytes = 1 << 20, 64 << 20
+
+
+@pytest.mark.parametrize("transport, size", _world_params([3], [3]))
+def test_a_random_sequence_of_collectives_is_right_and_leaves_earlier_arrays_alone(worlds, transport, size):
+    """Every collective in a mixed sequence (in place, out=, non-blocking; pieces; zero copy or not) is
+    right, its non-root input and out-of-place inputs are untouched, and no later call changes an array
+    an earlier call returned: state carried from one collective to the next must never alias them."""
+    from pyrdma.collectives import segment_bounds
+    seed, steps = 17, 40
+    results = worlds(transport, size).run(_run_sequence, seed, steps, timeout=300)
+    for i, (kind, count, dtype, op, root) in enumerate(_sequence(size, seed, steps)):
+        xs = [make_input(r, count, dtype, op, seed=i) for r in range(size)]
+        red = reference(xs, dtype, op, size)
+        b = segment_bounds(count, size)
+        for r in range(size):
+            first, later, given = results[r][i]
+            if kind.startswith(("allreduce", "iallreduce")):
+                want = red
+            elif kind.startswith("reduce_scatter"):
+                want = red[b[r]:b[r + 1]]
+            elif kind.startswith("reduce"):
+                want = red if r == root else xs[r]
+            elif kind == "broadcast":
+                want = xs[root]
+            else:
+                want = np.concatenate(xs)
+            context = f"step {i} {kind} of {count} x {dtype} ({op}, root {root}), rank {r}"
+            assert_bits_equal(first, want, context)
+            assert_bits_equal(later, want, context + ": changed by a later collective")
+            if kind.endswith("_out") or kind.startswith(("allgather", "reduce_scatter")) or \
+                    kind.startswith("reduce") and r != root:
+                assert_bits_equal(given, xs[r], context + ": its input changed")
+
+
 def _ack_timeouts(comm, port):
     from pyrdma.collectives.transport import DEFAULT_QP_TIMEOUT
     default = {p: link.qp.query().timeout for p, link in comm.transport.links.items()}
