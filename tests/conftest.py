@@ -62,6 +62,8 @@ def require_gpu():
         try:
             import cupy
             count = cupy.cuda.runtime.getDeviceCount()
+            if os.environ.get("PYRDMA_CUDA_NO_POOL") == "1":
+                cupy.cuda.set_allocator(None)    # each array its own cudaMalloc: memcheck sees its bounds
             _gpu_missing.append("" if count > 0 else "CuPy sees no CUDA GPU")
         except Exception as exc:    # ImportError, or CUDARuntimeError without a driver
             _gpu_missing.append(f"needs CuPy and a CUDA GPU ({type(exc).__name__}: {exc})")
