@@ -380,6 +380,9 @@ case "$FAKE_VNG" in
   status) echo booted > "$state/booted"; echo "out"; echo 7 > "$state/status"; exit 0 ;;
   died)   echo booted > "$state/booted"; echo "Kernel panic"; exit 0 ;;
   hang)   echo booted > "$state/booted"; sleep 600 ;;
+  lockup) echo booted > "$state/booted"
+          printf '%s\n' "[ 1.0] rxe ready" "[69.0] watchdog: BUG: soft lockup - CPU#1 stuck for 23s! [python3:399]" \
+            "[69.1] Call Trace:" "[69.1]  rxe_requester+0x2cf/0xe40 [rdma_rxe]" > "$state/kernel.log"; sleep 600 ;;
 esac
 """
 
@@ -435,6 +438,14 @@ def test_run_in_vm_kills_the_vm_on_timeout(fake_vng):
     pid = int((fake_vng.log / "pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_a_timeout_shows_what_the_guest_kernel_reported(fake_vng):
+    code, output = fake_vng("lockup", timeout=2)
+    assert code == vm.TIMED_OUT and "timed out after 2 s; VM killed" in output
+    assert "the guest kernel reported:\n[69.0] watchdog: BUG: soft lockup" in output
+    assert "rxe_requester" in output and "rxe ready" not in output
+    assert "reported" not in fake_vng("hang", timeout=2)[1]      # a quiet kernel log adds nothing
 
 
 def test_sigterm_to_the_runner_stops_the_vm(fake_vng, tmp_path):

@@ -144,8 +144,8 @@ def topology_script(n, mtu, hosts_json, sysfs=SYSFS_INFINIBAND):
                        f'"gid_index": ${gid_var}' + "}")
     body = '{"bridge": "' + HOST_BRIDGE + '", "hosts": [' + ", ".join(entries) + "]}"
     lines += [f"cat > {q(hosts_json)} <<PYRDMA_HOSTS_EOF", body, "PYRDMA_HOSTS_EOF",
-              f"ibv_devices 2>/dev/null | awk 'NR>2 {{print $1}}' | head -1 | grep -qx rxe0 "
-              f"|| fail \"rxe0 is not the first device: $(ibv_devices 2>&1)\"",
+              "ibv_devices 2>/dev/null | awk 'NR>2 {print $1}' | head -1 | grep -qx rxe0 "
+              "|| fail \"rxe0 is not the first device: $(ibv_devices 2>&1)\"",
               f"echo \"pyrdma-vm: {n} hosts on {HOST_BRIDGE} (MTU {mtu}): "
               + ", ".join(f"{h['name']}={h['address']}/{h['device']}" for h in hosts) + "\"",
               f"export {HOSTS_ENV}={q(hosts_json)}"]
@@ -208,7 +208,8 @@ def guest_script(cmd, cwd, env, state_dir, hosts=0, mtu=1500):
     """The bash script the guest runs: bring up rxe0 (and with ``hosts`` the test bed of
     topology_script), run ``cmd`` in ``cwd`` with ``env``, and leave markers in ``state_dir`` (shared
     with the host): ``booted``, then either ``vm-error`` (the set-up failed, with the reason) or
-    ``status`` (cmd's exit status)."""
+    ``status`` (cmd's exit status). The kernel's log streams to ``kernel.log`` there, with soft
+    lockups and hung tasks reported with their stacks, so a VM that hangs leaves its cause behind."""
     state = shlex.quote(state_dir)
     port_state = "/sys/class/infiniband/rxe0/ports/1/state"
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
@@ -216,6 +217,8 @@ def guest_script(cmd, cwd, env, state_dir, hosts=0, mtu=1500):
     return f"""exec 2>&1   # one ordered stream back to the host
 set -u
 echo booted > {state}/booted
+sysctl -q -w kernel.softlockup_all_cpu_backtrace=1 kernel.hung_task_timeout_secs=30 2>/dev/null
+dmesg -w > {state}/kernel.log 2>&1 &
 fail() {{ echo "pyrdma-vm: $*"; echo "$*" > {state}/vm-error; sync; exit {VM_FAILED}; }}
 ip link set lo up || fail "ip link set lo up failed"
 modprobe rdma_rxe || fail "modprobe rdma_rxe failed"
@@ -322,6 +325,23 @@ def _read(path):
         return None
 
 
+KERNEL_TROUBLE = ("soft lockup", "blocked for more than", "BUG:", "Oops", "Kernel panic", "self-detected stall")
+
+
+def _kernel_trouble(path, lines=40):
+    """The guest kernel's first report of a lockup, hung task, BUG, panic or stall in ``path`` (its
+    streamed log) and the ``lines`` after it (the stack), to append to a message; "" if none."""
+    try:
+        with open(path, errors="replace") as f:
+            log = f.read().splitlines()
+    except OSError:
+        return ""
+    for i, line in enumerate(log):
+        if any(mark in line for mark in KERNEL_TROUBLE):
+            return "\nthe guest kernel reported:\n" + "\n".join(log[i:i + lines])
+    return ""
+
+
 def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G", cpus=2, kvm=False,
               stream=STDOUT, hosts=0, mtu=1500):
     """Run ``cmd`` (a list of arguments) in the Soft-RoCE VM; returns ``(returncode, output)``.
@@ -353,8 +373,9 @@ def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G"
         except FileNotFoundError as exc:
             return VM_FAILED, _say(stream, f"VM failed: {exc}")
         vng_code, output = _run_streaming(argv, timeout, stream)
+        trouble = _kernel_trouble(os.path.join(state_dir, "kernel.log"))
         if vng_code is None:
-            return TIMED_OUT, output + _say(stream, f"timed out after {timeout:g} s; VM killed")
+            return TIMED_OUT, output + _say(stream, f"timed out after {timeout:g} s; VM killed{trouble}")
         status = _read(os.path.join(state_dir, "status"))
         if status is not None and status.lstrip("-").isdigit():
             return int(status), output
@@ -363,7 +384,7 @@ def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G"
         else:
             error = _read(os.path.join(state_dir, "vm-error"))
             why = (f"VM failed: rxe0 did not come up: {error}" if error is not None else
-                   f"VM failed: the VM stopped before the command finished (vng exit status {vng_code})")
+                   f"VM failed: the VM stopped before the command finished (vng exit status {vng_code}){trouble}")
         return VM_FAILED, output + _say(stream, why)
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
