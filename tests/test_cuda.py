@@ -1274,21 +1274,21 @@ def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(
     device = object.__new__(gcoll.DirectArea)
     stream = types.SimpleNamespace(synchronize=lambda: synced.append(1))
     device.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
-    t = object.__new__(tr.RdmaTransport)       # just the state use_buffer touches
+    t = object.__new__(tr.RdmaTransport)       # just the state work_area touches
     t.pd, t._user_mrs, t._gpu_sync = "pd", collections.OrderedDict(), None
-    t._own, t._own_mr = np.zeros(64, np.uint8), "own MR"        # use_buffer(None) goes back to it
+    t._own, t._own_mr = np.zeros(64, np.uint8), "own MR"        # buffer() goes back to it
     whole = FakeGpuBytes(0x7f0000010000, 8192)
     with pytest.raises(rd.UsageError, match="needs its device"):
-        t.use_buffer(whole, 100, 300)
-    t.use_buffer(whole, 100, 300, device)
+        t.work_area(200, whole, 100)
+    t.work_area(200, whole, 100, device)
     assert registered == [("pd", whole, 0)]              # local read only: it is sent from
     assert t._work_offset == 96 + 100 and t._work.nbytes == 200 and t._work_mr is not t._own_mr
     t._gpu_sync()
     assert synced == [1]
-    t.use_buffer(None)
+    t.buffer(0)
     assert t._gpu_sync is None and t._work_mr == "own MR"
-    t.use_buffer(whole[1024:2048], 8, 16, device)        # inside the cached registration: no new one
+    t.work_area(8, whole[1024:2048], 8, device)        # inside the cached registration: no new one
     assert len(registered) == 1 and t._work_offset == 96 + 1024 + 8
     for i in range(tr.USER_MR_CACHE):                    # the cache keeps the most recent few
-        t.use_buffer(FakeGpuBytes(0x7f1000000000 + i * 65536, 4096), device=device)
+        t.work_area(4096, FakeGpuBytes(0x7f1000000000 + i * 65536, 4096), 0, device)
     assert len(registered) == 1 + tr.USER_MR_CACHE and len(closed) == 1

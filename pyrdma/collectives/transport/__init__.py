@@ -8,7 +8,6 @@ A transport executes schedules (schedule.py); it never knows the algorithm.
                                          place (zero copy; registered once over RDMA)
     t.buffer(nbytes) -> uint8 array      work_area(nbytes): the own buffer (registered once,
                                          reused; grows on demand), never memory lent before
-    t.use_buffer(whole, start, stop)     work_area over whole[start:stop]; use_buffer(None): own
     t.set_tag(desc)                      the description of the collective now running (describe();
                                          every message carries it, the receiver compares it exactly)
     t.run(schedule, dtype, op, consume)  execute a schedule on the work area (RDMA: the C engine, one

@@ -231,18 +231,10 @@ def _malformed(peer, what):
     return err
 
 
-class _LentWorkArea:
-    """buffer() and use_buffer() of both transports, over their own work_area()."""
+class _OwnBuffer:
+    """buffer() of both transports, over their own work_area()."""
 
     def buffer(self, nbytes):
         """This transport's own buffer, grown to ``nbytes``, as the work area. Memory lent by an
         earlier collective is let go: writing there would change a caller's array after its call."""
         return self.work_area(nbytes)
-
-    def use_buffer(self, whole, start=0, stop=None, device=None):
-        """Work in place on ``whole[start:stop]`` until the next work_area(), buffer() or
-        use_buffer(None) (see work_area; ``device`` matters to RDMA only)."""
-        if whole is None:
-            self.work_area(0)
-        else:
-            self.work_area((whole.nbytes if stop is None else stop) - start, whole, start, device)

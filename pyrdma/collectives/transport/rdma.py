@@ -5,7 +5,7 @@ import numpy as np
 
 from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, DEFAULT_QP_TIMEOUT,
                                                DEFAULT_RDMA_MESSAGE, DEFAULT_SLOTS, MAX_RDMA_MESSAGE,
-                                               PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _LentWorkArea,
+                                               PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _OwnBuffer,
                                                _malformed, _Waits, abort_error, check_header, closed_error,
                                                describe)
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
@@ -32,7 +32,7 @@ def _imm_control(sub, epoch, value=0):
     return (_KIND_CONTROL << 30) | (sub << 28) | ((epoch & 0xFFF) << 16) | (value & 0xFFFF)
 
 
-class RdmaTransport(_LentWorkArea, _Waits):
+class RdmaTransport(_OwnBuffer, _Waits):
     """RC QPs to every peer, connected through ``exchange`` (anything with ``allgather(bytes)``).
 
     ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
@@ -128,7 +128,7 @@ class RdmaTransport(_LentWorkArea, _Waits):
         self._work_mr = self._work = None
         self._work_offset = 0          # where the work area starts in _work_mr
         self._gpu_sync = None          # set while the work area is GPU memory
-        # Callers' buffers registered by use_buffer, most recent last. Each MR keeps its buffer
+        # Callers' buffers registered by work_area, most recent last. Each MR keeps its buffer
         # alive, so its address range cannot be freed and handed to other memory while cached.
         self._user_mrs = collections.OrderedDict()
         self.buffer(0)

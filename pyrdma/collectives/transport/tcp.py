@@ -13,7 +13,7 @@ import numpy as np
 from pyrdma import _reduce
 from pyrdma.collectives.schedule import consumer, execute
 from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_DATA, _REASONS, DEFAULT_TCP_MESSAGE, DESC,
-                                               NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _LentWorkArea,
+                                               NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _OwnBuffer,
                                                _malformed, _Waits, abort_error, check_header, describe)
 from pyrdma.errors import PeerError, UsageError, WireFormatError
 
@@ -59,7 +59,7 @@ def read_frame(sock, peer, max_message, size):
         raise PeerError(f"the connection from rank {peer} broke ({exc or type(exc).__name__})", peer=peer) from None
 
 
-class TcpTransport(_LentWorkArea, _Waits):
+class TcpTransport(_OwnBuffer, _Waits):
     """The same contract over one TCP connection per pair of ranks.
 
     ``host``: the address this rank listens on and advertises (default: the address it used to
