@@ -4,7 +4,7 @@
 #   2. host tests:   pytest -m "not device"                -> build/test-reports/host.xml
 #   3. device tests: pytest -m "device and not gpu and not torch_vm" in the Soft-RoCE VM (pyrdma.testing.vm;
 #      rxe0 on lo, plus the 4-host test bed of --hosts 4 for tests/test_multihost.py and the 2-worker
-#      torchrun over RDMA; the MTU-mismatch test first, in a boot of its own)
+#      torchrun over RDMA; the two MTU tests first, in a boot of their own)
 #      -> build/test-reports/device.xml; torch_vm (the 4-worker torchrun over RDMA, 5+ min) runs on demand
 #   4. the verdict: fails if the set-up or build failed, the VM or rxe0 did not come up, any test
 #      failed, no device test ran, or any device test was skipped (pyrdma.testing.junit).

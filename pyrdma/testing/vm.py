@@ -373,9 +373,10 @@ def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G"
         except FileNotFoundError as exc:
             return VM_FAILED, _say(stream, f"VM failed: {exc}")
         vng_code, output = _run_streaming(argv, timeout, stream)
-        trouble = _kernel_trouble(os.path.join(state_dir, "kernel.log"))
+        kernel_log = os.path.join(state_dir, "kernel.log")
         if vng_code is None:
-            return TIMED_OUT, output + _say(stream, f"timed out after {timeout:g} s; VM killed{trouble}")
+            return TIMED_OUT, output + _say(stream, f"timed out after {timeout:g} s; VM killed"
+                                                    f"{_kernel_trouble(kernel_log)}")
         status = _read(os.path.join(state_dir, "status"))
         if status is not None and status.lstrip("-").isdigit():
             return int(status), output
@@ -384,7 +385,8 @@ def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G"
         else:
             error = _read(os.path.join(state_dir, "vm-error"))
             why = (f"VM failed: rxe0 did not come up: {error}" if error is not None else
-                   f"VM failed: the VM stopped before the command finished (vng exit status {vng_code}){trouble}")
+                   f"VM failed: the VM stopped before the command finished (vng exit status {vng_code})"
+                   f"{_kernel_trouble(kernel_log)}")
         return VM_FAILED, output + _say(stream, why)
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
