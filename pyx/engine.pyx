@@ -61,6 +61,7 @@ cdef enum:
     CONSUME_REDUCE = 2
     CONSUME_REDUCE_LOWER = 3
     CONSUME_REDUCE_UPPER = 4
+    CONSUME_COPY_UPTO = 5            # a point-to-point message of at most the chunks' length
 
 # the wire (transport.py documents it)
 cdef enum:
@@ -98,7 +99,7 @@ cdef enum:
 LAYOUT = dict(STEP_COLUMNS=STEP_COLUMNS, CHUNK_COLUMNS=CHUNK_COLUMNS, EXCHANGE=EXCHANGE, WAIT_SENDS=WAIT_SENDS,
               CONSUME_NONE=CONSUME_NONE, CONSUME_COPY=CONSUME_COPY, CONSUME_REDUCE=CONSUME_REDUCE,
               CONSUME_REDUCE_LOWER=CONSUME_REDUCE_LOWER, CONSUME_REDUCE_UPPER=CONSUME_REDUCE_UPPER,
-              HEADER_ROOM=C_HEADER_ROOM)
+              CONSUME_COPY_UPTO=CONSUME_COPY_UPTO, HEADER_ROOM=C_HEADER_ROOM)
 WAITS = {WAIT_CREDIT: "credit", WAIT_ARRIVAL: "arrival", WAIT_SEND_QUEUE: "send queue", WAIT_SENDS_DONE: "sends"}
 FAILURES = {FAIL_LINK: "link", FAIL_ABORT: "abort", FAIL_MISMATCH: "mismatch", FAIL_TIMEOUT: "timeout",
             FAIL_CLOSED: "closed", FAIL_POST: "post", FAIL_POLL: "poll", FAIL_MALFORMED: "malformed",
@@ -177,7 +178,7 @@ cdef class Program:
                 if sp != -1:
                     self._peer(sp, s)
                 continue
-            if kind != EXCHANGE or not 0 <= ck <= CONSUME_REDUCE_UPPER or ns < 0 or nr < 0 \
+            if kind != EXCHANGE or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
                     or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks:
                 raise UsageError(f"schedule step {s} is malformed")
             if ns:
@@ -191,13 +192,14 @@ cdef class Program:
                 extent = max(extent, off + n)
             for c in range(r0, r0 + nr):
                 off, n, aux = chunks[c, 0], chunks[c, 1], chunks[c, 2]
-                if off < 0 or n < 0 or n > max_message or (ck >= CONSUME_REDUCE_LOWER and aux < 0):
+                if off < 0 or n < 0 or n > max_message or (CONSUME_REDUCE_LOWER <= ck <= CONSUME_REDUCE_UPPER
+                                                             and aux < 0):
                     raise UsageError(f"schedule chunk {c} ({off}, {n}, {aux}) is outside the work area or over "
                                      f"max_message")
                 extent = max(extent, off + n)
-                if ck >= CONSUME_REDUCE_LOWER:
+                if CONSUME_REDUCE_LOWER <= ck <= CONSUME_REDUCE_UPPER:
                     extent = max(extent, aux + n)
-                if ck >= CONSUME_REDUCE:
+                if CONSUME_REDUCE <= ck <= CONSUME_REDUCE_UPPER:
                     align = _gcd(align, n)
         self.extent, self.reduce_align = extent, align
         self.nsteps = steps.shape[0]
@@ -230,7 +232,12 @@ cdef class Engine:
     cdef int epoch
     cdef int waiting_on
     # the collective now running
-    cdef uint8_t desc[DESC_SIZE]
+    cdef uint8_t desc[DESC_SIZE]     # what its messages carry
+    cdef uint8_t rdesc[DESC_SIZE]    # what the messages it receives must carry (point-to-point: the
+                                     # sender's own sequence and count; else the same as desc)
+    cdef readonly int64_t received   # bytes of the last point-to-point message (CONSUME_COPY_UPTO)
+    cdef uint32_t last_length        # of the message _recv returned
+    cdef uint64_t last_count         # the count field of its description
     cdef uint8_t *work
     cdef int64_t work_len
     cdef uint32_t work_lkey
@@ -373,24 +380,28 @@ cdef class Engine:
         return prog
 
     def description(self):
-        """The description of the collective the last run ran (what its messages carried)."""
-        return bytes((<char *>self.desc)[:DESC_SIZE])
+        """The description the last run expected its received messages to carry."""
+        return bytes((<char *>self.rdesc)[:DESC_SIZE])
 
     def run(self, Program program not None, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
-            bytes desc not None, int dtype, int op, consume=None, bint background=False):
+            bytes desc not None, int dtype, int op, consume=None, bint background=False, bytes recv_desc=None):
         """Execute a Program (see program()) on the work area [work_addr, + work_len) (registered
         with work_lkey). ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None
         (host memory: reductions and copies in C), or ``consume(kind, offset, nbytes, aux,
         slot_offset)`` called with the GIL for every received chunk (GPU memory). ``background``:
         the run overlaps the caller's work (a non-blocking collective), so it sleeps on the
         completion channel as soon as there is nothing to do instead of spinning first: the CPU
-        goes to the caller's compute. Returns 0; on failure returns the failure kind (see failure()
-        and python_error()), leaving the error to the caller."""
+        goes to the caller's compute. ``recv_desc``: the description received messages must carry
+        when it differs from the one sent (point-to-point). Returns 0; on failure returns the
+        failure kind (see failure() and python_error()), leaving the error to the caller."""
         cdef int rc
-        if len(desc) != DESC_SIZE:
+        if recv_desc is None:
+            recv_desc = desc
+        if len(desc) != DESC_SIZE or len(recv_desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
         if self.fail_kind != FAIL_NONE:
             return self.fail_kind
+        memcpy(self.rdesc, <const uint8_t *><char *>recv_desc, DESC_SIZE)
         self._begin(program, work_addr, work_len, work_lkey, <const uint8_t *><char *>desc, dtype, op, consume,
                     background)
         try:
@@ -470,6 +481,8 @@ cdef class Engine:
         same order of posts: see pyrdma.collectives.schedule.pipelined_step for why)."""
         cdef int sent = 0, k, last
         cdef uint8_t *data
+        if ck == CONSUME_COPY_UPTO:
+            return self._exchange_message(sp, sch, ns, rp, rch, nr)
         if ns == 1 and nr == 1:
             if self._send(sp, sch[0], sch[1]) < 0:
                 return -1
@@ -495,6 +508,56 @@ cdef class Engine:
                 if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
                     return -1
                 sent += 1
+        return 0
+
+    cdef int _exchange_message(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch,
+                               int nr) noexcept nogil:
+        """_exchange whose receive is one point-to-point message of at most the chunks' total length:
+        its first header says how long it is (the description's count), and the receive ends with
+        its last chunk. ``received`` holds its length afterwards."""
+        cdef int sent = 0, k, last
+        cdef uint8_t *data
+        cdef int64_t total = 0, capacity = 0, got = 0
+        for k in range(nr):
+            capacity += rch[k * CHUNK_COLUMNS + 1]
+        if ns:
+            if self._send(sp, sch[0], sch[1]) < 0:
+                return -1
+            sent = 1
+        last = ns if ns > nr else nr
+        for k in range(last):
+            if self._send_ahead(sp, sch, ns, &sent, k) < 0:
+                return -1
+            if k < nr:
+                data = self._recv(rp, rch[k * CHUNK_COLUMNS + 1], True)
+                if data == NULL:
+                    return -1
+                if k == 0:
+                    total = <int64_t>self.last_count
+                # every chunk but the last is full, and the message fits the receive's chunks
+                if total > capacity or got + self.last_length > total or \
+                        (self.last_length < rch[k * CHUNK_COLUMNS + 1] and got + self.last_length != total):
+                    memcpy(self.fail_desc, self.rdesc, DESC_SIZE)
+                    memcpy(self.fail_desc + 8, &total, 8)
+                    return self._fail(FAIL_MISMATCH, rp, total, capacity)
+                if self._send_ahead(sp, sch, ns, &sent, k) < 0:
+                    return -1
+                if self.last_length:
+                    if self.consume is not None:
+                        if self._callback(CONSUME_COPY, rch[k * CHUNK_COLUMNS], self.last_length, 0, data) < 0:
+                            return -1
+                    else:
+                        memcpy(self.work + rch[k * CHUNK_COLUMNS], data, self.last_length)
+                got += self.last_length
+                if self._release(rp) < 0:
+                    return -1
+                if got == total:
+                    nr = k + 1                      # the message is complete: no more chunks from rp
+            if sent < ns and sent < k + 2:
+                if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
+                    return -1
+                sent += 1
+        self.received = got
         return 0
 
     cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil:
@@ -574,9 +637,10 @@ cdef class Engine:
         p.outstanding += 1
         return 0
 
-    cdef uint8_t *_recv(self, int peer, int64_t n) noexcept nogil:
+    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=False) noexcept nogil:
         """The payload of the next message from ``peer`` once it has arrived and its header
-        matches this collective; NULL on failure."""
+        matches this collective; NULL on failure. ``upto``: a point-to-point chunk, at most ``n``
+        bytes, whose description's count (the whole message's length) is the sender's to say."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint32_t got, length
         cdef uint8_t *start
@@ -588,7 +652,16 @@ cdef class Engine:
         p.arr_count -= 1
         start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
         memcpy(&length, start + DESC_SIZE, 4)
-        if memcmp(start, self.desc, DESC_SIZE) != 0 or length != n or got != n:
+        if upto:
+            if memcmp(start, self.rdesc, 8) != 0 or memcmp(start + 16, self.rdesc + 16, DESC_SIZE - 16) != 0 \
+                    or length > n or got != length:
+                if self.fail_kind == FAIL_NONE:
+                    memcpy(self.fail_desc, start, DESC_SIZE)
+                    self._fail(FAIL_MISMATCH, peer, length if got == length else got, n)
+                return NULL
+            memcpy(&self.last_count, start + 8, 8)
+            self.last_length = length
+        elif memcmp(start, self.rdesc, DESC_SIZE) != 0 or length != n or got != n:
             if self.fail_kind == FAIL_NONE:
                 memcpy(self.fail_desc, start, DESC_SIZE)
                 self._fail(FAIL_MISMATCH, peer, length if length != n else got, n)
@@ -1010,6 +1083,7 @@ cdef class HostCollectives:
                     work = data
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
+                memcpy(engine.rdesc, call.desc, DESC_SIZE)
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
                               call.dtype, call.op, None)
                 try:

@@ -38,12 +38,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from pyrdma import _reduce
-from pyrdma.collectives import ring, tree
+from pyrdma.collectives import algorithms, ring, tree
+from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, CostModel
 from pyrdma.collectives.pieces import scale_down, scale_down_bfloat16, segment_bounds
 from pyrdma.collectives.schedule import consumer
-from pyrdma.collectives.transport import LEFT, MISMATCH, NO_CULPRIT, PEER_FAILED, closed_error, describe
+from pyrdma.collectives.transport import (LEFT, MISMATCH, NO_CULPRIT, NO_ROOT, PEER_FAILED, closed_error,
+                                       describe, describe_message)
 from pyrdma.buffers import host_array, is_cuda_array
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
 
@@ -310,6 +312,8 @@ class Communicator:
         self._closed = False
         self._broken = None
         self._seq = 0
+        self._p2p_sent = [0] * size          # messages sent to each rank so far
+        self._p2p_received = [0] * size      # and received from each
         own_exchange = exchange is None
         if exchange is None:
             if master is None:
@@ -437,11 +441,15 @@ class Communicator:
         number advances in _submit, once the call was accepted)."""
         return describe(self._seq, kind, **fields)
 
-    def _submit(self, blocking, fn, *args):
+    def _submit(self, blocking, fn, *args, seq=True):
+        """Run ``fn(*args)`` after every collective submitted before it. ``seq``: it is a collective
+        (it advances the call number that every rank's messages carry; point-to-point has its own
+        numbers per pair of ranks)."""
         if self._closed:
             raise UsageError("the communicator is closed")
         self._raise_if_broken()
-        self._seq += 1
+        if seq:
+            self._seq += 1
         with self._count_lock:
             inline = blocking and self._pending == 0
             if not inline:
@@ -908,6 +916,294 @@ class Communicator:
         dst.bytes[:] = mine
         return dst.obj
 
+    # ---- gather, scatter, alltoall, point-to-point: one spec each, one path ----------------------
+
+    def gather(self, buf, out=None, root=0, algorithm="auto"):
+        """Every rank's ``buf`` (the same size everywhere) to ``root``, in rank order, into ``out``
+        there (default a new array of shape (size * len(buf),) + buf.shape[1:], as allgather).
+        Returns out on root, None elsewhere."""
+        return self._call(self._gather, buf, out, root, algorithm, blocking=True)
+
+    def igather(self, buf, out=None, root=0, algorithm="auto"):
+        return self._call(self._gather, buf, out, root, algorithm, blocking=False)
+
+    def scatter(self, buf, out=None, root=0, algorithm="auto"):
+        """Root's ``buf`` holds ``size`` equal pieces in rank order; rank i receives piece i into
+        ``out`` (default a new array of shape (len(buf) // size,) + buf.shape[1:]). Elsewhere ``buf``
+        may be None when ``out`` is given (or an array of the root's shape: its piece shape is
+        used). Returns out."""
+        return self._call(self._scatter, buf, out, root, algorithm, blocking=True)
+
+    def iscatter(self, buf, out=None, root=0, algorithm="auto"):
+        return self._call(self._scatter, buf, out, root, algorithm, blocking=False)
+
+    def alltoall(self, buf, out=None, send_counts=None, recv_counts=None):
+        """Rank i's piece j of ``buf`` goes to rank j, which stores it as its piece i of ``out``.
+        Without counts the pieces are equal (buf is split in ``size``; out, default a new array
+        like buf, likewise); with ``send_counts`` (element counts per rank, zeros allowed, pieces
+        contiguous in rank order, as MPI_Alltoallv and torch's input_split_sizes) they may differ,
+        and ``recv_counts`` (output_split_sizes) is exchanged first when not given. Returns out."""
+        return self._call(self._alltoall, buf, out, send_counts, recv_counts, blocking=True)
+
+    def ialltoall(self, buf, out=None, send_counts=None, recv_counts=None):
+        return self._call(self._alltoall, buf, out, send_counts, recv_counts, blocking=False)
+
+    def send(self, buf, dst, tag=0):
+        """Send ``buf`` to rank ``dst``. Messages from one rank to another arrive in the order sent
+        (with the same tag, as MPI); the receiver's ``recv`` must name this rank and tag. Small
+        messages go eagerly into the receiver's slots; a message of zero_copy_bytes or more is sent
+        straight from ``buf``. Returns once ``buf`` may be reused."""
+        return self._call(self._p2p, buf, dst, None, tag, blocking=True)
+
+    def isend(self, buf, dst, tag=0):
+        return self._call(self._p2p, buf, dst, None, tag, blocking=False)
+
+    def recv(self, buf, src, tag=0):
+        """Receive the next message of rank ``src`` with ``tag`` into ``buf``; returns the number of
+        elements received (the message may be shorter than buf; longer is an error naming both
+        sizes, never a truncation)."""
+        return self._call(self._p2p, buf, None, src, tag, blocking=True)
+
+    def irecv(self, buf, src, tag=0):
+        return self._call(self._p2p, buf, None, src, tag, blocking=False)
+
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
+        """send(sendbuf, dst) and recv(recvbuf, src) at once (the exchange of a ring or of a pair:
+        neither waits for the other, whatever the sizes). Returns the elements received."""
+        return self._call(self._p2p, (sendbuf, recvbuf), dst, src, tag, blocking=True)
+
+    def isendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
+        return self._call(self._p2p, (sendbuf, recvbuf), dst, src, tag, blocking=False)
+
+    def batch(self, ops):
+        """Run a group of point-to-point operations at once, as NCCL's ncclGroupStart/End and
+        torch's batch_isend_irecv: ``ops`` is a list of ("send", buf, peer[, tag]) and ("recv", buf,
+        peer[, tag]). Calls run in the order they were made, so on every rank a receive posted
+        before its send waits for it; in a batch nothing waits for another operation of the same
+        batch. Every pair of ranks' messages still keeps its order. Returns a Handle whose wait()
+        gives one entry per op: None for a send, the elements received for a receive."""
+        n, r = self.size, self.rank
+        sends, recvs = {}, {}
+        for i, op in enumerate(ops):
+            if not isinstance(op, (tuple, list)) or len(op) not in (3, 4) or op[0] not in ("send", "recv"):
+                raise UsageError(f"batch: op {i} must be ('send'|'recv', buf, peer[, tag]), got {op!r}")
+            peer = op[2]
+            if not isinstance(peer, (int, np.integer)) or not 0 <= peer < n or peer == r:
+                raise UsageError(f"batch: op {i} names rank {peer!r}, not another rank of this communicator")
+            (sends if op[0] == "send" else recvs).setdefault(int(peer), []).append((i, op[1], op[3] if len(op) > 3
+                                                                                  else 0))
+        # pairwise order: at step k the j-th send to rank r+k goes with the j-th receive from
+        # rank r-k; every rank steps through k alike, so no step waits on one of a later step
+        steps = []
+        for k in range(1, n):
+            out, inc = sends.get((r + k) % n, []), recvs.get((r - k) % n, [])
+            for j in range(max(len(out), len(inc))):
+                s, v = out[j] if j < len(out) else None, inc[j] if j < len(inc) else None
+                if s is not None and v is not None and s[2] != v[2]:
+                    spec = self._p2p(s[1], (r + k) % n, None, s[2])
+                    steps.append(((s[0], spec),))
+                    steps.append(((v[0], self._p2p(v[1], None, (r - k) % n, v[2])),))
+                    continue
+                buf = (s[1], v[1]) if s and v else (s or v)[1]
+                spec = self._p2p(buf, (r + k) % n if s else None, (r - k) % n if v else None, (s or v)[2])
+                steps.append(tuple((x[0], spec) for x in (s, v) if x is not None))
+        results = [None] * len(ops)
+
+        def run():
+            for step in steps:
+                got = self._run_spec(step[0][1])
+                for i, _ in step:
+                    if ops[i][0] == "recv":
+                        results[i] = got
+            return results
+        return self._submit(False, run, seq=False)
+
+    def _call(self, make_spec, *args, blocking):
+        """The one call path: validate and plan (``make_spec``, on the caller's thread), then run
+        the spec in order with the other collectives (inline, or on the communicator's thread)."""
+        if _is_cuda(*(a for a in args if not isinstance(a, tuple))):
+            if not blocking:
+                raise UsageError(f"{make_spec.__name__.strip('_')}: non-blocking calls on CUDA arrays are not "
+                                 f"supported; use the blocking form (it stages through the host)")
+            return _cuda().staged_call(self, make_spec.__name__.strip("_"), *args)
+        spec = make_spec(*args)
+        if spec is None:         # nothing to move (a message to oneself, a single rank)
+            return _Done(None) if not blocking else None
+        handle = self._submit(blocking, self._run_spec, spec, seq=spec.recv_tag is None)
+        return handle.wait() if blocking else handle
+
+    def _run_spec(self, spec):
+        t = self.transport
+        schedule = spec.plan(t.max_message)
+        work = t.work_area(spec.area) if spec.lend is None else t.work_area(spec.area, spec.lend)
+        spec.fill(work)
+        t.set_tag(spec.tag, spec.recv_tag)
+        received = t.run(schedule)
+        return spec.finish(work, schedule, received)
+
+    def _copy_algorithm(self, kind, algorithm, block):
+        if algorithm == "auto":
+            return self.cost_model.choose_copy(kind, block, self.size, self.transport.max_message)
+        if algorithm not in algorithms.names(kind):
+            raise UsageError(f"unknown algorithm {algorithm!r} for {kind}; use auto, "
+                             f"{', '.join(algorithms.names(kind))}")
+        return algorithm
+
+    def _gather(self, buf, out, root, algorithm):
+        root = self._check_root(root)
+        arr, data = _plain_bytes(buf, "buf")
+        block, n, r = data.nbytes, self.size, self.rank
+        if r == root:
+            if out is None:
+                out = np.empty((n * arr.shape[0],) + arr.shape[1:] if arr.ndim else (n,), arr.dtype)
+            dst_arr, dst = _plain_bytes(out, "out", writable=True)
+            if dst_arr.dtype != arr.dtype or dst.nbytes != n * block:
+                raise UsageError(f"out must hold {n} x {arr.size} elements of {arr.dtype}; it has {dst_arr.size} "
+                                 f"of {dst_arr.dtype}")
+        algo = self._copy_algorithm("gather", algorithm, block)
+        entry = algorithms.ALGORITHMS["gather"][algo]
+        full = entry.full_area or r == root
+        tag = self._tag("gather", dtype=arr.dtype, count=arr.size, root=root, algorithm=algo)
+
+        def fill(work):
+            at = r * block if full else 0
+            work[at:at + block] = data
+
+        def finish(work, schedule, received):
+            if r != root:
+                return None
+            dst[:] = work[:n * block]
+            return out
+        return _Spec(lambda m: entry.planner(n, r, root, block, m), n * block if full else block, fill, finish, tag)
+
+    def _scatter(self, buf, out, root, algorithm):
+        root = self._check_root(root)
+        n, r = self.size, self.rank
+        src = None
+        if buf is not None:
+            arr, src = _plain_bytes(buf, "buf")
+            if arr.ndim == 0 or arr.shape[0] % n:
+                raise UsageError(f"buf's first dimension ({arr.shape[0] if arr.ndim else 'a scalar'}) must split "
+                                 f"into {n} equal pieces")
+            if out is None:
+                out = np.empty((arr.shape[0] // n,) + arr.shape[1:], arr.dtype)
+        elif r == root:
+            raise UsageError(f"scatter: buf is None on the root (rank {root}), which sends it")
+        elif out is None:
+            raise UsageError(f"scatter: rank {r} is not the root; pass out= (the piece it receives) or buf")
+        out_arr, dst = _plain_bytes(out, "out", writable=True)
+        block = dst.nbytes
+        if src is not None and (arr.dtype != out_arr.dtype or src.nbytes != n * block):
+            raise UsageError(f"buf must hold {n} pieces like out ({out_arr.size} elements of {out_arr.dtype}); it "
+                             f"has {arr.size} of {arr.dtype}")
+        algo = self._copy_algorithm("scatter", algorithm, block)
+        entry = algorithms.ALGORITHMS["scatter"][algo]
+        full = entry.full_area or r == root
+        tag = self._tag("scatter", dtype=out_arr.dtype, count=out_arr.size, root=root, algorithm=algo)
+
+        def fill(work):
+            if r == root:
+                work[:n * block] = src
+
+        def finish(work, schedule, received):
+            at = r * block if full else 0
+            dst[:] = work[at:at + block]
+            return out
+        return _Spec(lambda m: entry.planner(n, r, root, block, m), n * block if full else block, fill, finish, tag)
+
+    def _alltoall(self, buf, out, send_counts, recv_counts):
+        n, r = self.size, self.rank
+        arr, src = _plain_bytes(buf, "buf")
+        item = arr.dtype.itemsize
+        if send_counts is None:
+            if recv_counts is not None:
+                raise UsageError("recv_counts without send_counts: give both, or send_counts alone")
+            if arr.size % n:
+                raise UsageError(f"buf has {arr.size} elements, which do not split into {n} equal pieces; pass "
+                                 f"send_counts")
+            piece = src.nbytes // n
+            sb = rb = tuple(i * piece for i in range(n + 1))
+        else:
+            sb = _counts(send_counts, "send_counts", n, item)
+            if sb[-1] != src.nbytes:
+                raise UsageError(f"send_counts add up to {sb[-1] // item} elements; buf has {arr.size}")
+            if recv_counts is None:
+                mine = np.diff(np.array(sb, np.int64)) // item
+                recv_counts = self.alltoall(mine)
+            rb = _counts(recv_counts, "recv_counts", n, item)
+        if out is None:
+            if send_counts is None:
+                out = np.empty_like(arr)
+            else:
+                out = np.empty((rb[-1] // item,) + arr.shape[1:], arr.dtype) if arr.ndim > 1 and \
+                    rb[-1] % (item * int(np.prod(arr.shape[1:]))) == 0 else np.empty(rb[-1] // item, arr.dtype)
+        out_arr, dst = _plain_bytes(out, "out", writable=True)
+        if out_arr.dtype != arr.dtype or dst.nbytes != rb[-1]:
+            raise UsageError(f"out must hold {rb[-1] // item} elements of {arr.dtype}; it has {out_arr.size} of "
+                             f"{out_arr.dtype}")
+        base = sb[-1]
+        count = arr.size if send_counts is None else 0     # uneven counts: each message's length is checked
+        tag = self._tag("alltoall", dtype=arr.dtype, count=count, algorithm="pairwise")
+
+        def fill(work):
+            work[:base] = src
+
+        def finish(work, schedule, received):
+            dst[:] = work[base:base + rb[-1]]
+            dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
+            return out
+        return _Spec(lambda m: algorithms.planner("alltoall", "pairwise")(n, r, sb, rb, base, m), base + rb[-1],
+                     fill, finish, tag)
+
+    def _p2p(self, buf, dst, src, tag):
+        """A send (dst), a receive (src) or both (buf a pair): one message each way."""
+        if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or not 0 <= tag < NO_ROOT:
+            raise UsageError(f"tag must be an integer in [0, {NO_ROOT}), got {tag!r}")
+        sendbuf, recvbuf = buf if isinstance(buf, tuple) else ((buf, None) if dst is not None else (None, buf))
+        for peer, what in ((dst, "dst"), (src, "src")):
+            if peer is not None and (not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size):
+                raise UsageError(f"{what} {peer!r} is not a rank of this communicator (0..{self.size - 1})")
+        s_arr = r_arr = s_data = r_data = None
+        if sendbuf is not None:
+            s_arr, s_data = _plain_bytes(sendbuf, "buf" if recvbuf is None else "sendbuf")
+        if recvbuf is not None:
+            r_arr, r_data = _plain_bytes(recvbuf, "buf" if sendbuf is None else "recvbuf", writable=True)
+        if dst == self.rank or src == self.rank:
+            raise UsageError(f"rank {self.rank} sends or receives a message to itself; copy the array instead")
+        item = r_arr.dtype.itemsize if r_arr is not None else 1
+        send_tag = recv_tag = describe(0, "")
+        if dst is not None:
+            send_tag = describe_message(self._p2p_sent[dst], s_data.nbytes, s_arr.dtype, tag)
+            self._p2p_sent[dst] += 1
+        if src is not None:
+            recv_tag = describe_message(self._p2p_received[src], 0, r_arr.dtype, tag)
+            self._p2p_received[src] += 1
+        nbytes = s_data.nbytes if s_data is not None else 0
+        capacity = r_data.nbytes if r_data is not None else 0
+        # a lone send or receive works on the caller's memory itself when zero-copy pays
+        lend = None
+        if recvbuf is None and self._zero_copy(nbytes):
+            lend = s_data
+        elif sendbuf is None and self._zero_copy(capacity):
+            lend = r_data
+
+        def fill(work):
+            if s_data is not None and lend is None:
+                work[:nbytes] = s_data
+
+        def finish(work, schedule, received):
+            if src is None:
+                return None
+            if received % item:
+                raise UsageError(f"rank {src} sent {received} bytes, not whole {item}-byte elements of "
+                                 f"{r_arr.dtype}")
+            if lend is None and received:
+                r_data[:received] = work[nbytes:nbytes + received]
+            return received // item
+        return _Spec(lambda m: exchange.message(dst, nbytes, src, capacity, 0 if lend is not None else nbytes, m),
+                     nbytes + capacity if lend is None else (nbytes or capacity), fill, finish, send_tag,
+                     recv_tag, lend)
+
     def barrier(self):
         """Return once every rank has entered the barrier."""
         if self._host is None or self._host.barrier() is None:
@@ -923,6 +1219,43 @@ class Communicator:
     def _barrier(self, tag):
         self.transport.set_tag(tag)
         self.transport.run(tree.dissemination_barrier(self.size, self.rank))
+
+
+class _Spec:
+    """One call of a byte-copying collective (gather, scatter, alltoall, point-to-point), as the one
+    path runs it: ``plan(max_message)`` its Schedule, ``area`` the work area's bytes, ``lend`` a
+    caller's array to work on in place instead (or None), ``fill(work)`` before the run and
+    ``finish(work, schedule, received)`` after it (its return is the call's), ``tag`` the
+    description its messages carry and ``recv_tag`` the one they are received with (if other)."""
+
+    def __init__(self, plan, area, fill, finish, tag, recv_tag=None, lend=None):
+        self.plan, self.area, self.fill, self.finish = plan, area, fill, finish
+        self.tag, self.recv_tag, self.lend = tag, recv_tag, lend
+
+
+def _plain_bytes(obj, name, writable=False):
+    """(array, flat uint8 view) of a C-contiguous buffer of plain data."""
+    arr = host_array(obj, name)
+    _check_plain(arr, name)
+    if not arr.flags.c_contiguous:
+        raise UsageError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
+    if writable and not arr.flags.writeable:
+        raise UsageError(f"{name} is read-only; it receives data")
+    return arr, _raw_bytes(arr)
+
+
+def _counts(counts, name, size, itemsize):
+    """Byte offsets (size + 1) of per-rank element ``counts``."""
+    try:
+        c = [int(x) for x in counts]
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be a sequence of {size} element counts, got {counts!r}") from None
+    if len(c) != size or any(x < 0 for x in c):
+        raise UsageError(f"{name} must hold {size} counts >= 0 (one per rank), got {c}")
+    bounds = [0]
+    for x in c:
+        bounds.append(bounds[-1] + x * itemsize)
+    return tuple(bounds)
 
 
 def _op_code(op):

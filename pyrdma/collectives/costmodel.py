@@ -119,3 +119,21 @@ class CostModel:
         if n <= 2:
             return "chain"
         return "binomial" if self.binomial(nbytes, n, max_message) < self.chain(nbytes, n, max_message) else "chain"
+
+    # ---- gather and scatter ---------------------------------------------------------------------
+
+    def direct(self, block, n, max_message):
+        return (n - 1) * self._send(block, max_message)
+
+    def binomial_tree(self, block, n, max_message):
+        """Rounds of doubling subtrees: the root's link carries n-1 blocks in log2 n messages."""
+        return sum(self._send((1 << k) * block, max_message) for k in range(max(1, (n - 1).bit_length())))
+
+    def choose_copy(self, kind, block, n, max_message):
+        """The algorithm of a gather or scatter of ``block`` bytes per rank ("direct" or
+        "binomial"); all-to-all has one ("pairwise")."""
+        if kind == "alltoall":
+            return "pairwise"
+        if n <= 2:
+            return "direct"
+        return "binomial" if self.binomial_tree(block, n, max_message) < self.direct(block, n, max_message) else "direct"

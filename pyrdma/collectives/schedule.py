@@ -10,6 +10,9 @@ chunks[recv_first:+nrecv] from recv_peer and consumes each received one: COPY st
 ``offset``, REDUCE does work[offset] = op(work[offset], data), REDUCE_LOWER work[offset] =
 op(work[aux], data) and REDUCE_UPPER work[offset] = op(data, work[aux]) (the operand order that
 keeps recursive doubling bit-identical across ranks). NONE drops it (zero-byte barrier messages).
+COPY_UPTO receives one point-to-point message of at most the step's chunks (its sender's chunks of
+the same max_message, the last one shorter): the first header's count says how long it is, and
+the receive ends with its last chunk.
 Sends run ahead of the consumption (pipelined_step). WAIT_SENDS waits until every send to
 send_peer (-1: to every peer) has left local memory.
 
@@ -20,7 +23,7 @@ that model flow control).
 import numpy as np
 
 EXCHANGE, WAIT_SENDS = 0, 1
-NONE, COPY, REDUCE, REDUCE_LOWER, REDUCE_UPPER = 0, 1, 2, 3, 4
+NONE, COPY, REDUCE, REDUCE_LOWER, REDUCE_UPPER, COPY_UPTO = 0, 1, 2, 3, 4, 5
 STEP_COLUMNS, CHUNK_COLUMNS = 8, 3
 
 
@@ -88,17 +91,54 @@ class Builder:
 
 def execute(t, schedule, consume):
     """Run ``schedule`` in Python over a transport's contract (send, recv, release, can_send,
-    wait_sends, send_window). ``consume(kind, chunk, data)`` handles each received chunk."""
+    wait_sends, send_window). ``consume(kind, chunk, data)`` handles each received chunk. Returns the
+    length of the last COPY_UPTO message received (None if none)."""
     steps, chunks = schedule.rows()
+    received = None
     for kind, sp, rp, s0, ns, r0, nr, ck in steps:
         if kind == WAIT_SENDS:
             t.wait_sends(None if sp < 0 else sp)
             continue
-        pipelined_step(t, sp, chunks[s0:s0 + ns], rp, chunks[r0:r0 + nr],
-                       lambda chunk, data, ck=ck: consume(ck, chunk, data))
+        recv_chunks = chunks[r0:r0 + nr]
+        if ck == COPY_UPTO:
+            message = _Message(rp, recv_chunks)
+            pipelined_step(t, sp, chunks[s0:s0 + ns], rp, recv_chunks,
+                           lambda chunk, data: consume(COPY, chunk, data), message)
+            received = message.got
+        else:
+            pipelined_step(t, sp, chunks[s0:s0 + ns], rp, recv_chunks,
+                           lambda chunk, data, ck=ck: consume(ck, chunk, data))
+    return received
 
 
-def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
+class _Message:
+    """The receive of one point-to-point message (COPY_UPTO) in pipelined_step: its chunks are at
+    most the step's; the first one's description says the whole length. ``more()``: whether
+    chunks of it are still to come."""
+
+    def __init__(self, peer, chunks):
+        self.peer = peer
+        self.capacity = sum(c[1] for c in chunks)
+        self.total = None
+        self.got = 0
+
+    def take(self, t, chunk):
+        """The next chunk's data (checked), from t.recv_upto."""
+        data, total = t.recv_upto(self.peer, chunk[1])
+        if self.total is None:
+            self.total = total
+        n = len(data)
+        if self.total > self.capacity or n > chunk[1] or self.got + n > self.total or \
+                (n < chunk[1] and self.got + n != self.total):
+            raise t.too_long(self.peer, self.total, self.capacity)
+        self.got += n
+        return data
+
+    def more(self):
+        return self.total is None or self.got < self.total
+
+
+def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume, message=None):
     """Send ``send_chunks`` to send_peer while receiving as many chunks from recv_peer.
 
     Sends run ahead of the consumption (reduction or copy) of received chunks, so that transfers
@@ -108,9 +148,10 @@ def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
     Otherwise, with one receive slot per peer, every rank of a ring (or both sides of an exchange)
     would wait for a credit that its neighbour only returns after its own blocked send. A step's
     send chunks must not depend on its received ones (they may leave first). The C engine runs the
-    same order of posts. ``consume(chunk, data)`` handles a received chunk."""
+    same order of posts. ``consume(chunk, data)`` handles a received chunk. ``message``: the receive
+    is one point-to-point message (_Message), which may end before the chunks do."""
     nsend, nrecv = len(send_chunks), len(recv_chunks)
-    if nsend == 1 and nrecv == 1:
+    if nsend == 1 and nrecv == 1 and message is None:
         # one message each way (every small collective): the loop below, unrolled
         off, n, _ = send_chunks[0]
         t.send(send_peer, off, n)
@@ -135,11 +176,12 @@ def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume):
         send_next()
     for k in range(max(nsend, nrecv)):
         send_ahead(k)
-        if k < nrecv:
+        if k < nrecv and (message is None or message.more()):
             chunk = recv_chunks[k]
-            data = t.recv(recv_peer, chunk[1])
+            data = t.recv(recv_peer, chunk[1]) if message is None else message.take(t, chunk)
             send_ahead(k)
-            consume(chunk, data)
+            if len(data):
+                consume(chunk if message is None else (chunk[0], len(data), chunk[2]), data)
             t.release(recv_peer)
         if sent < min(nsend, k + 2):
             send_next()

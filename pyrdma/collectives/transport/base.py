@@ -68,9 +68,10 @@ DESC = struct.Struct("<QQQQIHBBB3x")    # seq, count, lo, hi, root, dtype, kind,
 HEADER = struct.Struct("<44sI")          # description, payload length
 assert DESC.size == 44 and HEADER.size == 48
 KINDS = ("", "allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "barrier",
-         "allreduce-direct", "broadcast-direct", "test")
+         "allreduce-direct", "broadcast-direct", "test", "gather", "scatter", "alltoall", "send")
 DESC_OPS = ("", "sum", "prod", "min", "max", "avg")
-DESC_ALGORITHMS = ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "dissemination")
+DESC_ALGORITHMS = ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "dissemination",
+                   "direct", "pairwise")
 NO_ROOT = 0xFFFFFFFF
 BYTE_DTYPE = 0x8000                     # dtype field of byte-copying collectives: numpy's type number
 
@@ -83,6 +84,20 @@ def describe(seq, kind, count=0, dtype=0, op="", root=None, algorithm="", lo=0, 
         dtype = BYTE_DTYPE | ((dt.num & 0x7F) << 8) | min(dt.itemsize, 0xFF)
     return DESC.pack(seq & 0xFFFFFFFFFFFFFFFF, count, lo, hi, NO_ROOT if root is None else root, dtype,
                      KINDS.index(kind), DESC_OPS.index(op), DESC_ALGORITHMS.index(algorithm))
+
+
+def describe_message(seq, nbytes, dtype, tag):
+    """The description of a point-to-point message: ``seq`` counts the messages of one sender to one
+    receiver (not the collectives: ranks outside a send never fall out of step), ``count`` is its
+    length in bytes (what the receiver learns from it) and ``root`` carries the tag."""
+    return describe(seq, "send", count=nbytes, dtype=dtype, root=tag)
+
+
+def too_long_error(peer, rank, nbytes, capacity):
+    err = UsageError(f"rank {peer} sent a {nbytes}-byte message where rank {rank} posted a receive of {capacity} "
+                     f"bytes: a message longer than the receive buffer is an error, never truncated")
+    err.peer = peer
+    return err
 
 
 def explain(desc):
@@ -104,7 +119,11 @@ def explain(desc):
     parts = [f"call #{seq} {name(KINDS, kind) or 'collective'}", f"count={count}", f"dtype={dname}"]
     if op:
         parts.append(f"op={name(DESC_OPS, op)}")
-    if root != NO_ROOT:
+    if name(KINDS, kind) == "send":
+        parts[0] = f"point-to-point message #{seq}"
+        parts[1] = f"{count} bytes"
+        parts.append(f"tag={root}")
+    elif root != NO_ROOT:
         parts.append(f"root={root}")
     if algo:
         parts.append(f"algorithm={name(DESC_ALGORITHMS, algo)}")
@@ -115,6 +134,9 @@ def explain(desc):
 
 def check_header(peer, rank, got_desc, got_len, want_desc, want_len):
     """UsageError (a mismatch) unless a received message is the one this rank expects."""
+    if got_desc[:8] + got_desc[16:] == want_desc[:8] + want_desc[16:] and KINDS[want_desc[40]] == "send" \
+            and got_len > want_len:        # a point-to-point message longer than the receive
+        raise too_long_error(peer, rank, DESC.unpack(got_desc)[1], want_len)
     if got_desc != want_desc:
         raise mismatch_error(peer, f"a message of a different collective ({explain(got_desc)}) where rank {rank} "
                                    f"runs {explain(want_desc)}")

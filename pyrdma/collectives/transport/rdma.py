@@ -62,6 +62,7 @@ class RdmaTransport(_OwnBuffer, _Waits):
         self.peers = [p for p in range(size) if p != rank]
         self._closed = False
         self._desc = describe(0, "")
+        self._rdesc = None
         if not isinstance(port, int) or not 1 <= port <= 255:
             raise UsageError(f"port must be a port number within 1..255, got {port!r}")
         if gid_index is not None and (not isinstance(gid_index, int) or gid_index < 0):
@@ -230,24 +231,27 @@ class RdmaTransport(_OwnBuffer, _Waits):
             self._user_mrs.popitem(last=False)[1][0].close()
         return mr, base
 
-    def set_tag(self, desc):
+    def set_tag(self, desc, recv_desc=None):
         self._desc = _as_desc(desc)
+        self._rdesc = None if recv_desc is None else _as_desc(recv_desc)
 
     def run(self, schedule, dtype=0, op=0, consume=None):
         """Execute ``schedule`` (schedule.Schedule) on the work area in the C engine: one call,
         without the GIL. ``dtype``/``op``: pyrdma._reduce codes; ``consume(kind, chunk, data)``:
-        the consumer of received chunks for a GPU work area (None: host memory, reduced in C)."""
+        the consumer of received chunks for a GPU work area (None: host memory, reduced in C).
+        Returns the length of the point-to-point message it received (None if none)."""
         if self._gpu_sync is not None:
             self._gpu_sync()
         callback = None if consume is None else _slot_consumer(consume, self.slot_array)
         if self.failure is None:
             failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,
                                      self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback,
-                                     self.background)
+                                     self.background, self._rdesc)
             if failed:
                 self.engine_failed()
         if self.failure is not None:
             raise self.failure
+        return self.engine.received if self._rdesc is not None else None
 
     def engine_failed(self):
         """Record the engine's failure as this transport's (every later collective raises it) and

@@ -14,7 +14,8 @@ from pyrdma import _reduce
 from pyrdma.collectives.schedule import consumer, execute
 from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_DATA, _REASONS, DEFAULT_TCP_MESSAGE, DESC,
                                                NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _OwnBuffer,
-                                               _malformed, _Waits, abort_error, check_header, describe)
+                                               _malformed, _Waits, abort_error, check_header, describe,
+                                               too_long_error)
 from pyrdma.errors import PeerError, UsageError, WireFormatError
 
 _HELLO = struct.Struct("!8sBxxxii16s")       # magic, version, rank, world size, the listener's token
@@ -77,7 +78,7 @@ class TcpTransport(_OwnBuffer, _Waits):
         if not 1 <= self.max_message <= MAX_TCP_MESSAGE:
             raise UsageError(f"max_message must be within 1..{MAX_TCP_MESSAGE}, got {max_message}")
         self.peers = [p for p in range(size) if p != rank]
-        self._desc = describe(0, "")
+        self._desc = self._rdesc = describe(0, "")
         self._closed = False
         self._cond = threading.Condition()
         self.links = {}                      # peer -> _Link, once connected
@@ -173,14 +174,16 @@ class TcpTransport(_OwnBuffer, _Waits):
             self._work = lend[start:start + nbytes]
         return self._work
 
-    def set_tag(self, desc):
+    def set_tag(self, desc, recv_desc=None):
         self._desc = _as_desc(desc)
+        self._rdesc = self._desc if recv_desc is None else _as_desc(recv_desc)
 
     def run(self, schedule, dtype=0, op=0, consume=None):
-        """Execute ``schedule`` on the work area, in Python (schedule.execute)."""
+        """Execute ``schedule`` on the work area, in Python (schedule.execute). Returns the length
+        of the point-to-point message it received (None if none)."""
         if consume is None:
             consume = consumer(self._work, functools.partial(_reduce.reduce_bytes, dtype=dtype, op=op))
-        execute(self, schedule, consume)
+        return execute(self, schedule, consume)
 
     def can_send(self, peer):
         return True   # the peer's reader thread drains its socket, so a send never waits on it
@@ -206,9 +209,25 @@ class TcpTransport(_OwnBuffer, _Waits):
             self._wait(lambda: len(inbox) > 0, peer, f"a {nbytes}-byte message")
         with self._cond:
             desc, data = inbox.popleft()
-        if desc != self._desc or len(data) != nbytes:
-            check_header(peer, self.rank, desc, len(data), self._desc, nbytes)
+        if desc != self._rdesc or len(data) != nbytes:
+            check_header(peer, self.rank, desc, len(data), self._rdesc, nbytes)
         return np.frombuffer(data, np.uint8)
+
+    def recv_upto(self, peer, nbytes):
+        """(data, the message's whole length) of the next chunk of a point-to-point message from
+        ``peer``: at most ``nbytes``; its description's count is the sender's to say."""
+        inbox = self.links[peer].inbox
+        if not inbox:
+            self._wait(lambda: len(inbox) > 0, peer, f"a message of up to {nbytes} bytes")
+        with self._cond:
+            desc, data = inbox.popleft()
+        mine = self._rdesc
+        if desc[:8] != mine[:8] or desc[16:] != mine[16:]:
+            check_header(peer, self.rank, desc, len(data), mine[:8] + desc[8:16] + mine[16:], nbytes)
+        return np.frombuffer(data, np.uint8), DESC.unpack(desc)[1]     # its lengths: _Message checks
+
+    def too_long(self, peer, nbytes, capacity):
+        return too_long_error(peer, self.rank, nbytes, capacity)
 
     def release(self, peer):
         pass

@@ -1,0 +1,38 @@
+"""All-to-all and point-to-point messages.
+
+- pairwise all-to-all (MPI's and NCCL's for large blocks): at step k = 1 .. n-1 rank r sends its
+  block for rank r+k while it receives the block of rank r-k, both pipelined in chunks. The work
+  area holds the send blocks (``send_bounds``, byte offsets from 0) and, from ``recv_base``, the
+  receive blocks (``recv_bounds``); a rank's own block is copied by the caller. Every pair
+  exchanges one message even of zero bytes, so counts that disagree are found, not waited for.
+- a point-to-point exchange: one message to ``dst`` while one is received from ``src`` (either may
+  be None), the receive a COPY_UPTO of at most ``capacity`` bytes.
+"""
+import functools
+
+from pyrdma.collectives.algorithms.rooted import message_chunks
+from pyrdma.collectives.schedule import COPY, COPY_UPTO, Builder
+
+_cached = functools.lru_cache(maxsize=512)
+
+
+@_cached
+def pairwise_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message):
+    b = Builder()
+    for k in range(1, n):
+        dst, src = (r + k) % n, (r - k) % n
+        b.exchange(dst, message_chunks(send_bounds[dst], send_bounds[dst + 1] - send_bounds[dst], max_message),
+                   src, message_chunks(recv_base + recv_bounds[src], recv_bounds[src + 1] - recv_bounds[src],
+                                       max_message), COPY)
+    b.wait_sends()
+    return b.build()
+
+
+@_cached
+def message(dst, nbytes, src, capacity, recv_base, max_message):
+    b = Builder()
+    b.exchange(dst, message_chunks(0, nbytes, max_message) if dst is not None else (),
+               src, message_chunks(recv_base, capacity, max_message) if src is not None else (), COPY_UPTO)
+    if dst is not None:
+        b.wait_sends(dst)
+    return b.build()

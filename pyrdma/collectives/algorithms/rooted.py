@@ -1,0 +1,96 @@
+"""Gather and scatter: every rank's block of ``block`` bytes to or from ``root``.
+
+- direct: the root exchanges with each rank in turn (n-1 messages through the root's link; the
+  large-block choice, as MPI's linear gather/scatter). The root's work area holds the n blocks in
+  rank order; every other rank's holds its own block at offset 0.
+- binomial: a binomial tree rooted at ``root`` (log2 n rounds; the small-block choice, as MPI's
+  and NCCL's trees). Rank v of the tree (v = rank - root mod n) gathers or forwards the blocks of
+  its subtree, ranks v .. v + 2^k - 1; every rank's work area holds n blocks in rank order (a
+  subtree's blocks may wrap around the end).
+"""
+import functools
+
+from pyrdma.collectives.schedule import COPY, Builder
+
+_cached = functools.lru_cache(maxsize=512)
+
+
+def message_chunks(offset, nbytes, max_message):
+    """The chunks (offset, length) of one message of ``nbytes`` bytes: at least one, possibly of
+    zero bytes (so that a receiver expecting data from a sender with none finds out)."""
+    if nbytes <= max_message:
+        return [(offset, nbytes)]
+    return [(offset + a, min(max_message, nbytes - a)) for a in range(0, nbytes, max_message)]
+
+
+def _subtree_chunks(n, root, first, stop, block, max_message):
+    """The chunks of the blocks of tree ranks [first, stop), in rank order in the work area."""
+    chunks = []
+    a, b = (first + root) % n, (stop + root) % n or n
+    spans = [(a, b)] if a < b else [(a, n), (0, b)]
+    for lo, hi in spans:
+        if hi > lo:
+            chunks += message_chunks(lo * block, (hi - lo) * block, max_message)
+    return chunks
+
+
+@_cached
+def direct_gather(n, r, root, block, max_message):
+    b = Builder()
+    if r == root:
+        for k in range(1, n):
+            p = (root + k) % n
+            b.recv(p, message_chunks(p * block, block, max_message), COPY)
+    else:
+        b.send(root, message_chunks(0, block, max_message))
+        b.wait_sends()
+    return b.build()
+
+
+@_cached
+def direct_scatter(n, r, root, block, max_message):
+    b = Builder()
+    if r == root:
+        for k in range(1, n):
+            p = (root + k) % n
+            b.send(p, message_chunks(p * block, block, max_message))
+        b.wait_sends()
+    else:
+        b.recv(root, message_chunks(0, block, max_message), COPY)
+    return b.build()
+
+
+@_cached
+def binomial_gather(n, r, root, block, max_message):
+    b = Builder()
+    v = (r - root) % n
+    mask = 1
+    while mask < n:
+        if v & mask:
+            b.send((v - mask + root) % n, _subtree_chunks(n, root, v, min(v + mask, n), block, max_message))
+            b.wait_sends()
+            break
+        child = v + mask
+        if child < n:
+            b.recv((child + root) % n, _subtree_chunks(n, root, child, min(child + mask, n), block, max_message),
+                   COPY)
+        mask <<= 1
+    return b.build(result_offset=r * block)
+
+
+@_cached
+def binomial_scatter(n, r, root, block, max_message):
+    b = Builder()
+    v = (r - root) % n
+    top = 1 << max(0, (n - 1).bit_length())       # the root's subtree: every tree rank
+    low = v & -v if v else top
+    if v:
+        b.recv((v - low + root) % n, _subtree_chunks(n, root, v, min(v + low, n), block, max_message), COPY)
+    mask = low >> 1
+    while mask:
+        child = v + mask
+        if child < n:
+            b.send((child + root) % n, _subtree_chunks(n, root, child, min(child + mask, n), block, max_message))
+        mask >>= 1
+    b.wait_sends()
+    return b.build(result_offset=r * block)

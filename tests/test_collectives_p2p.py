@@ -1,0 +1,342 @@
+"""gather, scatter, all-to-all(v) and point-to-point send/recv against numpy references, over both
+transports with the same bodies: TCP on the host, RDMA (marker ``device``) on rxe0 in the VM.
+
+Worlds (rank processes) are shared by the tests of this module; MAX_MESSAGE is small, so that even
+small arrays travel in several chunks, and ZERO_COPY small, so that the zero-copy paths run too.
+"""
+import time
+
+import numpy as np
+import pytest
+
+from pyrdma.testing import free_port
+from test_collectives_comm import START_TIMEOUT, TIMEOUT, fresh_comm
+from test_collectives_world import World
+
+MAX_MESSAGE = 2048
+ZERO_COPY = 8192
+DTYPES = ["int8", "uint8", "int32", "int64", "float16", "float32", "float64"]
+
+
+def _params(tcp, rdma):
+    return ([pytest.param("tcp", n, id=f"tcp-{n}") for n in tcp] +
+            [pytest.param("rdma", n, id=f"rdma-{n}", marks=pytest.mark.device) for n in rdma])
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    cache = {}
+
+    def get(transport, size):
+        w = cache.get((transport, size))
+        if w is None or w.broken:
+            if w is not None:
+                w.close()
+            w = cache[(transport, size)] = World(size, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT,
+                                                 max_message=MAX_MESSAGE, zero_copy_bytes=ZERO_COPY)
+        return w
+    yield get
+    for w in cache.values():
+        w.close()
+
+
+def piece(rank, peer, count, dtype):
+    """What rank sends to peer: distinct values per (rank, peer, position)."""
+    return ((np.arange(count) + 1000 * rank + 37 * peer) % 120).astype(dtype)
+
+
+def uneven(rank, peer, size):
+    """Element count rank sends to peer: rank-dependent, some zero, some over a chunk."""
+    return ((rank * 7 + peer * 3) % 5) * ((rank + peer) % 3) * 300
+
+
+# ---- gather, scatter ---------------------------------------------------------------------------------
+
+def _rooted(comm, counts):
+    out = []
+    n, r = comm.size, comm.rank
+    for count in counts:
+        for dtype in DTYPES:
+            for root in range(n):
+                for algorithm in ("direct", "binomial", "auto"):
+                    mine = piece(r, root, count, dtype)
+                    got = comm.gather(mine, root=root, algorithm=algorithm)
+                    want = np.concatenate([piece(p, root, count, dtype) for p in range(n)])
+                    if r == root:
+                        assert got is not None and got.dtype == np.dtype(dtype), (count, dtype, root, algorithm)
+                        assert np.array_equal(got, want), ("gather", count, dtype, root, algorithm)
+                    else:
+                        assert got is None
+                    full = want if r == root else None
+                    part = comm.scatter(full, out=np.full(count, 7, dtype), root=root, algorithm=algorithm)
+                    assert np.array_equal(part, piece(r, root, count, dtype)), ("scatter", count, dtype, root,
+                                                                                algorithm)
+            # SPMD form: every rank passes the full array; 2-D rows
+            rows = np.stack([piece(p, 0, count, dtype) for p in range(n)]).reshape(n, max(count, 1) if count else 0)
+            assert np.array_equal(comm.scatter(rows, root=n - 1)[0] if count else rows[r:r], rows[r] if count
+                                  else rows[r:r])
+        out.append(count)
+    return out
+
+
+@pytest.mark.parametrize("transport, size", _params([2, 3, 4, 8], [2, 3, 4]))
+def test_gather_and_scatter_every_root_dtype_and_algorithm(worlds, transport, size):
+    counts = [0, 1, 5, 700] if size <= 4 else [1, 700]      # 700 x 8 bytes: several chunks
+    worlds(transport, size).run(_rooted, counts, timeout=300)
+
+
+# ---- alltoall ----------------------------------------------------------------------------------------
+
+def _alltoall(comm):
+    n, r = comm.size, comm.rank
+    for dtype in DTYPES:
+        for count in (1, 3, 400):
+            buf = np.concatenate([piece(r, p, count, dtype) for p in range(n)])
+            got = comm.alltoall(buf)
+            assert np.array_equal(got, np.concatenate([piece(p, r, count, dtype) for p in range(n)])), (dtype, count)
+        send = [uneven(r, p, n) for p in range(n)]
+        recv = [uneven(p, r, n) for p in range(n)]
+        buf = np.concatenate([piece(r, p, send[p], dtype) for p in range(n)])
+        want = np.concatenate([piece(p, r, recv[p], dtype) for p in range(n)])
+        assert np.array_equal(comm.alltoall(buf, send_counts=send, recv_counts=recv), want), dtype
+        out = np.empty(sum(recv), dtype)
+        assert comm.alltoall(buf, out=out, send_counts=send) is out and np.array_equal(out, want), dtype
+        h = comm.ialltoall(buf, send_counts=send, recv_counts=recv)
+        assert np.array_equal(h.wait(timeout=60), want)
+    # 2-D rows of equal pieces
+    rows = np.stack([piece(r, p, 6, "float32") for p in range(n)])
+    assert np.array_equal(comm.alltoall(rows), np.stack([piece(p, r, 6, "float32") for p in range(n)]))
+    return True
+
+
+@pytest.mark.parametrize("transport, size", _params([2, 3, 4, 8], [2, 3, 4]))
+def test_alltoall_equal_and_uneven_counts(worlds, transport, size):
+    assert all(worlds(transport, size).run(_alltoall, timeout=300))
+
+
+# ---- send / recv -------------------------------------------------------------------------------------
+
+def _ring_p2p(comm):
+    """Sends around the ring with several tags, interleaved with collectives; sizes from 0 bytes over
+    several chunks to the zero-copy size; a shorter message than the buffer; isend/irecv; sendrecv."""
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    for count in (0, 1, 100, 3000):
+        for tag in (0, 5):
+            x = piece(r, right, count, "float64")
+            if r % 2 == 0:
+                comm.send(x, right, tag=tag)
+                y = np.zeros(count + 10)
+                got = comm.recv(y, left, tag=tag)
+            else:
+                y = np.zeros(count + 10)
+                got = comm.recv(y, left, tag=tag)
+                comm.send(x, right, tag=tag)
+            assert got == count and np.array_equal(y[:count], piece(left, r, count, "float64")), (count, tag)
+            assert not y[count:].any()
+            s = np.ones(3)
+            comm.allreduce(s)                  # collectives in between
+            assert s[0] == n
+    y = np.zeros(500, np.int32)
+    got = comm.sendrecv(piece(r, right, 500, "int32"), right, y, left, tag=3)
+    assert got == 500 and np.array_equal(y, piece(left, r, 500, "int32"))
+    # non-blocking, in call order (as NCCL's ops on a stream): several messages per pair in order
+    ss = [comm.isend(np.full(50, 10 * k + r, np.int64), right, tag=1) for k in range(3)]
+    ys = [np.zeros(50, np.int64) for _ in range(3)]
+    hs = [comm.irecv(y, left, tag=1) for y in ys]
+    for h in ss:
+        assert h.wait(timeout=60) is None
+    for k, h in enumerate(hs):
+        assert h.wait(timeout=60) == 50 and (ys[k] == 10 * k + left).all()
+    # a batch (torch's batch_isend_irecv): receives first, both directions, each message larger
+    # than every receive slot together, so ranks that ran them one by one would wait for each other
+    big = 20 * MAX_MESSAGE // 8
+    y_left, y_right = np.zeros(big), np.zeros(big)
+    ops = [("recv", y_left, left, 2), ("recv", y_right, right, 2),
+           ("send", piece(r, right, big, "float64"), right, 2), ("send", piece(r, left, big, "float64"), left, 2)]
+    got = comm.batch(ops).wait(timeout=60) if n > 1 else None
+    assert got[:2] == [big, big] and got[2:] == [None, None], got
+    if n == 2:                     # left and right are the same rank: its messages come in order
+        assert np.array_equal(y_left, piece(left, r, big, "float64"))
+        assert np.array_equal(y_right, piece(right, r, big, "float64"))
+    else:
+        assert np.array_equal(y_left, piece(left, r, big, "float64"))
+        assert np.array_equal(y_right, piece(right, r, big, "float64"))
+    return True
+
+
+def _p2p_uninvolved(comm):
+    """Only ranks 0 and 1 exchange messages; the others' collectives do not fall out of step."""
+    r = comm.rank
+    for i in range(5):
+        if r == 0:
+            comm.send(np.full(10, i, np.int32), 1, tag=i)
+        elif r == 1:
+            y = np.zeros(10, np.int32)
+            assert comm.recv(y, 0, tag=i) == 10 and (y == i).all()
+        x = np.full(4, r, np.int64)
+        comm.allreduce(x)
+        assert (x == sum(range(comm.size))).all()
+    return True
+
+
+@pytest.mark.parametrize("transport, size", _params([2, 3, 4, 8], [2, 4]))
+def test_send_recv_tags_sizes_and_interleaved_collectives(worlds, transport, size):
+    w = worlds(transport, size)
+    assert all(w.run(_ring_p2p, timeout=300))
+    assert all(w.run(_p2p_uninvolved, timeout=120))
+
+
+def _big_send(comm, nbytes):
+    data = np.arange(nbytes // 8, dtype=np.int64)
+    if comm.rank == 0:
+        start = time.monotonic()
+        comm.send(data, 1)
+        return time.monotonic() - start
+    if comm.rank == 1:
+        y = np.zeros_like(data)
+        assert comm.recv(y, 0) == data.size
+        assert np.array_equal(y, data)
+    return 0.0
+
+
+@pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
+def test_send_of_64_mib(transport):
+    with World(2, transport, timeout=120, start_timeout=START_TIMEOUT) as w:
+        w.run(_big_send, 64 << 20, timeout=600)
+
+
+# ---- errors: bad input, mismatches, dead ranks ---------------------------------------------------------
+
+def _errors(comm, port):
+    import pyrdma
+    n, r = comm.size, comm.rank
+    bad = []
+
+    def expect(fn, words):
+        try:
+            fn()
+        except pyrdma.UsageError as exc:
+            if not all(w in str(exc) for w in words):
+                bad.append((words, str(exc)))
+        else:
+            bad.append((words, "no error"))
+    expect(lambda: comm.gather(np.zeros(4), root=n), ["root"])
+    expect(lambda: comm.alltoall(np.zeros(n + 1)) if n > 1 else comm.alltoall(np.zeros(1), send_counts=[2]),
+           ["pieces"] if n > 1 else ["send_counts"])
+    expect(lambda: comm.alltoall(np.zeros(n), send_counts=[1] * (n + 1)), ["send_counts"])
+    expect(lambda: comm.alltoall(np.zeros(n), send_counts=[2] * n, recv_counts=[1] * n), ["add up"])
+    expect(lambda: comm.send(np.zeros(2), n), ["dst"])
+    expect(lambda: comm.recv(np.zeros(2), r), ["itself"])
+    expect(lambda: comm.send(np.zeros(2), (r + 1) % n, tag=-1), ["tag"])
+    expect(lambda: comm.recv(np.zeros(6)[::2], (r + 1) % n), ["C-contiguous"])
+    expect(lambda: comm.scatter(None, root=(r + 1) % n), ["out="])
+    # the communicator still works: bad input is refused before anything is sent
+    x = np.ones(2)
+    comm.allreduce(x)
+    assert x[0] == n
+    return bad
+
+
+@pytest.mark.parametrize("transport, size", _params([3], []))
+def test_bad_input_is_a_clear_usage_error(worlds, transport, size):
+    for bad in worlds(transport, size).run(_errors, 0, timeout=120):
+        assert not bad, bad
+
+
+def _mismatch(comm, ports, kinds):
+    import pyrdma
+    outcomes = []
+    for k, kind in enumerate(kinds):
+        with fresh_comm(comm, ports[k], zero_copy_bytes=ZERO_COPY) as c:
+            n, r = c.size, c.rank
+            start = time.monotonic()
+            result = None
+            try:
+                if kind == "gather-count":
+                    c.gather(np.zeros(10 + (r == 2)), root=0)
+                elif kind == "scatter-count":
+                    c.scatter(np.zeros(n * (4 + (r == 1))), root=0)
+                elif kind == "alltoall-counts":
+                    send = [1] * n
+                    recv = [1] * n
+                    if r == 1:
+                        recv[0] = 2
+                    c.alltoall(np.zeros(n), send_counts=send, recv_counts=recv)
+                elif kind == "send-tag":
+                    if r == 0:
+                        c.send(np.zeros(5), 1, tag=1)
+                    elif r == 1:
+                        c.recv(np.zeros(5), 0, tag=2)
+                elif kind == "too-long":
+                    if r == 0:
+                        c.send(np.zeros(3000), 1)
+                    elif r == 1:
+                        c.recv(np.zeros(100), 0)
+                result = "no error"
+                # a rank that only sent may finish first: it learns at its next call
+                c.barrier()
+            except pyrdma.RDMAError as exc:
+                result = f"{type(exc).__name__}: {exc}" + (" (at the next call)" if result == "no error" else "")
+            elapsed = time.monotonic() - start
+        outcomes.append((result, elapsed))
+    return outcomes
+
+
+@pytest.mark.parametrize("transport, size", _params([3], [3]))
+def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
+    kinds = ["gather-count", "scatter-count", "alltoall-counts", "send-tag", "too-long"]
+    results = worlds(transport, size).run(_mismatch, [free_port() for _ in kinds], kinds, timeout=300)
+    receivers = {"gather-count": {0}, "scatter-count": {1}, "alltoall-counts": {1}, "send-tag": {1},
+                 "too-long": {1}}
+    for rank, outcomes in enumerate(results):
+        for kind, (result, elapsed) in zip(kinds, outcomes):
+            # every rank raises UsageError; a rank that receives the mismatched message, at that call
+            assert result.startswith("UsageError"), (rank, kind, result)
+            assert rank not in receivers[kind] or "next call" not in result, (rank, kind, result)
+            assert elapsed < TIMEOUT / 2, (rank, kind, elapsed)
+    too_long = results[1][kinds.index("too-long")][0]
+    assert "24000-byte message" in too_long and "800 bytes" in too_long, too_long
+    tag = results[1][kinds.index("send-tag")][0]
+    assert "tag=1" in tag and "tag=2" in tag, tag
+
+
+def _dead(comm, victim, kind):
+    import os
+    import pyrdma
+    n, r = comm.size, comm.rank
+    if r == victim:
+        os._exit(3)
+    start = time.monotonic()
+    try:
+        if kind == "alltoall":
+            comm.alltoall(np.zeros(n * 100))
+        elif kind == "gather":
+            comm.gather(np.zeros(100), root=0)
+        elif kind == "scatter":
+            comm.scatter(np.zeros(n * 100), root=victim)
+        elif kind == "recv":
+            comm.recv(np.zeros(100), victim)
+    except pyrdma.PeerError as exc:
+        return ("PeerError", exc.peer, time.monotonic() - start)
+    return ("no error", None, None)
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "gather", "scatter", "recv"])
+@pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
+def test_dead_rank_is_named(transport, kind):
+    timeout, victim, size = 4.0, 2, 3
+    w = World(size, transport, timeout=timeout, start_timeout=START_TIMEOUT, max_message=MAX_MESSAGE)
+    try:
+        results = w.run(_dead, victim, kind, timeout=timeout * 4 + 20, expect_errors=True, ignore=(victim,))
+    finally:
+        w.close()
+    for rank, (status, value) in enumerate(results):
+        if rank == victim:
+            continue
+        assert status == "ok", value
+        outcome, peer, elapsed = value
+        if kind == "gather" and rank != 0:
+            continue                 # a non-root of a gather only sends: its call may finish first
+        assert outcome == "PeerError" and peer == victim, (rank, value)
+        assert elapsed < timeout + 3, (rank, elapsed)
