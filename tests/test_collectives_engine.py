@@ -23,7 +23,8 @@ def test_schedule_layout_matches_the_engine():
     ours = dict(STEP_COLUMNS=schedule.STEP_COLUMNS, CHUNK_COLUMNS=schedule.CHUNK_COLUMNS,
                 EXCHANGE=schedule.EXCHANGE, WAIT_SENDS=schedule.WAIT_SENDS, CONSUME_NONE=schedule.NONE,
                 CONSUME_COPY=schedule.COPY, CONSUME_REDUCE=schedule.REDUCE,
-                CONSUME_REDUCE_LOWER=schedule.REDUCE_LOWER, CONSUME_REDUCE_UPPER=schedule.REDUCE_UPPER)
+                CONSUME_REDUCE_LOWER=schedule.REDUCE_LOWER, CONSUME_REDUCE_UPPER=schedule.REDUCE_UPPER,
+                CONSUME_COPY_UPTO=schedule.COPY_UPTO)
     from pyrdma.collectives.transport import HEADER_ROOM
     assert {k: v for k, v in _engine.LAYOUT.items() if k != "HEADER_ROOM"} == ours
     assert _engine.LAYOUT["HEADER_ROOM"] == HEADER_ROOM

@@ -340,3 +340,34 @@ def test_dead_rank_is_named(transport, kind):
             continue                 # a non-root of a gather only sends: its call may finish first
         assert outcome == "PeerError" and peer == victim, (rank, value)
         assert elapsed < timeout + 3, (rank, elapsed)
+
+
+def _own_root(comm, ports, kinds):
+    import pyrdma
+    outcomes = []
+    for port, kind in zip(ports, kinds):
+        with fresh_comm(comm, port) as c:
+            r = c.rank
+            try:
+                if kind == "broadcast":
+                    c.broadcast(np.zeros(10), root=r)
+                elif kind == "scatter":
+                    c.scatter(np.zeros(10 * c.size), root=r)
+                elif kind == "gather":
+                    c.gather(np.zeros(10), root=r)
+                elif kind == "reduce":
+                    c.reduce(np.zeros(10), root=r)
+                outcomes.append("no error")
+            except pyrdma.RDMAError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+    return outcomes
+
+
+@pytest.mark.parametrize("transport, size", _params([2], [2]))
+def test_ranks_that_each_name_themselves_root_fail_at_that_call(worlds, transport, size):
+    """Nobody would receive anything in a broadcast or scatter: the root's confirmation makes every
+    rank receive, so both find the mismatch at the call, not at the next one."""
+    kinds = ["broadcast", "scatter", "gather", "reduce"]
+    for outcomes in worlds(transport, size).run(_own_root, [free_port() for _ in kinds], kinds, timeout=120):
+        for kind, result in zip(kinds, outcomes):
+            assert result.startswith("UsageError") and "root=" in result, (kind, result)

@@ -86,6 +86,7 @@ def chain_broadcast(n, r, count, itemsize, max_message, root):
                 b.recv(left, (chunk,), COPY)
             if pos < n - 1:
                 b.send(right, (chunk,))
+        b.confirm_root(n, r, root)
         b.wait_sends()
     return b.build()
 
@@ -99,6 +100,7 @@ def chain_reduce(n, r, count, itemsize, max_message, root):
         pos = (r - root - 1) % n          # root+1 starts (pos 0), root ends (pos n-1)
         right, left = (r + 1) % n, (r - 1) % n
         chunks = whole_chunks(count, itemsize, max_message)
+        b.announce_root(n, r, root)
         if pos == 0:
             b.send(right, chunks)
         else:
@@ -107,5 +109,6 @@ def chain_reduce(n, r, count, itemsize, max_message, root):
                 b.recv(left, (chunk,), REDUCE)
                 if pos < n - 1:
                     b.send(right, (chunk,))
+        b.heard_root(n, r, root)
         b.wait_sends()
     return b.build()

@@ -82,6 +82,29 @@ class Builder:
     def recv(self, peer, chunks, consume):
         self.exchange(None, (), peer, chunks, consume)
 
+    # Rooted collectives in which the root only sends (broadcast, scatter) or only receives (reduce,
+    # gather) add a zero-byte message between the root and the rank after it, the other way: so the
+    # root both sends and receives, and ranks that each name themselves root (which would otherwise
+    # all only send, or all wait) compare a description with one another and fail at that call.
+
+    def confirm_root(self, n, r, root):
+        """At the end of a collective whose root only sends: the rank after the root, once it has
+        all it receives, tells the root."""
+        if n > 1 and r == root:
+            self.recv((root + 1) % n, ((0, 0, 0),), NONE)
+        elif n > 1 and r == (root + 1) % n:
+            self.send(root, ((0, 0, 0),))
+
+    def announce_root(self, n, r, root):
+        """At the start of a collective whose root only receives: the root tells the rank after it
+        (which takes the message at its end: heard_root)."""
+        if n > 1 and r == root:
+            self.send((root + 1) % n, ((0, 0, 0),))
+
+    def heard_root(self, n, r, root):
+        if n > 1 and r == (root + 1) % n:
+            self.recv(root, ((0, 0, 0),), NONE)
+
     def wait_sends(self, peer=None):
         self.steps.append((WAIT_SENDS, -1 if peer is None else peer, -1, 0, 0, 0, 0, NONE))
 

@@ -151,6 +151,7 @@ def binomial_broadcast(n, r, count, itemsize, max_message, root):
                 b.recv(parent, (chunk,), COPY)
             for c in children:
                 b.send(c, (chunk,))
+        b.confirm_root(n, r, root)
         b.wait_sends()
     return b.build()
 
@@ -162,11 +163,13 @@ def binomial_reduce(n, r, count, itemsize, max_message, root):
     if n > 1:
         parent, children = _tree(n, r, root)
         children.reverse()                       # smallest subtree first: ready first
+        b.announce_root(n, r, root)
         for chunk in whole_chunks(count, itemsize, max_message):
             for c in children:
                 b.recv(c, (chunk,), REDUCE)
             if parent is not None:
                 b.send(parent, (chunk,))
+        b.heard_root(n, r, root)
         b.wait_sends()
     return b.build()
 

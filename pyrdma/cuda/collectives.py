@@ -172,6 +172,36 @@ def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
     return out
 
 
+def staged_call(comm, name, *args, stream=None):
+    """A gather, scatter, alltoall or point-to-point call (``name``, Communicator._call's spec of
+    the same name) whose arrays are CUDA arrays, staged: each CUDA array is copied to pinned host
+    memory, the host call runs on the copies, and the copies are uploaded back (those the call
+    wrote: they are the outputs). A new result array comes back as a CuPy array. Returns what the
+    host call returns."""
+    cp = import_cupy(f"{name} of a CUDA array")
+    staged = []
+
+    def down(obj):
+        if obj is None or isinstance(obj, np.ndarray) or not is_cuda_array(obj):
+            return obj
+        buf, dtype, _ = _describe(obj, name, allow_empty=True)
+        host = _pinned_copy(cp, _cupy_view(cp, obj, buf, dtype)) if buf.nbytes else np.empty(0, dtype)
+        before = host.copy()
+        staged.append((obj, buf, dtype, host, before))
+        return host.reshape(buf.shape) if buf.shape else host
+    with _on(cp, stream):
+        host_args = [tuple(down(a) for a in x) if isinstance(x, tuple) else down(x) for x in args]
+        result = comm._call(getattr(comm, "_" + name), *host_args, blocking=True)
+        for obj, buf, dtype, host, before in staged:
+            if buf.nbytes and not np.array_equal(host.view(np.uint8), before.view(np.uint8)):
+                _upload(cp, _cupy_view(cp, obj, buf, dtype), host)
+            if result is not None and isinstance(result, np.ndarray) and np.shares_memory(result, host):
+                result = obj
+        if isinstance(result, np.ndarray):
+            result = cp.asarray(result)
+    return result
+
+
 # ---- gpu_path "direct": the transport sends from GPU memory, CUDA kernels reduce ----------------
 
 def device_of(obj):

@@ -37,13 +37,15 @@ def _subtree_chunks(n, root, first, stop, block, max_message):
 @_cached
 def direct_gather(n, r, root, block, max_message):
     b = Builder()
+    b.announce_root(n, r, root)
     if r == root:
         for k in range(1, n):
             p = (root + k) % n
             b.recv(p, message_chunks(p * block, block, max_message), COPY)
     else:
         b.send(root, message_chunks(0, block, max_message))
-        b.wait_sends()
+    b.heard_root(n, r, root)
+    b.wait_sends()
     return b.build()
 
 
@@ -54,27 +56,30 @@ def direct_scatter(n, r, root, block, max_message):
         for k in range(1, n):
             p = (root + k) % n
             b.send(p, message_chunks(p * block, block, max_message))
-        b.wait_sends()
     else:
         b.recv(root, message_chunks(0, block, max_message), COPY)
+    b.confirm_root(n, r, root)
+    b.wait_sends()
     return b.build()
 
 
 @_cached
 def binomial_gather(n, r, root, block, max_message):
     b = Builder()
+    b.announce_root(n, r, root)
     v = (r - root) % n
     mask = 1
     while mask < n:
         if v & mask:
             b.send((v - mask + root) % n, _subtree_chunks(n, root, v, min(v + mask, n), block, max_message))
-            b.wait_sends()
             break
         child = v + mask
         if child < n:
             b.recv((child + root) % n, _subtree_chunks(n, root, child, min(child + mask, n), block, max_message),
                    COPY)
         mask <<= 1
+    b.heard_root(n, r, root)
+    b.wait_sends()
     return b.build(result_offset=r * block)
 
 
@@ -92,5 +97,6 @@ def binomial_scatter(n, r, root, block, max_message):
         if child < n:
             b.send((child + root) % n, _subtree_chunks(n, root, child, min(child + mask, n), block, max_message))
         mask >>= 1
+    b.confirm_root(n, r, root)
     b.wait_sends()
     return b.build(result_offset=r * block)

@@ -134,7 +134,7 @@ def explain(desc):
 
 def check_header(peer, rank, got_desc, got_len, want_desc, want_len):
     """UsageError (a mismatch) unless a received message is the one this rank expects."""
-    if got_desc[:8] + got_desc[16:] == want_desc[:8] + want_desc[16:] and KINDS[want_desc[40]] == "send" \
+    if got_desc[:8] + got_desc[16:] == want_desc[:8] + want_desc[16:] and KINDS[want_desc[38]] == "send" \
             and got_len > want_len:        # a point-to-point message longer than the receive
         raise too_long_error(peer, rank, DESC.unpack(got_desc)[1], want_len)
     if got_desc != want_desc:
