@@ -885,15 +885,17 @@ cdef class HostCall:
     per buffer format, size, op and algorithm: _prepare_host_allreduce): the Program, the description
     (whose call number HostCollectives patches per call), the reduction codes, and the work area:
     the caller's buffer itself (``work_region`` None) or the transport's own buffer, with a copy
-    in and a copy out at ``result_offset``."""
+    in and a copy out at ``result_offset``. ``own``: (from, to, length) of a copy within the work
+    area after the copy in (an all-to-all's own block, which no message carries)."""
     cdef Program program
     cdef uint8_t desc[DESC_SIZE]
     cdef int dtype, op
     cdef int64_t nbytes, result_offset, work_bytes
+    cdef int64_t own_from, own_to, own_len
     cdef MemoryRegion work_region
 
     def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
-                 int64_t result_offset, int64_t work_bytes, MemoryRegion work_region=None):
+                 int64_t result_offset, int64_t work_bytes, MemoryRegion work_region=None, own=(0, 0, 0)):
         if len(desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
         if not 0 <= dtype < 8 or not 0 <= op < 4:
@@ -901,6 +903,10 @@ cdef class HostCall:
         if nbytes < 0 or result_offset < 0 or result_offset + nbytes > work_bytes or program.extent > work_bytes \
                 or (work_region is None and (result_offset or work_bytes != nbytes)):
             raise UsageError("HostCall: the result or the schedule is outside the work area")
+        self.own_from, self.own_to, self.own_len = own
+        if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or work_region is None and self.own_len \
+                or max(self.own_from, self.own_to) + self.own_len > work_bytes:
+            raise UsageError("HostCall: the own block's copy is outside the work area")
         self.program = program
         memcpy(self.desc, <char *>desc, DESC_SIZE)
         self.dtype, self.op = dtype, op
@@ -909,6 +915,7 @@ cdef class HostCall:
 
 
 cdef object _MISSING = object()
+from numpy import ndarray as _ndarray, empty_like as _empty_like
 
 
 @cython.final
@@ -1046,6 +1053,53 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
+    def alltoall(self, buf, out):
+        """``out`` (a new array like ``buf`` when None and buf is a numpy array) holding the equal
+        pieces of every rank's all-to-all; or None where the general path must run it (as
+        allreduce)."""
+        cdef Py_buffer view, oview
+        cdef const char *fmt
+        cdef const char *ofmt
+        comm = self.comm
+        if comm._pending or comm._closed or comm._broken is not None:
+            return None
+        if out is None:
+            if type(buf) is not _ndarray:
+                return None
+            out = _empty_like(buf)
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            try:
+                PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            except Exception:
+                return None
+            try:
+                fmt = view.format
+                if fmt == NULL:
+                    fmt = "B"
+                ofmt = oview.format
+                if ofmt == NULL:
+                    ofmt = "B"
+                if oview.len != view.len or strcmp(fmt, ofmt) != 0 or view.buf == oview.buf:
+                    return None
+                key = ("alltoall", PyBytes_FromString(fmt), view.len, comm.max_work_bytes)
+                call = self.calls.get(key, _MISSING)
+                if call is _MISSING:
+                    if len(self.calls) >= 256:
+                        self.calls.clear()
+                        self.last_call = None
+                    call = self.calls[key] = comm._prepare_host_alltoall(buf)
+                if call is None:
+                    return None
+                return self._run(<HostCall>call, out, &view, &oview)
+            finally:
+                PyBuffer_Release(&oview)
+        finally:
+            PyBuffer_Release(&view)
+
     def barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
         comm = self.comm
@@ -1055,12 +1109,14 @@ cdef class HostCollectives:
             self.barrier_call = comm._prepare_barrier()
         return self._run(self.barrier_call, True, NULL)
 
-    cdef object _run(self, HostCall call, object result, Py_buffer *view):
-        """Run a prepared call on ``view`` (NULL: no data, as a barrier's) and return ``result``."""
+    cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL):
+        """Run a prepared call on ``view`` (NULL: no data, as a barrier's), its result copied into
+        ``out_view`` (NULL: into view), and return ``result``."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
         cdef MemoryRegion region
         cdef uint8_t *data = <uint8_t *>view.buf if view != NULL else NULL
+        cdef uint8_t *out_data = <uint8_t *>out_view.buf if out_view != NULL else data
         cdef uint8_t *work
         cdef uint64_t seq
         cdef int rc, i
@@ -1090,9 +1146,11 @@ cdef class HostCollectives:
                     with nogil:
                         if copy and call.nbytes:
                             memcpy(work, data, <size_t>call.nbytes)
+                        if call.own_len:
+                            memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
                         rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
                         if rc == 0 and copy and call.nbytes:
-                            memcpy(data, work + call.result_offset, <size_t>call.nbytes)
+                            memcpy(out_data, work + call.result_offset, <size_t>call.nbytes)
                 finally:
                     engine._end()
                 if rc < 0:

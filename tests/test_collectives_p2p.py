@@ -371,3 +371,32 @@ def test_ranks_that_each_name_themselves_root_fail_at_that_call(worlds, transpor
     for outcomes in worlds(transport, size).run(_own_root, [free_port() for _ in kinds], kinds, timeout=120):
         for kind, result in zip(kinds, outcomes):
             assert result.startswith("UsageError") and "root=" in result, (kind, result)
+
+
+def _one_call_alltoall(comm):
+    """A warm blocking all-to-all of host memory over RDMA is one Python frame whatever its size, and
+    gives what the general path gives (the two mix: a rank may take either)."""
+    from test_collectives_engine import _count_calls
+    n, r = comm.size, comm.rank
+    frames = []
+    for count in (1, 1000, 300_000):                       # 8 B to 2.4 MB per peer
+        buf = np.concatenate([piece(r, p, count, "float64") for p in range(n)])
+        want = np.concatenate([piece(p, r, count, "float64") for p in range(n)])
+        out = np.empty_like(buf)
+        assert np.array_equal(comm.alltoall(buf, out), want)          # prepares the call
+        out[:] = 0
+        frames.append(_count_calls(lambda: comm.alltoall(buf, out)))
+        assert np.array_equal(out, want), count
+        if r == 0:               # the general path on one rank, the one-call path on the others
+            got = comm.alltoall(buf, out, send_counts=[count] * n, recv_counts=[count] * n)
+        else:
+            got = comm.alltoall(buf)
+        assert np.array_equal(got, want), count
+    return frames
+
+
+@pytest.mark.device
+def test_a_warm_blocking_alltoall_over_rdma_is_one_python_call():
+    with World(3, "rdma", timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
+        for frames in w.run(_one_call_alltoall, timeout=300):
+            assert frames == [2, 2, 2], f"Python frames per call (alltoall and the lambda): {frames}"

@@ -170,3 +170,41 @@ def test_direct_path_matches_the_numpy_path(direct_world):
     # bfloat16 has no GPU kernel: the direct path stages it, with the same results
     per_rank, staged = direct_world.run(_direct_cases, [(1003, "bfloat16", "sum", "ring")])[0]
     assert staged and per_rank[0][0] == per_rank[0][1] == per_rank[0][2]
+
+
+def _copy_collectives_on_gpu(comm):
+    """gather, scatter, alltoall (equal and uneven) and send/recv of CuPy arrays, staged: the same
+    values as the numpy path; non-blocking forms refuse CUDA arrays."""
+    import cupy as cp
+    import pyrdma
+    from test_collectives_p2p import piece, uneven
+    n, r = comm.size, comm.rank
+    for dtype in ("int8", "float16", "float32", "int64"):
+        mine = piece(r, 0, 300, dtype)
+        got = comm.gather(cp.asarray(mine), root=1)
+        want = np.concatenate([piece(p, 0, 300, dtype) for p in range(n)])
+        assert (got is None) if r != 1 else (isinstance(got, cp.ndarray) and np.array_equal(cp.asnumpy(got), want))
+        out = cp.zeros(300, dtype)
+        assert comm.scatter(cp.asarray(want), out=out, root=0) is out
+        assert np.array_equal(cp.asnumpy(out), piece(r, 0, 300, dtype))
+        send = [uneven(r, p, n) for p in range(n)]
+        buf = np.concatenate([piece(r, p, send[p], dtype) for p in range(n)])
+        got = comm.alltoall(cp.asarray(buf), send_counts=send)
+        want = np.concatenate([piece(p, r, uneven(p, r, n), dtype) for p in range(n)])
+        assert isinstance(got, cp.ndarray) and np.array_equal(cp.asnumpy(got), want), dtype
+        y = cp.zeros(500, dtype)
+        right, left = (r + 1) % n, (r - 1) % n
+        count = comm.sendrecv(cp.asarray(piece(r, right, 400, dtype)), right, y, left)
+        assert count == 400 and np.array_equal(cp.asnumpy(y[:400]), piece(left, r, 400, dtype))
+        assert not cp.asnumpy(y[400:]).any()
+    try:
+        comm.isend(cp.zeros(4), (r + 1) % n)
+    except pyrdma.UsageError as exc:
+        assert "non-blocking" in str(exc)
+    else:
+        raise AssertionError("isend of a CUDA array was accepted")
+    return True
+
+
+def test_gather_scatter_alltoall_and_send_recv_of_cuda_arrays(world):
+    assert all(world.run(_copy_collectives_on_gpu, timeout=300))

@@ -5,8 +5,11 @@
     y = comm.allreduce(x, out=np.empty_like(x), op="max")  # out of place
     h = comm.iallreduce(x); ...; h.wait(timeout=5)         # non-blocking
 
-Collectives: allreduce, reduce (to root), broadcast (from root), allgather, reduce_scatter,
-barrier, each with a non-blocking ``i*`` form returning a Handle. Ops: sum, prod, min, max, avg
+Collectives: allreduce, reduce (to root), broadcast (from root), allgather, reduce_scatter, gather
+(to root), scatter (from root), alltoall (equal or uneven counts), barrier, and point-to-point send,
+recv, sendrecv, each with a non-blocking ``i*`` form returning a Handle, and batch() for a group of
+sends and receives. Each is one spec (its runs of the engine: schedule, description, work area,
+what to copy in and out) run by one path (_call, _run_spec). Ops: sum, prod, min, max, avg
 (floating-point avg scales every input by 1/n before the sum, as NCCL, so a mean near the
 largest finite value does not overflow as the sum would; integer avg is the sum, which wraps
 around on overflow as C does, divided by n and truncated toward zero, as NCCL). Dtypes: int8,
@@ -15,8 +18,8 @@ uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arr
 the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
 than ranks). CUDA arrays (CuPy, DLPack CUDA tensors, bfloat16 ones too) go to the blocking
 collectives of pyrdma.cuda.collectives: in place in GPU memory with CUDA-kernel reductions
-(``gpu_path="direct"``: allreduce, broadcast) or staged through pinned host memory; the
-non-blocking forms raise UsageError for them.
+(``gpu_path="direct"``: allreduce, broadcast) or staged through pinned host memory (gather,
+scatter, alltoall and point-to-point: staged_call); the non-blocking forms raise UsageError for them.
 
 How it runs: the input is copied into the transport's registered work buffer (registered once,
 reused; grown when needed), the algorithm runs there, the result is copied out. One collective
@@ -31,6 +34,7 @@ own, and raise UsageError on every rank. After any such failure the communicator
 it and build a new one. ``close()`` may come from any thread: a collective blocked in another one
 raises UsageError within a fraction of a second, as Ctrl-C raises KeyboardInterrupt.
 """
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -56,11 +60,6 @@ GPU_PATHS = ("auto", "staged", "direct")
 DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
-# algorithm name -> planner(size, rank, count, itemsize, max_message[, root]) -> Schedule
-ALLREDUCE_PLANS = {"ring": ring.allreduce, "halving_doubling": tree.halving_doubling_allreduce,
-                   "recursive_doubling": tree.recursive_doubling_allreduce}
-BROADCAST_PLANS = {"chain": ring.chain_broadcast, "binomial": tree.binomial_broadcast}
-REDUCE_PLANS = {"chain": ring.chain_reduce, "binomial": tree.binomial_reduce}
 
 
 class Handle:
@@ -536,18 +535,37 @@ class Communicator:
             with area:
                 self._allreduce_in_place(area, op, algorithm)
             return area.result
-        return self._iallreduce(buf, out, op, algorithm, dtype, blocking=True).wait()
+        return self._call(self._allreduce, buf, out, op, algorithm, dtype, blocking=True)
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done."""
-        self._no_cuda("iallreduce", buf, out)
-        return self._iallreduce(buf, out, op, algorithm, dtype, blocking=False)
+        return self._call(self._allreduce, buf, out, op, algorithm, dtype, blocking=False)
 
-    def _iallreduce(self, buf, out, op, algorithm, dtype, blocking):
+    def _allreduce(self, buf, out, op, algorithm, dtype):
         _check_op(op)
         algorithm = self._check_algorithm(algorithm)
         src, dst = _in_and_out(buf, out, dtype, writes=True)
-        return self._submit(blocking, self._allreduce, src, dst, op, self._allreduce_plan(src, op, algorithm))
+        avg = _Avg(op, src.code, self.size)
+        runs = []
+        for lo, hi, algo, tag in self._allreduce_plan(src, op, algorithm):
+            a, b = lo * src.itemsize, hi * src.itemsize
+            in_place, work_bytes = self._allreduce_work(algo, b - a)
+
+            def fill(work, a=a, b=b, in_place=in_place):
+                if not in_place or src is not dst:
+                    work[:b - a] = src.bytes[a:b]
+                avg.before(work[:b - a])
+
+            def finish(work, schedule, received, a=a, b=b, in_place=in_place):
+                at = schedule.result_offset              # where in work the result lies
+                avg.after(work[at:at + b - a])
+                if not in_place:
+                    dst.bytes[a:b] = work[at:at + b - a]
+            plan = functools.partial(algorithms.planner("allreduce", algo), self.size, self.rank, hi - lo,
+                                     src.itemsize)
+            runs.append(_Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, _op_code(op),
+                             lend=dst.bytes if in_place else None, start=a))
+        return _Spec(runs, lambda: dst.obj)
 
     def _allreduce_plan(self, src, op, algorithm):
         """[(lo, hi, algorithm, description)] of the pieces of an allreduce of ``src``."""
@@ -584,10 +602,30 @@ class Communicator:
             return None
         (lo, hi, algo, tag), = plan
         t = self.transport
-        schedule = ALLREDUCE_PLANS[algo](self.size, self.rank, src.count, src.itemsize, t.max_message)
+        schedule = algorithms.planner("allreduce", algo)(self.size, self.rank, src.count, src.itemsize, t.max_message)
         in_place, work_bytes = self._allreduce_work(algo, src.nbytes)
         return HostCall(t.engine.program(schedule), tag, src.code, _op_code(op), src.nbytes, schedule.result_offset,
                         work_bytes, None if in_place else t.own_region(work_bytes))
+
+    def _prepare_host_alltoall(self, buf):
+        """The HostCall of a blocking all-to-all of equal pieces (see _prepare_host_allreduce): the
+        same plan and description as the general path's (_alltoall), or None where that one must
+        run it."""
+        from pyrdma._engine import HostCall
+        try:
+            arr, data = _plain_bytes(buf, "buf")
+        except UsageError:
+            return None
+        n, r = self.size, self.rank
+        if arr.size % n or not data.nbytes:
+            return None
+        piece = data.nbytes // n
+        bounds = tuple(i * piece for i in range(n + 1))
+        t = self.transport
+        schedule = algorithms.planner("alltoall", "pairwise")(n, r, bounds, bounds, data.nbytes, t.max_message)
+        tag = self._tag("alltoall", dtype=arr.dtype, count=arr.size, algorithm="pairwise")
+        return HostCall(t.engine.program(schedule), tag, 0, 0, data.nbytes, data.nbytes, 2 * data.nbytes,
+                        t.own_region(2 * data.nbytes), own=(r * piece, data.nbytes + r * piece, piece))
 
     def _prepare_barrier(self):
         """The HostCall of barrier() (see _prepare_host_allreduce): the same plan and description
@@ -611,13 +649,6 @@ class Communicator:
         copies) rather than on the transport's buffer."""
         return bool(self.zero_copy_bytes) and nbytes >= self.zero_copy_bytes
 
-    def _work_area(self, result, a, b):
-        """(work array, in place?) for bytes [a, b) of ``result``: that memory itself when
-        _zero_copy (nothing to copy back), else the transport's buffer."""
-        if result is not None and self._zero_copy(b - a):
-            return self.transport.work_area(b - a, result, a), True
-        return self.transport.work_area(b - a), False
-
     def _allreduce_work(self, algo, nbytes):
         """(in place?, work bytes) of an allreduce of ``nbytes`` by ``algo``, for the general path and
         the one-call path alike: in place when _zero_copy, except recursive doubling, which needs
@@ -625,29 +656,6 @@ class Communicator:
         if algo == "recursive_doubling":
             return False, 2 * nbytes
         return self._zero_copy(nbytes), nbytes
-
-    def _allreduce(self, src, dst, op, plan):
-        t = self.transport
-        opc = _op_code(op)
-        itemsize = src.itemsize
-        for lo, hi, algo, tag in plan:
-            a, b = lo * itemsize, hi * itemsize
-            nbytes = b - a
-            in_place, work_bytes = self._allreduce_work(algo, nbytes)
-            work = t.work_area(nbytes, dst.bytes, a) if in_place else t.work_area(work_bytes)
-            if not in_place or src is not dst:
-                work[:nbytes] = src.bytes[a:b]
-            if op == "avg" and src.code in _FLOAT_CODES:
-                prescale(work[:nbytes], src.code, self.size)
-            t.set_tag(tag)
-            schedule = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
-            t.run(schedule, src.code, opc)
-            at = schedule.result_offset              # where in work the result lies
-            if op == "avg" and src.code not in _FLOAT_CODES:
-                _reduce.divide_bytes(work[at:at + nbytes], src.code, self.size)
-            if not in_place:
-                dst.bytes[a:b] = work[at:at + nbytes]
-        return dst.obj
 
     # ---- CUDA arrays in place (gpu_path "direct") -----------------------------------------------
 
@@ -697,7 +705,7 @@ class Communicator:
                 area.prescale(work[a:b], self.size)
             piece = t.work_area(b - a, work, a, device=device)
             t.set_tag(tag)
-            plan = ALLREDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message)
+            plan = algorithms.planner("allreduce", algo)(self.size, self.rank, hi - lo, itemsize, t.max_message)
             t.run(plan, area.code, _op_code(op), consume=consumer(piece, area.reduce))
             if op == "avg" and area.prescale is None:
                 area.divide(work[a:b], self.size)
@@ -718,7 +726,7 @@ class Communicator:
         for lo, hi, algo, tag in plan:
             piece = t.work_area(hi - lo, area.work, lo, device=device)
             t.set_tag(tag)
-            plan = BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root)
+            plan = algorithms.planner("broadcast", algo)(self.size, self.rank, hi - lo, 1, t.max_message, root)
             t.run(plan, consume=consumer(piece, None))
 
     # ---- reduce, broadcast ----------------------------------------------------------------------
@@ -736,52 +744,16 @@ class Communicator:
             raise UsageError(f"root {root!r} is not a rank of this communicator (0..{self.size - 1})")
         return int(root)
 
-    def _no_cuda(self, what, *objs):
-        if _is_cuda(*objs):
-            raise UsageError(f"{what}: non-blocking collectives on CUDA arrays are not supported; "
-                             f"use the blocking form (it stages through the host)")
-
     def reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
         """Element-wise ``op`` over all ranks, delivered to ``root`` only (into ``out``, default in
         place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
         if _is_cuda(buf, out):
             _check_op(op)
             return _cuda().reduce(self, buf, out, op, self._check_root(root), algorithm, dtype)
-        return self._ireduce(buf, out, op, root, algorithm, dtype, True).wait()
+        return self._call(self._reduce, buf, out, op, root, algorithm, dtype, blocking=True)
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
-        self._no_cuda("ireduce", buf, out)
-        return self._ireduce(buf, out, op, root, algorithm, dtype, False)
-
-    def _ireduce(self, buf, out, op, root, algorithm, dtype, blocking):
-        _check_op(op)
-        root = self._check_root(root)
-        is_root = self.rank == root
-        src, dst = _in_and_out(buf, out, dtype, writes=is_root)
-        plan = []
-        for lo, hi in self._pieces(src.count, src.itemsize):
-            algo = self._rooted_algorithm(algorithm, (hi - lo) * src.itemsize)
-            plan.append((lo, hi, algo, self._tag("reduce", op=op, dtype=src.code, count=src.count, root=root, lo=lo,
-                                                     hi=hi, algorithm=algo)))
-        return self._submit(blocking, self._reduce_to_root, src, dst, op, root, plan)
-
-    def _reduce_to_root(self, src, dst, op, root, plan):
-        t = self.transport
-        opc = _op_code(op)
-        itemsize = src.itemsize
-        for lo, hi, algo, tag in plan:
-            a, b = lo * itemsize, hi * itemsize
-            work = t.buffer(b - a)
-            work[:b - a] = src.bytes[a:b]
-            if op == "avg" and src.code in _FLOAT_CODES:
-                prescale(work[:b - a], src.code, self.size)
-            t.set_tag(tag)
-            t.run(REDUCE_PLANS[algo](self.size, self.rank, hi - lo, itemsize, t.max_message, root), src.code, opc)
-            if self.rank == root:
-                if op == "avg" and src.code not in _FLOAT_CODES:
-                    _reduce.divide_bytes(work[:b - a], src.code, self.size)
-                dst.bytes[a:b] = work[:b - a]
-        return dst.obj if self.rank == root else None
+        return self._call(self._reduce, buf, out, op, root, algorithm, dtype, blocking=False)
 
     def broadcast(self, buf, root=0, algorithm="auto"):
         """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
@@ -792,42 +764,10 @@ class Communicator:
                     self._broadcast_in_place(area, root, algorithm)
                 return buf
             return _cuda().broadcast(self, buf, root, algorithm)
-        return self._ibroadcast(buf, root, algorithm, True).wait()
+        return self._call(self._broadcast, buf, root, algorithm, blocking=True)
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):
-        self._no_cuda("ibroadcast", buf)
-        return self._ibroadcast(buf, root, algorithm, False)
-
-    def _ibroadcast(self, buf, root, algorithm, blocking):
-        root = self._check_root(root)
-        arr = host_array(buf, "buf")       # any dtype: broadcast copies bytes
-        _check_plain(arr, "buf")
-        if not arr.flags.c_contiguous:
-            raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
-        if self.rank != root and not arr.flags.writeable:
-            raise UsageError("buf is read-only; on a rank other than root it receives the data")
-        data = _raw_bytes(arr)
-        plan = []
-        for lo, hi in self._pieces(data.nbytes, 1):
-            algo = self._rooted_algorithm(algorithm, hi - lo)
-            plan.append((lo, hi, algo, self._tag("broadcast", dtype=arr.dtype, count=data.nbytes, root=root, lo=lo,
-                                                     hi=hi, algorithm=algo)))
-        return self._submit(blocking, self._broadcast, data, buf, root, plan)
-
-    def _broadcast(self, data, obj, root, plan):
-        t = self.transport
-        for lo, hi, algo, tag in plan:
-            # in place the root only sends from its buffer (which may be read-only)
-            work, in_place = self._work_area(data, lo, hi)
-            if self.rank == root and not in_place:
-                work[:hi - lo] = data[lo:hi]
-            t.set_tag(tag)
-            t.run(BROADCAST_PLANS[algo](self.size, self.rank, hi - lo, 1, t.max_message, root))
-            if self.rank != root and not in_place:
-                data[lo:hi] = work[:hi - lo]
-        return obj
-
-    # ---- allgather, reduce_scatter, barrier -----------------------------------------------------
+        return self._call(self._broadcast, buf, root, algorithm, blocking=False)
 
     def allgather(self, buf, out=None):
         """Every rank's ``buf`` (the same size on all ranks), concatenated in rank order into ``out``
@@ -835,45 +775,10 @@ class Communicator:
         (size * len(buf),) + buf.shape[1:], as torch's all_gather_into_tensor)."""
         if _is_cuda(buf, out):
             return _cuda().allgather(self, buf, out)
-        return self._iallgather(buf, out, True).wait()
+        return self._call(self._allgather, buf, out, blocking=True)
 
     def iallgather(self, buf, out=None):
-        self._no_cuda("iallgather", buf, out)
-        return self._iallgather(buf, out, False)
-
-    def _iallgather(self, buf, out, blocking):
-        arr = host_array(buf, "buf")
-        _check_plain(arr, "buf")
-        if not arr.flags.c_contiguous:
-            raise UsageError("buf is not C-contiguous; pass numpy.ascontiguousarray(buf)")
-        users_out = out is not None
-        if out is None:
-            shape = (self.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (self.size,)
-            out = np.empty(shape, arr.dtype)
-        dst_arr = host_array(out, "out")
-        if not dst_arr.flags.c_contiguous or not dst_arr.flags.writeable:
-            raise UsageError("out must be a writable C-contiguous buffer")
-        if dst_arr.dtype != arr.dtype or dst_arr.size != arr.size * self.size:
-            raise UsageError(f"out must hold {self.size} x {arr.size} elements of {arr.dtype}; "
-                             f"it has {dst_arr.size} of {dst_arr.dtype}")
-        src_bytes = _raw_bytes(arr)
-        tag = self._tag("allgather", dtype=arr.dtype, count=arr.size)
-        return self._submit(blocking, self._allgather, src_bytes, _raw_bytes(dst_arr), out, tag, users_out)
-
-    def _allgather(self, src_bytes, dst_bytes, out, tag, users_out):
-        t = self.transport
-        block = src_bytes.nbytes
-        total = block * self.size
-        # a fresh out= of ours would be registered (and kept) once per call: copy instead
-        work, in_place = self._work_area(dst_bytes if users_out else None, 0, total)
-        work[self.rank * block:(self.rank + 1) * block] = src_bytes
-        t.set_tag(tag)
-        # blocks as "elements" of one byte: boundaries at multiples of the block size
-        t.run(ring.allgather(self.size, self.rank, total, 1, t.max_message,
-                             tuple(i * block for i in range(self.size + 1))))
-        if not in_place:
-            dst_bytes[:] = work[:total]
-        return out
+        return self._call(self._allgather, buf, out, blocking=False)
 
     def reduce_scatter(self, buf, out=None, op="sum", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks; rank i receives segment i of
@@ -881,13 +786,96 @@ class Communicator:
         if _is_cuda(buf, out):
             _check_op(op)
             return _cuda().reduce_scatter(self, buf, out, op, dtype)
-        return self._ireduce_scatter(buf, out, op, dtype, True).wait()
+        return self._call(self._reduce_scatter, buf, out, op, dtype, blocking=True)
 
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
-        self._no_cuda("ireduce_scatter", buf, out)
-        return self._ireduce_scatter(buf, out, op, dtype, False)
+        return self._call(self._reduce_scatter, buf, out, op, dtype, blocking=False)
 
-    def _ireduce_scatter(self, buf, out, op, dtype, blocking):
+    def barrier(self):
+        """Return once every rank has entered the barrier."""
+        if self._host is None or self._host.barrier() is None:
+            self._call(self._barrier, blocking=True)
+
+    def ibarrier(self):
+        return self._call(self._barrier, blocking=False)
+
+    # the specs of the collectives above: validate, plan the pieces (_Run), say what the call returns
+
+    def _reduce(self, buf, out, op, root, algorithm, dtype):
+        _check_op(op)
+        root = self._check_root(root)
+        src, dst = _in_and_out(buf, out, dtype, writes=self.rank == root)
+        avg = _Avg(op, src.code, self.size)
+        runs = []
+        for lo, hi in self._pieces(src.count, src.itemsize):
+            algo = self._rooted_algorithm(algorithm, (hi - lo) * src.itemsize)
+            a, b = lo * src.itemsize, hi * src.itemsize
+
+            def fill(work, a=a, b=b):
+                work[:b - a] = src.bytes[a:b]
+                avg.before(work[:b - a])
+
+            def finish(work, schedule, received, a=a, b=b):
+                if self.rank == root:
+                    avg.after(work[:b - a])
+                    dst.bytes[a:b] = work[:b - a]
+            plan = functools.partial(algorithms.planner("reduce", algo), self.size, self.rank, hi - lo, src.itemsize,
+                                     root=root)
+            runs.append(_Run(plan, self._tag("reduce", op=op, dtype=src.code, count=src.count, root=root, lo=lo,
+                                             hi=hi, algorithm=algo), b - a, fill, finish, src.code, _op_code(op)))
+        return _Spec(runs, lambda: dst.obj if self.rank == root else None)
+
+    def _broadcast(self, buf, root, algorithm):
+        root = self._check_root(root)
+        arr, data = _plain_bytes(buf, "buf", writable=self.rank != root)    # any dtype: broadcast copies bytes
+        runs = []
+        for lo, hi in self._pieces(data.nbytes, 1):
+            algo = self._rooted_algorithm(algorithm, hi - lo)
+            # in place the root only sends from its buffer (which may be read-only)
+            lend = data if self._zero_copy(hi - lo) else None
+
+            def fill(work, lo=lo, hi=hi, lend=lend):
+                if self.rank == root and lend is None:
+                    work[:hi - lo] = data[lo:hi]
+
+            def finish(work, schedule, received, lo=lo, hi=hi, lend=lend):
+                if self.rank != root and lend is None:
+                    data[lo:hi] = work[:hi - lo]
+            plan = functools.partial(algorithms.planner("broadcast", algo), self.size, self.rank, hi - lo, 1,
+                                     root=root)
+            runs.append(_Run(plan, self._tag("broadcast", dtype=arr.dtype, count=data.nbytes, root=root, lo=lo, hi=hi,
+                                             algorithm=algo), hi - lo, fill, finish, lend=lend, start=lo))
+        return _Spec(runs, lambda: buf)
+
+    def _allgather(self, buf, out):
+        arr, src = _plain_bytes(buf, "buf")
+        users_out = out is not None
+        if out is None:
+            shape = (self.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (self.size,)
+            out = np.empty(shape, arr.dtype)
+        dst_arr, dst = _plain_bytes(out, "out", writable=True)
+        if dst_arr.dtype != arr.dtype or dst_arr.size != arr.size * self.size:
+            raise UsageError(f"out must hold {self.size} x {arr.size} elements of {arr.dtype}; "
+                             f"it has {dst_arr.size} of {dst_arr.dtype}")
+        block = src.nbytes
+        total = block * self.size
+        # a fresh out= of ours would be registered (and kept) once per call: copy instead
+        lend = dst if users_out and self._zero_copy(total) else None
+
+        def fill(work):
+            work[self.rank * block:(self.rank + 1) * block] = src
+
+        def finish(work, schedule, received):
+            if lend is None:
+                dst[:] = work[:total]
+            return out
+        # blocks as "elements" of one byte: boundaries at multiples of the block size
+        plan = functools.partial(ring.allgather, self.size, self.rank, total, 1,
+                                 bounds=tuple(i * block for i in range(self.size + 1)))
+        return _Spec([_Run(plan, self._tag("allgather", dtype=arr.dtype, count=arr.size), total, fill, finish,
+                           lend=lend)])
+
+    def _reduce_scatter(self, buf, out, op, dtype):
         _check_op(op)
         src = _Operand(buf, "buf", writable=False, dtype=dtype)
         bounds = segment_bounds(src.count, self.size)
@@ -898,23 +886,25 @@ class Communicator:
         src.same_type(dst, "out")
         if dst.count != stop - start:
             raise UsageError(f"out must hold this rank's {stop - start} elements (segment_bounds), it has {dst.count}")
-        tag = self._tag("reduce_scatter", op=op, dtype=src.code, count=src.count)
-        return self._submit(blocking, self._reduce_scatter, src, dst, op, bounds, tag)
+        avg = _Avg(op, src.code, self.size)
+        a, b = start * src.itemsize, stop * src.itemsize
 
-    def _reduce_scatter(self, src, dst, op, bounds, tag):
-        t = self.transport
-        work = t.buffer(src.nbytes)
-        work[:src.nbytes] = src.bytes
-        if op == "avg" and src.code in _FLOAT_CODES:
-            prescale(work[:src.nbytes], src.code, self.size)
-        t.set_tag(tag)
-        t.run(ring.reduce_scatter(self.size, self.rank, src.count, src.itemsize, t.max_message, tuple(bounds)),
-              src.code, _op_code(op))
-        mine = work[bounds[self.rank] * src.itemsize:bounds[self.rank + 1] * src.itemsize]
-        if op == "avg" and src.code not in _FLOAT_CODES:
-            _reduce.divide_bytes(mine, src.code, self.size)
-        dst.bytes[:] = mine
-        return dst.obj
+        def fill(work):
+            work[:src.nbytes] = src.bytes
+            avg.before(work[:src.nbytes])
+
+        def finish(work, schedule, received):
+            avg.after(work[a:b])
+            dst.bytes[:] = work[a:b]
+            return dst.obj
+        plan = functools.partial(ring.reduce_scatter, self.size, self.rank, src.count, src.itemsize,
+                                 bounds=tuple(bounds))
+        return _Spec([_Run(plan, self._tag("reduce_scatter", op=op, dtype=src.code, count=src.count), src.nbytes,
+                           fill, finish, src.code, _op_code(op))])
+
+    def _barrier(self):
+        plan = lambda max_message: tree.dissemination_barrier(self.size, self.rank)    # noqa: E731
+        return _Spec([_Run(plan, self._tag("barrier", algorithm="dissemination"), 0)])
 
     # ---- gather, scatter, alltoall, point-to-point: one spec each, one path ----------------------
 
@@ -943,6 +933,10 @@ class Communicator:
         like buf, likewise); with ``send_counts`` (element counts per rank, zeros allowed, pieces
         contiguous in rank order, as MPI_Alltoallv and torch's input_split_sizes) they may differ,
         and ``recv_counts`` (output_split_sizes) is exchanged first when not given. Returns out."""
+        if send_counts is None and recv_counts is None and self._host is not None:
+            done = self._host.alltoall(buf, out)
+            if done is not None:
+                return done
         return self._call(self._alltoall, buf, out, send_counts, recv_counts, blocking=True)
 
     def ialltoall(self, buf, out=None, send_counts=None, recv_counts=None):
@@ -1011,7 +1005,7 @@ class Communicator:
 
         def run():
             for step in steps:
-                got = self._run_spec(step[0][1])
+                got = self._run_spec(step[0][1])      # each step one run: its own descriptions
                 for i, _ in step:
                     if ops[i][0] == "recv":
                         results[i] = got
@@ -1021,25 +1015,28 @@ class Communicator:
     def _call(self, make_spec, *args, blocking):
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run
         the spec in order with the other collectives (inline, or on the communicator's thread)."""
-        if _is_cuda(*(a for a in args if not isinstance(a, tuple))):
+        if _is_cuda(*(x for a in args for x in (a if isinstance(a, tuple) else (a,)))):
             if not blocking:
-                raise UsageError(f"{make_spec.__name__.strip('_')}: non-blocking calls on CUDA arrays are not "
-                                 f"supported; use the blocking form (it stages through the host)")
+                raise UsageError(f"i{make_spec.__name__.strip('_')}: non-blocking collectives on CUDA arrays are "
+                                 f"not supported; use the blocking form (it stages through the host)")
             return _cuda().staged_call(self, make_spec.__name__.strip("_"), *args)
         spec = make_spec(*args)
-        if spec is None:         # nothing to move (a message to oneself, a single rank)
-            return _Done(None) if not blocking else None
-        handle = self._submit(blocking, self._run_spec, spec, seq=spec.recv_tag is None)
+        handle = self._submit(blocking, self._run_spec, spec, seq=spec.collective)
         return handle.wait() if blocking else handle
 
     def _run_spec(self, spec):
         t = self.transport
-        schedule = spec.plan(t.max_message)
-        work = t.work_area(spec.area) if spec.lend is None else t.work_area(spec.area, spec.lend)
-        spec.fill(work)
-        t.set_tag(spec.tag, spec.recv_tag)
-        received = t.run(schedule)
-        return spec.finish(work, schedule, received)
+        value = None
+        for run in spec.runs:
+            schedule = run.plan(t.max_message)
+            work = t.work_area(run.area, run.lend, run.start)
+            if run.fill is not None:
+                run.fill(work)
+            t.set_tag(run.tag, run.recv_tag)
+            received = t.run(schedule, run.dtype, run.op)
+            if run.finish is not None:
+                value = run.finish(work, schedule, received)
+        return value if spec.result is None else spec.result()
 
     def _copy_algorithm(self, kind, algorithm, block):
         if algorithm == "auto":
@@ -1074,7 +1071,8 @@ class Communicator:
                 return None
             dst[:] = work[:n * block]
             return out
-        return _Spec(lambda m: entry.planner(n, r, root, block, m), n * block if full else block, fill, finish, tag)
+        return _Spec([_Run(lambda m: entry.planner(n, r, root, block, m), tag, n * block if full else block, fill,
+                           finish)])
 
     def _scatter(self, buf, out, root, algorithm):
         root = self._check_root(root)
@@ -1109,7 +1107,8 @@ class Communicator:
             at = r * block if full else 0
             dst[:] = work[at:at + block]
             return out
-        return _Spec(lambda m: entry.planner(n, r, root, block, m), n * block if full else block, fill, finish, tag)
+        return _Spec([_Run(lambda m: entry.planner(n, r, root, block, m), tag, n * block if full else block, fill,
+                           finish)])
 
     def _alltoall(self, buf, out, send_counts, recv_counts):
         n, r = self.size, self.rank
@@ -1152,8 +1151,8 @@ class Communicator:
             dst[:] = work[base:base + rb[-1]]
             dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
             return out
-        return _Spec(lambda m: algorithms.planner("alltoall", "pairwise")(n, r, sb, rb, base, m), base + rb[-1],
-                     fill, finish, tag)
+        plan = functools.partial(algorithms.planner("alltoall", "pairwise"), n, r, sb, rb, base)
+        return _Spec([_Run(plan, tag, base + rb[-1], fill, finish)])
 
     def _p2p(self, buf, dst, src, tag):
         """A send (dst), a receive (src) or both (buf a pair): one message each way."""
@@ -1200,37 +1199,51 @@ class Communicator:
             if lend is None and received:
                 r_data[:received] = work[nbytes:nbytes + received]
             return received // item
-        return _Spec(lambda m: exchange.message(dst, nbytes, src, capacity, 0 if lend is not None else nbytes, m),
-                     nbytes + capacity if lend is None else (nbytes or capacity), fill, finish, send_tag,
-                     recv_tag, lend)
+        plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if lend is not None else nbytes)
+        area = nbytes + capacity if lend is None else (nbytes or capacity)
+        return _Spec([_Run(plan, send_tag, area, fill, finish, lend=lend, recv_tag=recv_tag)], collective=False)
 
-    def barrier(self):
-        """Return once every rank has entered the barrier."""
-        if self._host is None or self._host.barrier() is None:
-            self._ibarrier(True).wait()
 
-    def ibarrier(self):
-        return self._ibarrier(False)
+class _Run:
+    """One run of the engine in a call (a piece of a large reduction, or the whole call):
+    ``plan(max_message)`` its Schedule, ``tag`` the description its messages carry (``recv_tag``
+    the one they are received with, point-to-point), ``area`` the bytes of its work area (the
+    transport's buffer, or ``lend[start:start + area]`` in place), ``fill(work)`` before it,
+    ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes."""
 
-    def _ibarrier(self, blocking):
-        tag = self._tag("barrier", algorithm="dissemination")
-        return self._submit(blocking, self._barrier, tag)
+    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag")
 
-    def _barrier(self, tag):
-        self.transport.set_tag(tag)
-        self.transport.run(tree.dissemination_barrier(self.size, self.rank))
+    def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None):
+        self.plan, self.tag, self.area, self.fill, self.finish = plan, tag, area, fill, finish
+        self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
 
 
 class _Spec:
-    """One call of a byte-copying collective (gather, scatter, alltoall, point-to-point), as the one
-    path runs it: ``plan(max_message)`` its Schedule, ``area`` the work area's bytes, ``lend`` a
-    caller's array to work on in place instead (or None), ``fill(work)`` before the run and
-    ``finish(work, schedule, received)`` after it (its return is the call's), ``tag`` the
-    description its messages carry and ``recv_tag`` the one they are received with (if other)."""
+    """One call as the one path runs it: its runs in order, then ``result()`` (default: what the
+    last run's finish returned). ``collective``: it advances the call number (not point-to-point)."""
 
-    def __init__(self, plan, area, fill, finish, tag, recv_tag=None, lend=None):
-        self.plan, self.area, self.fill, self.finish = plan, area, fill, finish
-        self.tag, self.recv_tag, self.lend = tag, recv_tag, lend
+    __slots__ = ("runs", "result", "collective")
+
+    def __init__(self, runs, result=None, collective=True):
+        self.runs, self.result, self.collective = runs, result, collective
+
+
+class _Avg:
+    """op="avg", handled in one place: floating-point inputs are scaled by 1/n before the sum (as
+    NCCL), integer sums divided by n after it."""
+
+    def __init__(self, op, code, n):
+        self.scale = op == "avg" and code in _FLOAT_CODES
+        self.divide = op == "avg" and code not in _FLOAT_CODES
+        self.code, self.n = code, n
+
+    def before(self, work):
+        if self.scale:
+            prescale(work, self.code, self.n)
+
+    def after(self, work):
+        if self.divide:
+            _reduce.divide_bytes(work, self.code, self.n)
 
 
 def _plain_bytes(obj, name, writable=False):
