@@ -222,7 +222,7 @@ def test_partial_overlap_is_refused_and_aliasing_works(transport):
 
 
 def test_overlap_check_cases():
-    from pyrdma.collectives.communicator import _in_and_out
+    from pyrdma.collectives.work import in_and_out as _in_and_out
     from pyrdma.errors import UsageError
     x = np.zeros(100, np.float32)
     _in_and_out(x, x, None, True)
@@ -285,7 +285,7 @@ def test_integer_avg_truncates_the_wrapped_sum(transport):
 
 def test_prescale_float16_bfloat16():
     from pyrdma import _reduce
-    from pyrdma.collectives.communicator import prescale
+    from pyrdma.collectives.work import prescale
     x = np.array([65504, -65504, 3, 1e-7, np.inf, np.nan], np.float16)
     w = x.copy()
     prescale(w.view(np.uint8), _reduce.DTYPE_NAMES.index("float16"), 3)

@@ -16,6 +16,11 @@ from test_collectives_world import World
 MAX_MESSAGE = 2048
 ZERO_COPY = 8192
 DTYPES = ["int8", "uint8", "int32", "int64", "float16", "float32", "float64"]
+try:
+    import ml_dtypes
+    DTYPES.append(ml_dtypes.bfloat16)
+except ImportError:
+    pass
 
 
 def _params(tcp, rdma):

@@ -46,8 +46,9 @@ from pyrdma.collectives import algorithms, ring, tree
 from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, CostModel
-from pyrdma.collectives.pieces import scale_down, scale_down_bfloat16, segment_bounds
+from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.schedule import consumer
+from pyrdma.collectives.work import Avg, Operand, byte_bounds, in_and_out, plain_bytes
 from pyrdma.collectives.transport import (LEFT, MISMATCH, NO_CULPRIT, NO_ROOT, PEER_FAILED, closed_error,
                                        describe, describe_message)
 from pyrdma.buffers import host_array, is_cuda_array
@@ -107,50 +108,6 @@ class _Done:
         return self._result
 
 
-class _Operand:
-    """A user buffer as a flat C-contiguous numpy view (never a copy), with its reduction dtype."""
-
-    def __init__(self, obj, name, writable, dtype=None):
-        arr = host_array(obj, name)
-        if not arr.flags.c_contiguous:
-            raise UsageError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
-        if writable and not arr.flags.writeable:
-            raise UsageError(f"{name} is read-only; pass a writable buffer (or out=)")
-        self.obj = obj
-        self.code = _reduce.dtype_code(arr.dtype if dtype is None else dtype)
-        self.itemsize = _reduce.ITEMSIZE[self.code]
-        if arr.dtype.itemsize != self.itemsize:
-            raise UsageError(f"{name} has {arr.dtype.itemsize}-byte elements ({arr.dtype}); dtype={dtype!r} "
-                             f"needs {self.itemsize}-byte ones")
-        self.array = arr
-        flat = arr.reshape(-1)
-        if self.code == _reduce.BFLOAT16:     # ml_dtypes arrays export no buffer: use their bits
-            flat = flat.view(np.uint16)
-        self.bytes = flat.view(np.uint8)
-        self.nbytes = self.bytes.nbytes
-        self.count = self.nbytes // self.itemsize
-        self.dtype_name = _reduce.DTYPE_NAMES[self.code]
-
-    def same_type(self, other, name):
-        if other.code != self.code or other.array.dtype != self.array.dtype:
-            raise UsageError(f"{name} has dtype {other.array.dtype}, the input has {self.array.dtype}")
-
-
-def _in_and_out(buf, out, dtype, writes):
-    """(src, dst) operands of a reduction: in place on buf when out is None, else into out, which
-    must match buf. ``writes``: whether this rank stores a result (buf or out must be writable)."""
-    src = _Operand(buf, "buf", writable=writes and out is None, dtype=dtype)
-    if out is None:
-        return src, src
-    dst = _Operand(out, "out", writable=writes, dtype=dtype)
-    src.same_type(dst, "out")
-    if dst.count != src.count:
-        raise UsageError(f"out has {dst.count} elements ({dst.nbytes} bytes, expected {src.nbytes}): "
-                         f"it must match buf")
-    _check_apart(src, dst)
-    return src, dst
-
-
 def _is_cuda(*objs):
     """Whether any of ``objs`` (None ignored) is a CUDA array (no CuPy imported to tell)."""
     for o in objs:
@@ -168,20 +125,6 @@ def _cuda():
 def _check_op(op):
     if op not in OPS:
         raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
-
-
-_FLOAT_CODES = frozenset(_reduce.DTYPE_NAMES.index(n) for n in ("float16", "float32", "float64", "bfloat16"))
-
-
-def prescale(work, code, n):
-    """work /= n in place on the raw bytes of a floating-point dtype (code: pyrdma._reduce's), rounded
-    toward zero (pieces.scale_down): the first step of a floating-point avg, as NCCL's
-    pre-multiplied sum, so the sum of n scaled inputs cannot overflow where their mean is finite."""
-    name = _reduce.DTYPE_NAMES[code]
-    if name == "bfloat16":
-        scale_down_bfloat16(np, work.view(np.uint16), n)
-    else:
-        scale_down(np, work.view(name), n)
 
 
 def _env_int(environ, name, value, minimum):
@@ -218,20 +161,6 @@ def ib_config(device=None, port=None, gid_index=None, environ=None):
                                   or value < low):
             raise UsageError(f"{name} must be an integer >= {low}, got {value!r}")
     return device, (1 if port is None else int(port)), (None if gid_index is None else int(gid_index))
-
-
-def _check_apart(src, dst):
-    """UsageError if ``out`` overlaps ``buf`` without being the same memory: the result of one piece
-    would overwrite input of a later one. The very same memory is fine (in place)."""
-    if src is dst:
-        return
-    a0 = src.bytes.__array_interface__["data"][0]
-    b0 = dst.bytes.__array_interface__["data"][0]
-    if a0 == b0 and src.nbytes == dst.nbytes:
-        return
-    if a0 < b0 + dst.nbytes and b0 < a0 + src.nbytes and src.nbytes and dst.nbytes:
-        raise UsageError("out overlaps buf without being the same memory; pass out=None (in place), "
-                         "out=buf, or an out that does not overlap buf")
 
 
 def rdma_available(device=None):
@@ -544,8 +473,8 @@ class Communicator:
     def _allreduce(self, buf, out, op, algorithm, dtype):
         _check_op(op)
         algorithm = self._check_algorithm(algorithm)
-        src, dst = _in_and_out(buf, out, dtype, writes=True)
-        avg = _Avg(op, src.code, self.size)
+        src, dst = in_and_out(buf, out, dtype, writes=True)
+        avg = Avg(op, src.code, self.size)
         runs = []
         for lo, hi, algo, tag in self._allreduce_plan(src, op, algorithm):
             a, b = lo * src.itemsize, hi * src.itemsize
@@ -592,7 +521,7 @@ class Communicator:
         if op not in OPS or op == "avg" or algorithm not in ALGORITHMS:
             return None
         try:
-            src = _Operand(buf, "buf", writable=True)
+            src = Operand(buf, "buf", writable=True)
         except UsageError:
             return None
         if src.count == 0 or src.code == _reduce.BFLOAT16 or src.nbytes > self.max_work_bytes:
@@ -613,7 +542,7 @@ class Communicator:
         run it."""
         from pyrdma._engine import HostCall
         try:
-            arr, data = _plain_bytes(buf, "buf")
+            arr, data = plain_bytes(buf, "buf")
         except UsageError:
             return None
         n, r = self.size, self.rank
@@ -804,8 +733,8 @@ class Communicator:
     def _reduce(self, buf, out, op, root, algorithm, dtype):
         _check_op(op)
         root = self._check_root(root)
-        src, dst = _in_and_out(buf, out, dtype, writes=self.rank == root)
-        avg = _Avg(op, src.code, self.size)
+        src, dst = in_and_out(buf, out, dtype, writes=self.rank == root)
+        avg = Avg(op, src.code, self.size)
         runs = []
         for lo, hi in self._pieces(src.count, src.itemsize):
             algo = self._rooted_algorithm(algorithm, (hi - lo) * src.itemsize)
@@ -827,7 +756,7 @@ class Communicator:
 
     def _broadcast(self, buf, root, algorithm):
         root = self._check_root(root)
-        arr, data = _plain_bytes(buf, "buf", writable=self.rank != root)    # any dtype: broadcast copies bytes
+        arr, data = plain_bytes(buf, "buf", writable=self.rank != root)    # any dtype: broadcast copies bytes
         runs = []
         for lo, hi in self._pieces(data.nbytes, 1):
             algo = self._rooted_algorithm(algorithm, hi - lo)
@@ -848,12 +777,12 @@ class Communicator:
         return _Spec(runs, lambda: buf)
 
     def _allgather(self, buf, out):
-        arr, src = _plain_bytes(buf, "buf")
+        arr, src = plain_bytes(buf, "buf")
         users_out = out is not None
         if out is None:
             shape = (self.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (self.size,)
             out = np.empty(shape, arr.dtype)
-        dst_arr, dst = _plain_bytes(out, "out", writable=True)
+        dst_arr, dst = plain_bytes(out, "out", writable=True)
         if dst_arr.dtype != arr.dtype or dst_arr.size != arr.size * self.size:
             raise UsageError(f"out must hold {self.size} x {arr.size} elements of {arr.dtype}; "
                              f"it has {dst_arr.size} of {dst_arr.dtype}")
@@ -877,16 +806,16 @@ class Communicator:
 
     def _reduce_scatter(self, buf, out, op, dtype):
         _check_op(op)
-        src = _Operand(buf, "buf", writable=False, dtype=dtype)
+        src = Operand(buf, "buf", writable=False, dtype=dtype)
         bounds = segment_bounds(src.count, self.size)
         start, stop = bounds[self.rank], bounds[self.rank + 1]
         if out is None:
             out = np.empty(stop - start, src.array.dtype)
-        dst = _Operand(out, "out", writable=True, dtype=dtype)
+        dst = Operand(out, "out", writable=True, dtype=dtype)
         src.same_type(dst, "out")
         if dst.count != stop - start:
             raise UsageError(f"out must hold this rank's {stop - start} elements (segment_bounds), it has {dst.count}")
-        avg = _Avg(op, src.code, self.size)
+        avg = Avg(op, src.code, self.size)
         a, b = start * src.itemsize, stop * src.itemsize
 
         def fill(work):
@@ -1048,12 +977,12 @@ class Communicator:
 
     def _gather(self, buf, out, root, algorithm):
         root = self._check_root(root)
-        arr, data = _plain_bytes(buf, "buf")
+        arr, data = plain_bytes(buf, "buf")
         block, n, r = data.nbytes, self.size, self.rank
         if r == root:
             if out is None:
                 out = np.empty((n * arr.shape[0],) + arr.shape[1:] if arr.ndim else (n,), arr.dtype)
-            dst_arr, dst = _plain_bytes(out, "out", writable=True)
+            dst_arr, dst = plain_bytes(out, "out", writable=True)
             if dst_arr.dtype != arr.dtype or dst.nbytes != n * block:
                 raise UsageError(f"out must hold {n} x {arr.size} elements of {arr.dtype}; it has {dst_arr.size} "
                                  f"of {dst_arr.dtype}")
@@ -1079,7 +1008,7 @@ class Communicator:
         n, r = self.size, self.rank
         src = None
         if buf is not None:
-            arr, src = _plain_bytes(buf, "buf")
+            arr, src = plain_bytes(buf, "buf")
             if arr.ndim == 0 or arr.shape[0] % n:
                 raise UsageError(f"buf's first dimension ({arr.shape[0] if arr.ndim else 'a scalar'}) must split "
                                  f"into {n} equal pieces")
@@ -1089,7 +1018,7 @@ class Communicator:
             raise UsageError(f"scatter: buf is None on the root (rank {root}), which sends it")
         elif out is None:
             raise UsageError(f"scatter: rank {r} is not the root; pass out= (the piece it receives) or buf")
-        out_arr, dst = _plain_bytes(out, "out", writable=True)
+        out_arr, dst = plain_bytes(out, "out", writable=True)
         block = dst.nbytes
         if src is not None and (arr.dtype != out_arr.dtype or src.nbytes != n * block):
             raise UsageError(f"buf must hold {n} pieces like out ({out_arr.size} elements of {out_arr.dtype}); it "
@@ -1112,7 +1041,7 @@ class Communicator:
 
     def _alltoall(self, buf, out, send_counts, recv_counts):
         n, r = self.size, self.rank
-        arr, src = _plain_bytes(buf, "buf")
+        arr, src = plain_bytes(buf, "buf")
         item = arr.dtype.itemsize
         if send_counts is None:
             if recv_counts is not None:
@@ -1123,20 +1052,20 @@ class Communicator:
             piece = src.nbytes // n
             sb = rb = tuple(i * piece for i in range(n + 1))
         else:
-            sb = _counts(send_counts, "send_counts", n, item)
+            sb = byte_bounds(send_counts, "send_counts", n, item)
             if sb[-1] != src.nbytes:
                 raise UsageError(f"send_counts add up to {sb[-1] // item} elements; buf has {arr.size}")
             if recv_counts is None:
                 mine = np.diff(np.array(sb, np.int64)) // item
                 recv_counts = self.alltoall(mine)
-            rb = _counts(recv_counts, "recv_counts", n, item)
+            rb = byte_bounds(recv_counts, "recv_counts", n, item)
         if out is None:
             if send_counts is None:
                 out = np.empty_like(arr)
             else:
                 out = np.empty((rb[-1] // item,) + arr.shape[1:], arr.dtype) if arr.ndim > 1 and \
                     rb[-1] % (item * int(np.prod(arr.shape[1:]))) == 0 else np.empty(rb[-1] // item, arr.dtype)
-        out_arr, dst = _plain_bytes(out, "out", writable=True)
+        out_arr, dst = plain_bytes(out, "out", writable=True)
         if out_arr.dtype != arr.dtype or dst.nbytes != rb[-1]:
             raise UsageError(f"out must hold {rb[-1] // item} elements of {arr.dtype}; it has {out_arr.size} of "
                              f"{out_arr.dtype}")
@@ -1164,9 +1093,9 @@ class Communicator:
                 raise UsageError(f"{what} {peer!r} is not a rank of this communicator (0..{self.size - 1})")
         s_arr = r_arr = s_data = r_data = None
         if sendbuf is not None:
-            s_arr, s_data = _plain_bytes(sendbuf, "buf" if recvbuf is None else "sendbuf")
+            s_arr, s_data = plain_bytes(sendbuf, "buf" if recvbuf is None else "sendbuf")
         if recvbuf is not None:
-            r_arr, r_data = _plain_bytes(recvbuf, "buf" if sendbuf is None else "recvbuf", writable=True)
+            r_arr, r_data = plain_bytes(recvbuf, "buf" if sendbuf is None else "recvbuf", writable=True)
         if dst == self.rank or src == self.rank:
             raise UsageError(f"rank {self.rank} sends or receives a message to itself; copy the array instead")
         item = r_arr.dtype.itemsize if r_arr is not None else 1
@@ -1228,60 +1157,9 @@ class _Spec:
         self.runs, self.result, self.collective = runs, result, collective
 
 
-class _Avg:
-    """op="avg", handled in one place: floating-point inputs are scaled by 1/n before the sum (as
-    NCCL), integer sums divided by n after it."""
-
-    def __init__(self, op, code, n):
-        self.scale = op == "avg" and code in _FLOAT_CODES
-        self.divide = op == "avg" and code not in _FLOAT_CODES
-        self.code, self.n = code, n
-
-    def before(self, work):
-        if self.scale:
-            prescale(work, self.code, self.n)
-
-    def after(self, work):
-        if self.divide:
-            _reduce.divide_bytes(work, self.code, self.n)
-
-
-def _plain_bytes(obj, name, writable=False):
-    """(array, flat uint8 view) of a C-contiguous buffer of plain data."""
-    arr = host_array(obj, name)
-    _check_plain(arr, name)
-    if not arr.flags.c_contiguous:
-        raise UsageError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
-    if writable and not arr.flags.writeable:
-        raise UsageError(f"{name} is read-only; it receives data")
-    return arr, _raw_bytes(arr)
-
-
-def _counts(counts, name, size, itemsize):
-    """Byte offsets (size + 1) of per-rank element ``counts``."""
-    try:
-        c = [int(x) for x in counts]
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} must be a sequence of {size} element counts, got {counts!r}") from None
-    if len(c) != size or any(x < 0 for x in c):
-        raise UsageError(f"{name} must hold {size} counts >= 0 (one per rank), got {c}")
-    bounds = [0]
-    for x in c:
-        bounds.append(bounds[-1] + x * itemsize)
-    return tuple(bounds)
-
-
 def _op_code(op):
     """pyrdma._reduce's code of the element-wise op of a collective's op (avg sums)."""
     return _reduce.op_code("sum" if op == "avg" else op)
-
-
-def _check_plain(arr, name):
-    """Byte-copying collectives carry plain data only: an object array holds pointers into this
-    process, which another process would dereference."""
-    if arr.dtype.hasobject:
-        raise UsageError(f"{name} has dtype {arr.dtype}, which holds Python objects; the collectives move "
-                         f"plain data only")
 
 
 def _dtype_field(name):
@@ -1292,15 +1170,6 @@ def _dtype_field(name):
         return np.dtype(name)
     except TypeError:
         return 0xFFFF
-
-
-def _raw_bytes(arr):
-    """A flat uint8 view of a C-contiguous array of any dtype (bfloat16 and structured included)."""
-    flat = arr.reshape(-1)
-    try:
-        return flat.view(np.uint8)
-    except ValueError:
-        return flat.view(f"V{arr.dtype.itemsize}").view(np.uint8)
 
 
 def init_from_env(**kwargs):

@@ -18,8 +18,10 @@ subclass whose estimates depend on anything else overrides choose_allreduce itse
 import math
 import os
 
-ALLREDUCE_ALGORITHMS = ("ring", "halving_doubling", "recursive_doubling")
-ROOTED_ALGORITHMS = ("chain", "binomial")          # broadcast and reduce
+from pyrdma.collectives import algorithms
+
+ALLREDUCE_ALGORITHMS = algorithms.names("allreduce")
+ROOTED_ALGORITHMS = algorithms.names("broadcast")          # broadcast and reduce
 ALIASES = {"tree": "halving_doubling", "hd": "halving_doubling", "rd": "recursive_doubling"}
 
 # Per-transport defaults: (alpha, beta, gamma). Soft-RoCE and TCP on one host are latency-heavy
