@@ -994,8 +994,8 @@ cdef class HostCollectives:
     function call whatever its size. What a method does not take (it returns None) goes the
     Communicator's general way."""
     cdef Engine engine
-    cdef ExecLock lock                                    # the Communicator's _exec_lock
-    cdef object comm, transport
+    cdef ExecLock lock                                    # the executor's lock
+    cdef object ex, comm, transport                       # the executor, the communicator (its plans)
     cdef dict calls
     cdef HostCall barrier_call
     cdef object model, max_work_bytes, zero_copy_bytes   # what the calls were prepared under
@@ -1007,9 +1007,11 @@ cdef class HostCollectives:
     cdef object last_op, last_algorithm
     cdef MemoryRegion lent                                # the last registration of a buffer in place
 
-    def __init__(self, Engine engine not None, comm, transport):
-        self.engine, self.comm, self.transport = engine, comm, transport
-        self.lock = comm._exec_lock
+    def __init__(self, Engine engine not None, executor, comm, transport):
+        """``executor``: the communicator's pyrdma.collectives.executor.Executor (the order of calls,
+        their numbers, the failure state, the lock); ``comm`` prepares the calls (_prepare_*)."""
+        self.engine, self.ex, self.comm, self.transport = engine, executor, comm, transport
+        self.lock = executor.lock
         self.calls = {}
 
     def allreduce(self, buf, op, algorithm):
@@ -1019,7 +1021,7 @@ cdef class HostCollectives:
         cdef Py_buffer view
         cdef const char *fmt
         comm = self.comm
-        if comm._pending or comm._closed or comm._broken is not None:
+        if self.ex.pending or self.ex.closed or self.ex.broken is not None:
             return None
         try:
             PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
@@ -1061,7 +1063,7 @@ cdef class HostCollectives:
         cdef const char *fmt
         cdef const char *ofmt
         comm = self.comm
-        if comm._pending or comm._closed or comm._broken is not None:
+        if self.ex.pending or self.ex.closed or self.ex.broken is not None:
             return None
         if out is None:
             if type(buf) is not _ndarray:
@@ -1103,7 +1105,7 @@ cdef class HostCollectives:
     def barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
         comm = self.comm
-        if comm._pending or comm._closed or comm._broken is not None:
+        if self.ex.pending or self.ex.closed or self.ex.broken is not None:
             return None
         if self.barrier_call is None:
             self.barrier_call = comm._prepare_barrier()
@@ -1121,13 +1123,13 @@ cdef class HostCollectives:
         cdef uint64_t seq
         cdef int rc, i
         cdef bint copy = call.work_region is not None
-        comm = self.comm
         self.lock._take(-1.0)
         try:
-            if comm._pending or comm._closed or comm._broken is not None or engine.fail_kind != FAIL_NONE:
+            ex = self.ex
+            if ex.pending or ex.closed or ex.broken is not None or engine.fail_kind != FAIL_NONE:
                 return None
-            seq = comm._seq
-            comm._seq = seq + 1             # the call is accepted: its number is taken, as in _submit
+            seq = ex.seq
+            ex.seq = seq + 1                # the call is accepted: its number is taken, as in submit
             try:
                 if copy:
                     region = call.work_region
@@ -1156,7 +1158,7 @@ cdef class HostCollectives:
                 if rc < 0:
                     raise self.transport.engine_failed()
             except BaseException as exc:
-                comm._fail(exc)
+                ex.fail(exc)
                 raise
             return result
         finally:

@@ -37,7 +37,6 @@ raises UsageError within a fraction of a second, as Ctrl-C raises KeyboardInterr
 import functools
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -46,13 +45,13 @@ from pyrdma.collectives import algorithms, ring, tree
 from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS, CostModel
+from pyrdma.collectives.executor import Executor, Handle  # noqa: F401 - Handle: the package's name
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.schedule import consumer
+from pyrdma.collectives.transport import NO_ROOT, describe, describe_message
 from pyrdma.collectives.work import Avg, Operand, byte_bounds, in_and_out, plain_bytes
-from pyrdma.collectives.transport import (LEFT, MISMATCH, NO_CULPRIT, NO_ROOT, PEER_FAILED, closed_error,
-                                       describe, describe_message)
 from pyrdma.buffers import host_array, is_cuda_array
-from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError, WireFormatError
+from pyrdma.errors import UsageError, WireFormatError
 
 OPS = ("sum", "prod", "min", "max", "avg")
 ALGORITHMS = ("auto",) + ALLREDUCE_ALGORITHMS + tuple(ALIASES)
@@ -61,51 +60,6 @@ GPU_PATHS = ("auto", "staged", "direct")
 DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
-
-
-class Handle:
-    """A collective in flight. ``wait(timeout=None)`` returns its result (or raises its error);
-    ``test()`` says whether it has finished. A wait that times out raises RDMATimeoutError and leaves
-    the collective running (every collective ends by itself: its own waits have timeouts)."""
-
-    def __init__(self, future):
-        self._future = future
-
-    def test(self):
-        return self._future.done()
-
-    done = property(test)
-
-    def add_done_callback(self, fn):
-        """Call ``fn(handle)`` once the collective has finished (at once if it has), on the thread
-        that finished it; ``fn`` then calls ``wait()`` for the result or the error without blocking."""
-        self._future.add_done_callback(lambda _future: fn(self))
-
-    def wait(self, timeout=None):
-        try:
-            return self._future.result(timeout)
-        except TimeoutError:
-            if self._future.done():
-                raise
-            raise RDMATimeoutError(f"the collective is still running after {timeout} s", call="Handle.wait") from None
-
-
-class _Done:
-    """A Handle-like result of a collective that ran inline."""
-
-    def __init__(self, result):
-        self._result = result
-
-    def test(self):
-        return True
-
-    done = property(test)
-
-    def add_done_callback(self, fn):
-        fn(self)
-
-    def wait(self, timeout=None):
-        return self._result
 
 
 def _is_cuda(*objs):
@@ -237,9 +191,6 @@ class Communicator:
             raise UsageError(f"unknown gpu_path {gpu_path!r}; use one of {', '.join(GPU_PATHS)}")
         self.gpu_path = gpu_path
         self._gpudirect_agreed = {}      # GPU ordinal -> whether every rank can do GPUDirect RDMA
-        self._closed = False
-        self._broken = None
-        self._seq = 0
         self._p2p_sent = [0] * size          # messages sent to each rank so far
         self._p2p_received = [0] * size      # and received from each
         own_exchange = exchange is None
@@ -271,19 +222,15 @@ class Communicator:
                 exchange.close()
         self.transport_name = chosen
         self.cost_model = cost_model or CostModel(transport=chosen)
-        self._count_lock = threading.Lock()
-        self._pending = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
-        # The lock is reentrant: close() from inside a collective's own thread (a signal handler)
-        # must not deadlock. Over RDMA, blocking host allreduces and barriers are one C call each
-        # (HostCollectives), which takes the same lock, an ExecLock, without a Python call.
         self._host = None
         if chosen == "rdma" and size > 1:
+            # blocking host allreduces, all-to-alls and barriers are one C call each, which takes
+            # the executor's lock without a Python call
             from pyrdma._engine import ExecLock, HostCollectives
-            self._exec_lock = ExecLock()
-            self._host = HostCollectives(self.transport.engine, self, self.transport)
+            self._exec = Executor(rank, size, self.transport, ExecLock())
+            self._host = HostCollectives(self.transport.engine, self._exec, self, self.transport)
         else:
-            self._exec_lock = threading.RLock()
+            self._exec = Executor(rank, size, self.transport, threading.RLock())
 
     def _agree_on_transport(self, exchange, transport, device):
         """Every rank says what it wants (and, for auto, whether it can do RDMA); all must agree."""
@@ -329,21 +276,7 @@ class Communicator:
         queued then (blocked in another thread, or non-blocking) raises UsageError ("closed") at its
         next wait, within a fraction of a second: wait on handles first to let them finish. The
         transport is released only once no collective uses it any more."""
-        if self._closed:
-            return
-        self._closed = True
-        self.transport.interrupt()
-        self._executor.shutdown(wait=True)
-        # a blocking collective of another thread leaves at its next wait (CLOSE_POLL), or at its
-        # timeout if it sits in a send that cannot finish
-        if self._exec_lock.acquire(timeout=self.timeout + 5):
-            try:
-                self.transport.close()
-            finally:
-                self._exec_lock.release()
-        else:
-            raise UsageError("close(): a collective of another thread did not leave within the timeout; "
-                             "the transport stays open")
+        self._exec.close(self.timeout + 5)
 
     def __enter__(self):
         return self
@@ -352,7 +285,7 @@ class Communicator:
         self.close()
 
     def __repr__(self):
-        state = "closed" if self._closed else ("broken" if self._broken else "open")
+        state = "closed" if self._exec.closed else ("broken" if self._exec.broken else "open")
         return f"<Communicator rank {self.rank} of {self.size} over {self.transport_name} ({state})>"
 
     def segment_bounds(self, count):
@@ -366,76 +299,8 @@ class Communicator:
     def _tag(self, kind, **fields):
         """The description of a collective about to be submitted (transport.describe): every rank
         computes the same one for the same call, and every message carries it (the sequence
-        number advances in _submit, once the call was accepted)."""
-        return describe(self._seq, kind, **fields)
-
-    def _submit(self, blocking, fn, *args, seq=True):
-        """Run ``fn(*args)`` after every collective submitted before it. ``seq``: it is a collective
-        (it advances the call number that every rank's messages carry; point-to-point has its own
-        numbers per pair of ranks)."""
-        if self._closed:
-            raise UsageError("the communicator is closed")
-        self._raise_if_broken()
-        if seq:
-            self._seq += 1
-        with self._count_lock:
-            inline = blocking and self._pending == 0
-            if not inline:
-                self._pending += 1
-        if inline:
-            with self._exec_lock:
-                return _Done(self._guarded(fn, *args))
-        future = self._executor.submit(self._run_queued, fn, *args)
-        return Handle(future)
-
-    def _run_queued(self, fn, *args):
-        try:
-            with self._exec_lock:
-                if self._closed:
-                    raise closed_error()
-                self._raise_if_broken()
-                self.transport.background = True
-                try:
-                    return self._guarded(fn, *args)
-                finally:
-                    self.transport.background = False
-        finally:
-            with self._count_lock:
-                self._pending -= 1
-
-    def _guarded(self, fn, *args):
-        try:
-            return fn(*args)
-        except BaseException as exc:
-            self._fail(exc)
-            raise
-
-    def _fail(self, exc):
-        """A collective failed halfway: the message streams are out of step for good. Tell the
-        peers (so they fail now rather than at their timeout) and refuse further collectives."""
-        if self._broken is not None:
-            return
-        self._broken = exc
-        culprit = getattr(exc, "peer", None)
-        if not isinstance(culprit, int) or not 0 <= culprit < self.size:
-            culprit = self.rank if not isinstance(exc, RDMAError) else NO_CULPRIT
-        if getattr(exc, "closed", False) or isinstance(exc, KeyboardInterrupt):
-            culprit, reason = self.rank, LEFT      # closed (or interrupted) here: this rank leaves
-        else:
-            reason = MISMATCH if isinstance(exc, UsageError) else PEER_FAILED
-        try:
-            self.transport.abort(culprit, reason)
-        except Exception:
-            pass
-
-    def _raise_if_broken(self):
-        exc = self._broken
-        if exc is None:
-            return
-        cls = UsageError if isinstance(exc, UsageError) else PeerError
-        err = cls(f"the communicator is unusable after an earlier failure: {exc}")
-        err.peer = getattr(exc, "peer", None)
-        raise err
+        number advances in Executor.submit, once the call was accepted)."""
+        return describe(self._exec.seq, kind, **fields)
 
     def _pieces(self, count, itemsize, factor=1):
         """Element ranges of at most max_work_bytes / factor bytes each (at least one range)."""
@@ -622,7 +487,7 @@ class Communicator:
                 algo = "halving_doubling"
             plan.append((lo, hi, algo, self._tag("allreduce-direct", op=op, dtype=area.code, count=area.count,
                                                       lo=lo, hi=hi, algorithm=algo)))
-        return self._submit(True, self._run_allreduce_in_place, area, op, plan).wait()
+        return self._exec.submit(True, self._run_allreduce_in_place, area, op, plan).wait()
 
     def _run_allreduce_in_place(self, area, op, plan):
         t = self.transport
@@ -647,7 +512,7 @@ class Communicator:
             plan.append((lo, hi, algo, self._tag("broadcast-direct", dtype=_dtype_field(area.dtype_name),
                                                       count=area.work.nbytes, root=root, lo=lo, hi=hi,
                                                       algorithm=algo)))
-        return self._submit(True, self._run_broadcast_in_place, area, root, plan).wait()
+        return self._exec.submit(True, self._run_broadcast_in_place, area, root, plan).wait()
 
     def _run_broadcast_in_place(self, area, root, plan):
         t = self.transport
@@ -939,7 +804,7 @@ class Communicator:
                     if ops[i][0] == "recv":
                         results[i] = got
             return results
-        return self._submit(False, run, seq=False)
+        return self._exec.submit(False, run, seq=False)
 
     def _call(self, make_spec, *args, blocking):
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run
@@ -950,7 +815,7 @@ class Communicator:
                                  f"not supported; use the blocking form (it stages through the host)")
             return _cuda().staged_call(self, make_spec.__name__.strip("_"), *args)
         spec = make_spec(*args)
-        handle = self._submit(blocking, self._run_spec, spec, seq=spec.collective)
+        handle = self._exec.submit(blocking, self._run_spec, spec, seq=spec.collective)
         return handle.wait() if blocking else handle
 
     def _run_spec(self, spec):

@@ -1,0 +1,162 @@
+"""The order in which a communicator's calls run, and the state a failure leaves (NCCL's
+communicator state; gloo's context).
+
+Calls run one at a time, in the order they were made on the calling thread: a blocking call runs
+inline when nothing is queued, anything else on the communicator's own thread. Every collective
+takes the next call number (the ``seq`` of every message's description; point-to-point messages
+are numbered per pair of ranks instead). A call that fails halfway leaves the message streams out
+of step for good: the executor tells the peers (an abort) and refuses every later call.
+"""
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from pyrdma.collectives.transport import LEFT, MISMATCH, NO_CULPRIT, PEER_FAILED, closed_error
+from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError
+
+
+class Handle:
+    """A collective in flight. ``wait(timeout=None)`` returns its result (or raises its error);
+    ``test()`` says whether it has finished. A wait that times out raises RDMATimeoutError and leaves
+    the collective running (every collective ends by itself: its own waits have timeouts)."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def test(self):
+        return self._future.done()
+
+    done = property(test)
+
+    def add_done_callback(self, fn):
+        """Call ``fn(handle)`` once the collective has finished (at once if it has), on the thread
+        that finished it; ``fn`` then calls ``wait()`` for the result or the error without blocking."""
+        self._future.add_done_callback(lambda _future: fn(self))
+
+    def wait(self, timeout=None):
+        try:
+            return self._future.result(timeout)
+        except TimeoutError:
+            if self._future.done():
+                raise
+            raise RDMATimeoutError(f"the collective is still running after {timeout} s", call="Handle.wait") from None
+
+
+class _Done:
+    """A Handle-like result of a collective that ran inline."""
+
+    def __init__(self, result):
+        self._result = result
+
+    def test(self):
+        return True
+
+    done = property(test)
+
+    def add_done_callback(self, fn):
+        fn(self)
+
+    def wait(self, timeout=None):
+        return self._result
+
+
+class Executor:
+    """Runs a communicator's calls (see the module's docstring). ``lock`` is held while a call runs
+    (reentrant: close() from inside a call's own thread, a signal handler, must not deadlock; over
+    RDMA an ExecLock, which pyrdma._engine.HostCollectives takes without a Python call, and which
+    reads ``pending``, ``closed``, ``broken`` and ``seq`` and calls ``fail``)."""
+
+    def __init__(self, rank, size, transport, lock):
+        self.rank, self.size, self.transport, self.lock = rank, size, transport, lock
+        self.seq = 0
+        self.pending = 0
+        self.broken = None
+        self.closed = False
+        self._count_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
+
+    def submit(self, blocking, fn, *args, seq=True):
+        """Run ``fn(*args)`` after every collective submitted before it. ``seq``: it is a collective
+        (it advances the call number that every rank's messages carry; point-to-point has its own
+        numbers per pair of ranks)."""
+        if self.closed:
+            raise UsageError("the communicator is closed")
+        self.raise_if_broken()
+        if seq:
+            self.seq += 1
+        with self._count_lock:
+            inline = blocking and self.pending == 0
+            if not inline:
+                self.pending += 1
+        if inline:
+            with self.lock:
+                return _Done(self._guarded(fn, *args))
+        future = self._pool.submit(self._run_queued, fn, *args)
+        return Handle(future)
+
+    def _run_queued(self, fn, *args):
+        try:
+            with self.lock:
+                if self.closed:
+                    raise closed_error()
+                self.raise_if_broken()
+                self.transport.background = True
+                try:
+                    return self._guarded(fn, *args)
+                finally:
+                    self.transport.background = False
+        finally:
+            with self._count_lock:
+                self.pending -= 1
+
+    def _guarded(self, fn, *args):
+        try:
+            return fn(*args)
+        except BaseException as exc:
+            self.fail(exc)
+            raise
+
+    def fail(self, exc):
+        """A collective failed halfway: the message streams are out of step for good. Tell the
+        peers (so they fail now rather than at their timeout) and refuse further collectives."""
+        if self.broken is not None:
+            return
+        self.broken = exc
+        culprit = getattr(exc, "peer", None)
+        if not isinstance(culprit, int) or not 0 <= culprit < self.size:
+            culprit = self.rank if not isinstance(exc, RDMAError) else NO_CULPRIT
+        if getattr(exc, "closed", False) or isinstance(exc, KeyboardInterrupt):
+            culprit, reason = self.rank, LEFT      # closed (or interrupted) here: this rank leaves
+        else:
+            reason = MISMATCH if isinstance(exc, UsageError) else PEER_FAILED
+        try:
+            self.transport.abort(culprit, reason)
+        except Exception:
+            pass
+
+    def raise_if_broken(self):
+        exc = self.broken
+        if exc is None:
+            return
+        cls = UsageError if isinstance(exc, UsageError) else PeerError
+        err = cls(f"the communicator is unusable after an earlier failure: {exc}")
+        err.peer = getattr(exc, "peer", None)
+        raise err
+
+    def close(self, timeout):
+        """Stop taking calls, make the running one leave (its next wait raises "closed"), wait for
+        the queued ones to finish that way, then close the transport."""
+        if self.closed:
+            return
+        self.closed = True
+        self.transport.interrupt()
+        self._pool.shutdown(wait=True)
+        # a blocking call of another thread leaves at its next wait (CLOSE_POLL), or at its timeout
+        # if it sits in a send that cannot finish
+        if self.lock.acquire(timeout=timeout):
+            try:
+                self.transport.close()
+            finally:
+                self.lock.release()
+        else:
+            raise UsageError("close(): a collective of another thread did not leave within the timeout; "
+                             "the transport stays open")
