@@ -476,7 +476,8 @@ class Communicator:
         pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code`` and the reductions ``reduce``,
         ``divide``, ``prescale`` (floating-point avg: work /= n before the sum; else divide after it)
         and, for memory other than numpy's, ``register(pd, array)`` and ``sync()``."""
-        plan = []
+        device = None if isinstance(area.work, np.ndarray) else area
+        runs = []
         for lo, hi in self._pieces(area.count, area.itemsize):
             algo = algorithm
             if algo == "auto":
@@ -485,43 +486,33 @@ class Communicator:
                 algo = ALIASES.get(algo, algo)
             if algo == "recursive_doubling":      # needs a second copy of the buffer: not in place
                 algo = "halving_doubling"
-            plan.append((lo, hi, algo, self._tag("allreduce-direct", op=op, dtype=area.code, count=area.count,
-                                                      lo=lo, hi=hi, algorithm=algo)))
-        return self._exec.submit(True, self._run_allreduce_in_place, area, op, plan).wait()
 
-    def _run_allreduce_in_place(self, area, op, plan):
-        t = self.transport
-        work, itemsize = area.work, area.itemsize
-        device = None if isinstance(work, np.ndarray) else area
-        for lo, hi, algo, tag in plan:
-            a, b = lo * itemsize, hi * itemsize
-            if op == "avg" and area.prescale is not None:
-                area.prescale(work[a:b], self.size)
-            piece = t.work_area(b - a, work, a, device=device)
-            t.set_tag(tag)
-            plan = algorithms.planner("allreduce", algo)(self.size, self.rank, hi - lo, itemsize, t.max_message)
-            t.run(plan, area.code, _op_code(op), consume=consumer(piece, area.reduce))
-            if op == "avg" and area.prescale is None:
-                area.divide(work[a:b], self.size)
+            def fill(work):
+                if op == "avg" and area.prescale is not None:
+                    area.prescale(work, self.size)
+
+            def finish(work, schedule, received):
+                if op == "avg" and area.prescale is None:
+                    area.divide(work, self.size)
+            plan = functools.partial(algorithms.planner("allreduce", algo), self.size, self.rank, hi - lo,
+                                     area.itemsize)
+            tag = self._tag("allreduce-direct", op=op, dtype=area.code, count=area.count, lo=lo, hi=hi, algorithm=algo)
+            runs.append(_Run(plan, tag, (hi - lo) * area.itemsize, fill, finish, area.code, _op_code(op), area.work,
+                             lo * area.itemsize, device=device, reduce=area.reduce))
+        return self._exec.submit(True, self._run_spec, _Spec(runs)).wait()
 
     def _broadcast_in_place(self, area, root, algorithm):
         """broadcast of ``area.work`` (flat uint8, GPU memory included) from root, sent from directly."""
-        plan = []
+        device = None if isinstance(area.work, np.ndarray) else area
+        runs = []
         for lo, hi in self._pieces(area.work.nbytes, 1):
             algo = self._rooted_algorithm(algorithm, hi - lo)
-            plan.append((lo, hi, algo, self._tag("broadcast-direct", dtype=_dtype_field(area.dtype_name),
-                                                      count=area.work.nbytes, root=root, lo=lo, hi=hi,
-                                                      algorithm=algo)))
-        return self._exec.submit(True, self._run_broadcast_in_place, area, root, plan).wait()
-
-    def _run_broadcast_in_place(self, area, root, plan):
-        t = self.transport
-        device = None if isinstance(area.work, np.ndarray) else area
-        for lo, hi, algo, tag in plan:
-            piece = t.work_area(hi - lo, area.work, lo, device=device)
-            t.set_tag(tag)
-            plan = algorithms.planner("broadcast", algo)(self.size, self.rank, hi - lo, 1, t.max_message, root)
-            t.run(plan, consume=consumer(piece, None))
+            plan = functools.partial(algorithms.planner("broadcast", algo), self.size, self.rank, hi - lo, 1,
+                                     root=root)
+            tag = self._tag("broadcast-direct", dtype=_dtype_field(area.dtype_name), count=area.work.nbytes,
+                            root=root, lo=lo, hi=hi, algorithm=algo)
+            runs.append(_Run(plan, tag, hi - lo, lend=area.work, start=lo, device=device, reduce=_COPY_ONLY))
+        return self._exec.submit(True, self._run_spec, _Spec(runs)).wait()
 
     # ---- reduce, broadcast ----------------------------------------------------------------------
 
@@ -823,11 +814,12 @@ class Communicator:
         value = None
         for run in spec.runs:
             schedule = run.plan(t.max_message)
-            work = t.work_area(run.area, run.lend, run.start)
+            work = t.work_area(run.area, run.lend, run.start, device=run.device)
             if run.fill is not None:
                 run.fill(work)
             t.set_tag(run.tag, run.recv_tag)
-            received = t.run(schedule, run.dtype, run.op)
+            consume = None if run.reduce is None else consumer(work, None if run.reduce is _COPY_ONLY else run.reduce)
+            received = t.run(schedule, run.dtype, run.op, consume)
             if run.finish is not None:
                 value = run.finish(work, schedule, received)
         return value if spec.result is None else spec.result()
@@ -1003,13 +995,22 @@ class _Run:
     ``plan(max_message)`` its Schedule, ``tag`` the description its messages carry (``recv_tag``
     the one they are received with, point-to-point), ``area`` the bytes of its work area (the
     transport's buffer, or ``lend[start:start + area]`` in place), ``fill(work)`` before it,
-    ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes."""
+    ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes. Lent
+    memory other than numpy's (GPU memory) comes with its ``device`` (transport.work_area); where
+    ``reduce`` is given, received chunks are consumed in Python (schedule.consumer: CUDA copies and
+    reductions) instead of in C."""
 
-    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag")
+    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "device",
+                 "reduce")
 
-    def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None):
+    def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None,
+                 device=None, reduce=None):
         self.plan, self.tag, self.area, self.fill, self.finish = plan, tag, area, fill, finish
         self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
+        self.device, self.reduce = device, reduce
+
+
+_COPY_ONLY = object()       # _Run.reduce of a run that consumes in Python but only copies
 
 
 class _Spec:
