@@ -77,7 +77,10 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy>=1.21"],
     extras_require={"cuda": ["cupy"], "torch": ["torch>=2.4"], "test": ["pytest"], "bench": ["matplotlib"]},
+    # typing: py.typed and the stubs of the compiled modules (checked by tests/test_stubs.py)
+    package_data={"pyrdma": ["py.typed", "*.pyi"], "pyrdma._verbs": ["*.pyi"]},
     entry_points={"console_scripts": ["pyrdma-perf=pyrdma.perf.cli:main",
+                                      "pyrdma-doctor=pyrdma.doctor:main",
                                       "pyrdma-vm=pyrdma.testing.vm:main"]},
     zip_safe=False,
 )

@@ -102,8 +102,7 @@ def main(argv=None):
     rows = [run_backend(args, b, extra) for b in ("gloo", "pyrdma")]
     anchor = None
     if not args.no_ib_write_bw:
-        sys.path.insert(0, os.path.join(ROOT, "bench"))
-        from allreduce_bench import ib_write_bw
+        from pyrdma.perf.allreduce_bench import ib_write_bw
         anchor = ib_write_bw(args.dev, args.gid, 8 << 20)
     print(f"# DDP, {rows[0]['ranks']} ranks, MLP of {rows[0]['params']:,} parameters, batch {rows[0]['batch']}; "
           f"ib_write_bw 8 MiB: {anchor if anchor is None else f'{anchor:.4f}'} GB/s")

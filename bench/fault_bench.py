@@ -24,12 +24,11 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)      # the checkout's pyrdma (built in place), as the other benches
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # for the default --out
 
-from pyrdma.testing import counting_rc_resends, free_port  # noqa: E402
-from pyrdma.testing import hosts as testbed  # noqa: E402
-from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, write_stream  # noqa: E402
+from pyrdma.testing import counting_rc_resends, free_port
+from pyrdma.testing import hosts as testbed
+from pyrdma.testing.faults import FAST_QP_TIMEOUT, FAULTS, allreduce_under_faults, write_stream
 
 
 def clean_wire(hosts):

@@ -1,109 +1,12 @@
+#!/usr/bin/env python3
 """Where the time of a Python write-latency iteration goes (issue: "what does Python cost me?").
 
-One process, an RC QP pair looped back on one device, 2-byte RDMA WRITEs. Per iteration, median
-of ``--iters``:
-
-  bookkeeping   the pure-Python part of pyrdma-perf's write_lat loop body (clock, counters, the
-                store of the counter byte, one check of the polled byte), no verbs call
-  python_op     qp.post_write(...) then cq.poll_into() until the completion, from Python
-  batched_op    qp.post_send_list(prebuilt WR) then cq.poll_wait() (the wait runs in C)
-  empty         an empty Python loop iteration (the interpreter's floor)
-
-python_op - batched_op is what the per-call Python API adds to one operation. Run it where the
-latency test runs (in the Soft-RoCE VM: python3 -m pyrdma.testing.vm -- PYTHON bench/lat_breakdown.py).
+The code is pyrdma.perf.lat_breakdown (so tests and other benches import it); this script runs its main().
+pyrdma must be importable: `pip install -e .`, or PYTHONPATH=<the checkout> as scripts/bench.sh sets.
 """
-import argparse
-import json
-import os
 import sys
-import time
 
-import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import pyrdma as rd  # noqa: E402
-
-now_ns = time.perf_counter_ns
-
-
-def _median_ns(samples):
-    return float(np.median(np.diff(np.asarray(samples, dtype=np.int64))))
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-d", "--dev", default=None)
-    p.add_argument("--iters", type=int, default=5000)
-    p.add_argument("--size", type=int, default=2)
-    p.add_argument("--json", default=None, help="also write the figures to this file")
-    args = p.parse_args(argv)
-    n, size = args.iters, args.size
-    out = {}
-    with rd.Context(args.dev) as ctx:
-        pd = rd.ProtectionDomain(ctx)
-        cq = rd.CompletionQueue(ctx, 64)
-        buf = np.zeros(8192, np.uint8)
-        mr = rd.MemoryRegion(pd, buf, rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
-        a = rd.QueuePair(pd, rd.QPT_RC, cq, max_inline_data=64)
-        b = rd.QueuePair(pd, rd.QPT_RC, cq)
-        a.connect(b.endpoint())
-        b.connect(a.endpoint())
-        raddr, rkey = mr.addr + 4096, mr.rkey
-        wc = np.zeros(1, rd.WC_DTYPE)
-        view = memoryview(buf)
-
-        stamps = [0] * (n + 1)
-        for i in range(n + 1):
-            stamps[i] = now_ns()
-        out["empty"] = _median_ns(stamps)
-
-        post_write, poll_into = a.post_write, cq.poll_into
-        stamps = [0] * (n + 1)
-        for i in range(n + 1):
-            stamps[i] = now_ns()
-            post_write(mr, 0, size, raddr, rkey, 0, True, None, True)
-            while not poll_into(wc):
-                pass
-        rd.check_wcs(wc)
-        out["python_op"] = _median_ns(stamps)
-
-        lst = rd.SendWRList(1)
-        lst.fill(rd.WR_RDMA_WRITE, mr, np.zeros(1, np.int64), size, raddr, rkey, wr_ids=0,
-                 flags=np.full(1, rd.SEND_SIGNALED | rd.SEND_INLINE, np.int32))
-        post_list, poll_wait = a.post_send_list, cq.poll_wait
-        stamps = [0] * (n + 1)
-        for i in range(n + 1):
-            stamps[i] = now_ns()
-            post_list(lst)
-            poll_wait(wc, 1, 5.0)
-        rd.check_wcs(wc)
-        out["batched_op"] = _median_ns(stamps)
-
-        # write_lat's loop body without its verbs calls; the polled byte already holds the value
-        tposted = [0] * n
-        stamps = [0] * (n + 1)
-        scnt = rcnt = 0
-        for i in range(n + 1):
-            stamps[i] = now_ns()
-            rcnt += 1
-            want = rcnt & 0xFF
-            view[4096 + size - 1] = want
-            while view[4096 + size - 1] != want:
-                pass
-            t = now_ns()
-            if scnt < n:
-                tposted[scnt] = t
-            scnt += 1
-            view[size - 1] = scnt & 0xFF
-        out["bookkeeping"] = _median_ns(stamps)
-    print(f"# {n} iterations, {size}-byte inline RDMA WRITE, RC QP pair looped back on one device")
-    for k in ("empty", "bookkeeping", "python_op", "batched_op"):
-        print(f"{k:>12}: {out[k] / 1000:8.2f} us")
-    print(f"{'python adds':>12}: {(out['python_op'] - out['batched_op']) / 1000:8.2f} us per operation")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({k: v / 1000 for k, v in out.items()}, f, indent=1)
-
+from pyrdma.perf.lat_breakdown import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -12,17 +12,12 @@ import argparse
 import multiprocessing as mp
 import os
 import resource
-import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from allreduce_bench import cores_for  # noqa: E402
-from pyrdma.testing import free_port  # noqa: E402
+from pyrdma.perf.allreduce_bench import cores_for
+from pyrdma.testing import free_port
 
 
 def _rank(rank, size, ports, nbytes, algorithm, iters, spins, results):

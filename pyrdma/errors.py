@@ -68,5 +68,9 @@ class PeerError(RDMAError):
 def raise_errno(call, err, obj=None, message=None):
     """Raise RDMAError for a failed C call that reported error number ``err``."""
     # verbs calls either return the error number or set errno; 0 means the provider said nothing.
-    raise RDMAError(message or (_os.strerror(err) if err else "failed"), errno=err or None,
-                    call=call, obj=obj)
+    from pyrdma.advice import advice
+    text = message or (_os.strerror(err) if err else "failed")
+    hint = advice(call, err, obj)      # the environment's usual culprit, and the command that fixes it
+    if hint:
+        text += "; " + hint
+    raise RDMAError(text, errno=err or None, call=call, obj=obj)

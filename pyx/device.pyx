@@ -8,6 +8,7 @@ from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse, use, unuse, monotonic_now, wait_fd, wait_seconds
 import enum
 import ipaddress
+import os
 import socket
 
 cdef struct async_event_take:
@@ -225,11 +226,13 @@ cdef class Context(VerbsObject):
                 candidates = [names.index(name)]
             else:
                 candidates = list(range(n))
+            unopened = []
             for i in candidates:
                 ctx = ibv_open_device(devs[i])
                 if ctx == NULL:
                     if name is not None:
                         raise_errno("ibv_open_device", _errno(), names[i])
+                    unopened.append((names[i], _errno()))
                     continue
                 self.ctx = ctx
                 self.name = names[i]
@@ -239,6 +242,15 @@ cdef class Context(VerbsObject):
                 ibv_close_device(ctx)
                 self.ctx = NULL
                 self._closed = True
+            if unopened:    # say why those failed: a device file missing from a container, say
+                from pyrdma.advice import advice
+                why = []
+                for dev, err in unopened:
+                    hint = advice("ibv_open_device", err, dev)
+                    why.append(f"{dev} did not open [{os.strerror(err)}]" + (f": {hint}" if hint else ""))
+                why = "; ".join(why)
+                raise RDMAError(f"no RDMA device with an ACTIVE port; devices: {', '.join(names)}; {why}",
+                                errno=unopened[0][1] or None, call="ibv_open_device")
             raise RDMAError(f"no RDMA device with an ACTIVE port; devices: {', '.join(names)}",
                             call="ibv_open_device")
         finally:

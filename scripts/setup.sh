@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # busybox-static: virtme-ng builds its initramfs from it (the Debian kernel loads 9p/virtio as modules)
 APT_PACKAGES=(rdma-core ibverbs-providers ibverbs-utils libibverbs-dev librdmacm-dev rdmacm-utils perftest qemu-system-x86
               linux-image-amd64 busybox-static python3-pyverbs iproute2 kmod openmpi-bin python3-mpi4py gcc python3-dev python3-pip)
-PIP_PACKAGES=(virtme-ng cython numpy pytest matplotlib ml_dtypes)   # ml_dtypes: the bfloat16 tests
+PIP_PACKAGES=(virtme-ng cython numpy pytest matplotlib ml_dtypes mypy)   # ml_dtypes: the bfloat16 tests; mypy: stubtest
 PYTHON=${PYTHON:-python3}
 
 missing=()

@@ -5,12 +5,14 @@ a veth pair, 198.19.0.1 on one end and Soft-RoCE device ``rxecm0`` on it (it sor
 ``Context()`` still opens rxe0: checked below). It is removed when the module ends. Every subprocess
 runs under a timeout and is killed in ``finally``; every wait is bounded.
 """
+import json
 import os
 import re
 import shutil
 import signal
 import struct
 import subprocess
+import sys
 import threading
 import time
 
@@ -210,6 +212,19 @@ class RpingPeer:
 def test_cm_device_does_not_change_the_default(cm_device):
     with rd.Context() as ctx:
         assert ctx.name != DEVICE and ctx.name == sorted(n.name for n in rd.get_device_list())[0]
+
+
+def test_doctor_binds_the_address_with_rdma_cm(cm_device):
+    """pyrdma-doctor on rxecm0: its RoCE v2 GID of 198.19.0.1 is the pick, and rdma_cm binds that
+    address to rxecm0 (on rxe0's 127.0.0.1 rdma_cm ties the address to no device)."""
+    run = subprocess.run([sys.executable, "-m", "pyrdma.doctor", "--json"], capture_output=True, text=True,
+                         timeout=120)
+    report = json.loads(run.stdout)
+    port = {d["name"]: d for d in report["devices"]}[cm_device]["ports"][0]
+    gid = {g["index"]: g for g in port["gids"]}[port["gid_index"]]
+    assert port["state"] == "ACTIVE" and gid["type"] == "RoCEv2" and gid["ipv4"] == ADDR, port
+    assert port["rdma_cm"] == {"address": ADDR, "bound": True, "device": cm_device, "port": 1}
+    assert not [p for p in report["problems"] if "rdma_cm" in p["problem"]], report["problems"]
 
 
 def test_rping_server_against_pyrdma_client(cm_device):

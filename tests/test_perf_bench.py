@@ -1,29 +1,19 @@
-"""bench/side_by_side.py analysis on the host: ratios, targets, table and plots from known rows."""
-import importlib.util
+"""The benches' analysis on the host (pyrdma.perf.side_by_side, pyrdma.perf.allreduce_bench, which
+bench/side_by_side.py and bench/allreduce_bench.py run): ratios, targets, table and plots from known rows."""
 import multiprocessing
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
 import pyrdma.testing
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench(name):
-    """bench/<name>.py as a module (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "bench", name + ".py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from pyrdma.perf import allreduce_bench, side_by_side
 
 
 @pytest.fixture(scope="module")
 def sbs():
-    return _load_bench("side_by_side")
+    return side_by_side
 
 
 def _bench(sbs, tmp_path):
@@ -144,7 +134,7 @@ def test_resend_counters_are_taken_around_every_run(sbs, tmp_path, monkeypatch, 
 
 @pytest.fixture(scope="module")
 def arb():
-    return _load_bench("allreduce_bench")
+    return allreduce_bench
 
 
 def _round(ib, mpi_8m, ring_8m, rd_64k, mpi_64k):
@@ -190,8 +180,6 @@ def test_allreduce_bench_without_anchors_says_so(arb):
 def test_the_overlap_baseline_computes_only_while_its_traffic_runs(arb, monkeypatch):
     """The compute loops start (a spawn takes seconds in the VM) before the traffic does, and a
     baseline whose traffic ended before the loops did is flagged, not taken for one."""
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "bench"))
-    monkeypatch.setitem(sys.modules, "allreduce_bench", arb)        # the children unpickle _compute_child
     ctx = multiprocessing.get_context("spawn")
     events = []
     rate, covered = arb._compute_beside(ctx, 2, 0.3, lambda: events.append("start"), lambda: events.append("stop"),

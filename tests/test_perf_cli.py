@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from pyrdma import Endpoint, PeerError, WireFormatError
-from pyrdma.perf import cli, oob
+from pyrdma.perf import cli, oob, side
 from pyrdma.testing import free_port
 
 
@@ -74,11 +74,11 @@ def test_qp_timeout_like_perftest_u():
 
 
 def test_inline_default_follows_perftest():
-    assert cli._default_inline(_cfg("write_lat"), 0x02C9) == 220
-    assert cli._default_inline(_cfg("send_lat"), 0x02C9) == 236
-    assert cli._default_inline(_cfg("write_lat"), 0xFFFFFF) == 0    # rxe: unknown vendor
-    assert cli._default_inline(_cfg("write_bw"), 0x02C9) == 0
-    assert cli._default_inline(_cfg("write_lat", "-I", "64"), 0xFFFFFF) == 64
+    assert side._default_inline(_cfg("write_lat"), 0x02C9) == 220
+    assert side._default_inline(_cfg("send_lat"), 0x02C9) == 236
+    assert side._default_inline(_cfg("write_lat"), 0xFFFFFF) == 0    # rxe: unknown vendor
+    assert side._default_inline(_cfg("write_bw"), 0x02C9) == 0
+    assert side._default_inline(_cfg("write_lat", "-I", "64"), 0xFFFFFF) == 64
 
 
 def test_server_adopts_client_parameters():
@@ -89,9 +89,9 @@ def test_server_adopts_client_parameters():
 
 
 def test_alt_hex_like_printf():
-    assert cli._alt_hex(0, 4) == "0000"
-    assert cli._alt_hex(0x11, 6) == "0x0011"
-    assert cli._alt_hex(0x2e0, 8) == "0x0002e0"
+    assert side._alt_hex(0, 4) == "0000"
+    assert side._alt_hex(0x11, 6) == "0x0011"
+    assert side._alt_hex(0x2e0, 8) == "0x0002e0"
 
 
 # -- out-of-band exchange ---------------------------------------------------------------------------

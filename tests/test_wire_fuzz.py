@@ -20,7 +20,7 @@ from pyrdma.collectives import bootstrap
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore
 from pyrdma.connect import FRAMING as CONNECT, Listener, accept_verified, dial_exchange
 from pyrdma.endpoint import Endpoint
-from pyrdma.perf import cli, oob
+from pyrdma.perf import cli, oob, side
 from pyrdma.perf import perftest_wire as pw
 
 SEED = 0x5EED_16
@@ -222,7 +222,7 @@ def test_fuzz_perf_hello_parameters_and_reports(bounded_memory):
         d = _mutate_obj(rng, report)
         kind = rng.choice(["BWReport", "LatReport", "LatDurationReport", "nonsense", None, 5])
         try:
-            cli._undict(d, kind)
+            side.report_from_dict(d, kind)
         except pyrdma.WireFormatError:
             pass
 

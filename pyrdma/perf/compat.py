@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pyrdma.errors import UsageError
 from pyrdma.perf import stats
-from pyrdma.perf.cli import Side
+from pyrdma.perf.side import Side
 from pyrdma.perf.perftest_wire import WIRE_VERSION, Conversation, Dest
 
 

@@ -3,7 +3,7 @@
 Runs under mpirun with Debian's python3 and python3-mpi4py (no numpy: array.array is the buffer):
 
     mpirun -np 2 --mca pml ucx -x UCX_TLS=rc_verbs,ud_verbs,self -x UCX_NET_DEVICES=rxe0:1 \\
-        -x UCX_UD_VERBS_ETH_DGID_CHECK=n /usr/bin/python3 bench/mpi_allreduce.py --sizes 4096,32768 --iters 5
+        -x UCX_UD_VERBS_ETH_DGID_CHECK=n /usr/bin/python3 pyrdma/perf/mpi_allreduce.py --sizes 4096,32768 --iters 5
 
 Rank 0 prints one JSON object: {"rows": [[bytes, seconds], ...]}, where seconds is the median
 over iterations of the slowest rank's time, each iteration after a barrier. The loop is

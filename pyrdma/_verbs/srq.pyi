@@ -1,0 +1,19 @@
+# Type stubs of pyrdma._verbs.srq (pyx/srq.pyx), checked against the built module by mypy.stubtest.
+from typing_extensions import disjoint_base
+from pyrdma._verbs.base import VerbsObject
+from pyrdma._verbs.mr import MemoryRegion
+from pyrdma._verbs.pd import ProtectionDomain
+from pyrdma._verbs.wr import RecvWR
+from pyrdma.errors import UsageError as UsageError
+
+@disjoint_base
+class SharedReceiveQueue(VerbsObject):
+    def __init__(self, pd: ProtectionDomain, max_wr: int = ..., max_sge: int = ..., srq_limit: int = ...) -> None: ...
+    def post_recv(self, wr: RecvWR) -> None: ...
+    def post_recv_buf(self, mr: MemoryRegion, offset: int, length: int, wr_id: int = ...) -> None: ...
+    @property
+    def pd(self) -> ProtectionDomain: ...
+    @property
+    def max_wr(self) -> int: ...
+    @property
+    def max_sge(self) -> int: ...

@@ -1,0 +1,196 @@
+"""pyrdma.doctor and the environment advice of errors (pyrdma.advice).
+
+Host tests: the doctor on a machine without an RDMA device, without libibverbs.so.1 (simulated: the
+loader's error is raised in a child), under a small memlock limit; the advice of raise_errno.
+Device tests (the VM): the doctor finds rxe0 and its GID; an ENOMEM registration says the limit.
+"""
+import errno
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pyrdma import advice
+from pyrdma.errors import RDMAError, raise_errno
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 120
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+def _doctor(*args, prefix=(), env=None, limit=None):
+    """Run ``python -m pyrdma.doctor`` in a child (``limit``: its RLIMIT_MEMLOCK soft and hard)."""
+    def lower():
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_MEMLOCK, (limit, limit))
+    return subprocess.run([*prefix, sys.executable, "-m", "pyrdma.doctor", *args], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=env or _env(), cwd=ROOT, preexec_fn=lower)
+
+
+def _without_ipc_lock():
+    """A command prefix that runs a child without CAP_IPC_LOCK (root keeps it otherwise, and then
+    the kernel ignores RLIMIT_MEMLOCK)."""
+    if not advice.has_ipc_lock():
+        return []
+    return ["setpriv", "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--"]
+
+
+def _host_has_rdma():
+    return bool(os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"))
+
+
+# ---- host -----------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(_host_has_rdma(), reason="this host has an RDMA device; the VM test covers that case")
+def test_doctor_without_device_names_problem_and_fix():
+    run = _doctor()
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = run.stdout
+    assert "kernel RDMA devices: none" in out
+    assert "the kernel has no RDMA device" in out
+    assert "modprobe rdma_rxe && rdma link add rxe0 type rxe netdev" in out
+    assert "memlock: RLIMIT_MEMLOCK" in out
+    report = json.loads(_doctor("--json").stdout)
+    assert report["kernel"]["devices"] == [] and report["devices"] == []
+    fixes = [p["fix"] for p in report["problems"]]
+    assert any("modprobe rdma_rxe" in f for f in fixes), fixes
+    assert report["libraries"]["libibverbs.so.1"]["loaded"]
+
+
+# The loader's own message when libibverbs.so.1 is not installed, raised for the extension and ctypes.
+_NO_LIBIBVERBS = textwrap.dedent("""
+    import ctypes, importlib.abc, sys
+    MESSAGE = "libibverbs.so.1: cannot open shared object file: No such file or directory"
+
+    class NoVerbs(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith("pyrdma._verbs.") or name in ("pyrdma._engine", "pyrdma._reduce"):
+                raise ImportError(MESSAGE)
+            return None
+
+    sys.meta_path.insert(0, NoVerbs())
+    _cdll = ctypes.CDLL.__init__
+
+    def cdll(self, name, *args, **kwargs):
+        if name and ("libibverbs" in name or "librdmacm" in name):
+            raise OSError(MESSAGE)
+        _cdll(self, name, *args, **kwargs)
+
+    ctypes.CDLL.__init__ = cdll
+""")
+
+
+def test_doctor_and_import_without_libibverbs(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(_NO_LIBIBVERBS)
+    env = _env(PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    run = _doctor(env=env)
+    assert run.returncode == 1, run.stdout + run.stderr
+    out = run.stdout
+    assert "libibverbs.so.1        MISSING" in out
+    assert "apt-get install libibverbs1 ibverbs-providers (Debian/Ubuntu) or dnf install rdma-core libibverbs" in out
+    assert "GPUs: skipped: pyrdma's extension is not loaded" in out
+    # the package imports; the first use of the verbs API says what to install
+    probe = subprocess.run([sys.executable, "-c", "import pyrdma\ntry:\n    pyrdma.Context()\n"
+                            "except ImportError as exc:\n    print(exc)"],
+                           capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+    assert probe.returncode == 0, probe.stderr
+    assert "pyrdma.Context: libibverbs.so.1 cannot be loaded" in probe.stdout
+    assert "apt-get install libibverbs1 ibverbs-providers" in probe.stdout
+
+
+def test_doctor_memlock_too_small_for_1gib():
+    run = _doctor("--json", prefix=_without_ipc_lock(), limit=64 << 10)
+    report = json.loads(run.stdout)
+    state = report["memlock"]
+    assert state["soft"] == 64 << 10 and not state["cap_ipc_lock"] and not state["fits"]
+    problem = next(p for p in report["problems"] if "RLIMIT_MEMLOCK" in p["problem"])
+    assert "64 KiB" in problem["problem"] and "ENOMEM" in problem["problem"]
+    assert "ulimit -l unlimited" in problem["fix"] and "--ulimit memlock=-1" in problem["fix"]
+    assert "LimitMEMLOCK=infinity" in problem["fix"]
+
+
+def test_enomem_from_registration_says_the_memlock_limit():
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    with pytest.raises(RDMAError) as info:
+        raise_errno("ibv_reg_mr", errno.ENOMEM, "1073741824 bytes at 0x7f0000000000")
+    text = str(info.value)
+    assert info.value.errno == errno.ENOMEM and info.value.call == "ibv_reg_mr"
+    assert f"RLIMIT_MEMLOCK, which is {advice.format_limit(soft)} here" in text
+    assert "ulimit -l unlimited" in text and "--ulimit memlock=-1" in text
+    # other calls and errors get no memlock advice
+    with pytest.raises(RDMAError) as info:
+        raise_errno("ibv_create_cq", errno.ENOMEM)
+    assert "RLIMIT_MEMLOCK" not in str(info.value)
+
+
+def test_device_open_errors_name_the_device_file(tmp_path, monkeypatch):
+    uverbs = tmp_path / "class" / "infiniband_verbs" / "uverbs3"
+    uverbs.mkdir(parents=True)
+    (uverbs / "ibdev").write_text("mlx5_2\n")
+    monkeypatch.setattr(advice, "SYSFS", str(tmp_path))
+    for err in (errno.EACCES, errno.EPERM):
+        with pytest.raises(RDMAError) as info:
+            raise_errno("ibv_open_device", err, "mlx5_2")
+        text = str(info.value)
+        assert "needs read and write access to /dev/infiniband/uverbs3" in text
+        assert "docker run --device=/dev/infiniband/uverbs3" in text
+    with pytest.raises(RDMAError) as info:
+        raise_errno("ibv_open_device", errno.ENODEV, "mlx5_2")
+    assert "/dev/infiniband/uverbs3 is missing" in str(info.value)
+    assert "modprobe ib_uverbs" in str(info.value)
+
+
+# ---- device (the VM) ------------------------------------------------------------------------------
+
+@pytest.mark.device
+def test_doctor_finds_rxe0_and_its_gid(rdma_device_name):
+    run = _doctor("--json")
+    report = json.loads(run.stdout)
+    devices = {d["name"]: d for d in report["devices"]}
+    assert "rxe0" in devices, report
+    port = devices["rxe0"]["ports"][0]
+    assert port["port"] == 1 and port["state"] == "ACTIVE" and port["link_layer"] == "Ethernet"
+    gids = {g["index"]: g for g in port["gids"]}
+    assert gids[1]["type"] == "RoCEv2" and gids[1]["ipv4"] == "127.0.0.1"
+    assert gids[1]["gid"] == "0000:0000:0000:0000:0000:ffff:7f00:0001"
+    assert port["gid_index"] == 1
+    assert report["default"] == {"device": "rxe0", "port": 1, "gid_index": 1}
+    assert report["memlock"]["fits"]
+    text = _doctor().stdout
+    print(text)      # the doctor's output in the VM, for the log
+    assert "<- pyrdma uses this" in text and "device rxe0" in text
+
+
+_REGISTER_LARGE = textwrap.dedent("""
+    import numpy as np, pyrdma as rd
+    buf = np.zeros(64 << 20, np.uint8)
+    with rd.Context() as ctx, rd.ProtectionDomain(ctx) as pd:
+        try:
+            rd.MemoryRegion(pd, buf)
+        except rd.RDMAError as exc:
+            print("errno", exc.errno)
+            print(exc)
+        else:
+            print("registered")
+""")
+
+
+@pytest.mark.device
+def test_enomem_registration_says_memlock_limit(rdma_device_name):
+    # a child without CAP_IPC_LOCK, limited to 1 MiB of locked memory, registers 64 MiB
+    run = subprocess.run([*_without_ipc_lock(), sys.executable, "-c", _REGISTER_LARGE], capture_output=True,
+                         text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_MEMLOCK, (1 << 20, 1 << 20)))
+    assert run.returncode == 0, run.stderr
+    assert f"errno {errno.ENOMEM}" in run.stdout, run.stdout
+    assert "ibv_reg_mr" in run.stdout and "RLIMIT_MEMLOCK, which is 1 MiB here" in run.stdout
+    assert "ulimit -l unlimited" in run.stdout and "--ulimit memlock=-1" in run.stdout
