@@ -5,7 +5,7 @@ this package re-exports it and adds the out-of-band connection helpers, collecti
 (``pyrdma.collectives``) and perftest-style benchmarks (``pyrdma.perf``).
 """
 from pyrdma.errors import (RDMAError, UsageError, CompletionError, RDMATimeoutError, WireFormatError,
-                           PeerError)
+                           PeerError, MissingLibraryError)
 from pyrdma.endpoint import Endpoint
 
 try:

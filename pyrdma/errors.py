@@ -65,6 +65,36 @@ class PeerError(RDMAError):
         super().__init__(message, **kwargs)
 
 
+# rdma-core's run-time libraries and the packages that install them: (Debian/Ubuntu, RHEL/Fedora)
+RDMA_CORE_PACKAGES = {
+    "libibverbs.so.1": ("libibverbs1 ibverbs-providers", "libibverbs rdma-core"),
+    "librdmacm.so.1": ("librdmacm1", "librdmacm rdma-core"),
+}
+
+
+class MissingLibraryError(RDMAError):
+    """rdma-core's libibverbs.so.1 or librdmacm.so.1 cannot be loaded, or lacks an entry point a call
+    needs. pyrdma opens them on first use, so ``import pyrdma`` works without them.
+
+    ``library`` is the soname, ``path`` the file pyrdma tried (``$PYRDMA_LIBIBVERBS`` /
+    ``$PYRDMA_LIBRDMACM`` name another), ``symbol`` the missing entry point (None when the library
+    itself is missing), ``reason`` what the dynamic loader said."""
+
+    def __init__(self, library, reason, path=None, symbol=None, call=None):
+        self.library = library
+        self.path = path
+        self.symbol = symbol
+        self.reason = reason
+        debian, rhel = RDMA_CORE_PACKAGES.get(library, ("rdma-core", "rdma-core"))
+        if symbol:
+            message = (f"{path or library} has no {symbol}: this call needs a newer rdma-core "
+                       f"(Debian/Ubuntu: {debian}; RHEL/Fedora: {rhel})")
+        else:
+            message = (f"cannot load {library} ({reason}); install rdma-core's user-space library: "
+                       f"Debian/Ubuntu: apt-get install {debian}; RHEL/Fedora: dnf install {rhel}")
+        super().__init__(message, call=call)
+
+
 def raise_errno(call, err, obj=None, message=None):
     """Raise RDMAError for a failed C call that reported error number ``err``."""
     # verbs calls either return the error number or set errno; 0 means the provider said nothing.

@@ -17,6 +17,7 @@ from pyrdma._verbs.librdmacm cimport *
 from pyrdma._verbs.base cimport (VerbsObject, raise_errno, adopt, release, use, unuse, refuse, monotonic_now,
                                  wait_fd, wait_seconds)
 from pyrdma._verbs.device cimport Context, borrow_context
+from pyrdma._verbs.loader cimport require_library, PYRDMA_DL_RDMACM
 from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.srq cimport SharedReceiveQueue
@@ -192,6 +193,7 @@ cdef class CMEventChannel(VerbsObject):
     readable when ``get_event(timeout=0)`` has an event."""
 
     def __init__(self):
+        require_library(PYRDMA_DL_RDMACM, "rdma_create_event_channel")
         self._begin_init()
         with nogil:
             self.channel = rdma_create_event_channel()

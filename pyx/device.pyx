@@ -6,6 +6,7 @@ from libc.errno cimport errno, ENOSYS, EOPNOTSUPP
 from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse, use, unuse, monotonic_now, wait_fd, wait_seconds
+from pyrdma._verbs.loader cimport require_library, require_entry_point, PYRDMA_DL_VERBS
 import enum
 import ipaddress
 import os
@@ -187,7 +188,9 @@ cdef str _guid_str(uint64_t be_guid):
 def get_device_list():
     """List the RDMA devices libibverbs sees (possibly empty)."""
     cdef int n = 0
-    cdef ibv_device **devs = ibv_get_device_list(&n)
+    cdef ibv_device **devs
+    require_library(PYRDMA_DL_VERBS, "ibv_get_device_list")
+    devs = ibv_get_device_list(&n)
     if devs == NULL:
         if errno == ENOSYS:   # the kernel has no RDMA support at all: no devices
             return []
@@ -206,8 +209,10 @@ cdef class Context(VerbsObject):
 
     def __init__(self, name=None):
         cdef int n = 0, i
-        cdef ibv_device **devs = ibv_get_device_list(&n)
+        cdef ibv_device **devs
         cdef ibv_context *ctx
+        require_library(PYRDMA_DL_VERBS, "ibv_open_device")
+        devs = ibv_get_device_list(&n)
         self._begin_init()
         self._port_attr = {}
         self._best_gid = {}
@@ -378,6 +383,7 @@ cdef class Context(VerbsObject):
         cdef ibv_gid_entry e
         cdef int i, rc
         self._check_open()
+        require_entry_point(PYRDMA_DL_VERBS, "_ibv_query_gid_ex", "ibv_query_gid_ex")
         length = self.query_port(port).gid_tbl_len
         entries = []
         for i in range(length):

