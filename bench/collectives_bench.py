@@ -81,7 +81,14 @@ def ours(size, plan):
         slowest = [max(got[r]["rows"][i][2][k] for r in range(size)) for k in range(plan["iters"])]
         times[(name, piece)] = float(np.median(slowest))
     wrong = sorted({tuple(w) for r in range(size) for w in got[r]["wrong"]})
-    return times, dict(got[0], wrong=wrong)
+    # the breakdown: per iteration the slowest rank's call, and the part of it outside the engine
+    outside = {}
+    for i, (name, piece, _) in enumerate(got[0]["breakdown"]):
+        per_iter = [max((got[r]["breakdown"][i][2][k] for r in range(size)), key=lambda p: p[0])
+                    for k in range(plan["iters"])]
+        outside[(name, piece)] = (float(np.median([c for c, _ in per_iter])),
+                                  float(np.median([c - e for c, e in per_iter])))
+    return times, dict(got[0], wrong=wrong, outside=outside)
 
 
 def mpi(size, plan, dev, timeout=900):
@@ -186,9 +193,13 @@ def summarize(rounds, plans):
                     theirs.append(t)
                 ratios = [a / b if b else None for a, b in zip(mine, theirs)]
                 t, m = _median(mine), _median(theirs)
+                split = [rd["extras"][size]["outside"].get((name, piece)) for rd in rounds]
+                split = [x for x in split if x]
                 table.append(dict(collective=name, ranks=size, bytes_per_peer=piece, time_us=t * 1e6,
                                   mpi_time_us=m * 1e6 if m else None, vs_mpi=_median(ratios),
-                                  vs_mpi_range=_span(ratios), rounds_us=[x * 1e6 for x in mine]))
+                                  vs_mpi_range=_span(ratios), rounds_us=[x * 1e6 for x in mine],
+                                  outside_engine_us=_median([o for _, o in split]) * 1e6 if split else None,
+                                  breakdown_call_us=_median([c for c, _ in split]) * 1e6 if split else None))
     return table
 
 
@@ -277,6 +288,9 @@ def main(argv=None):
     p.add_argument("--stream-repeats", type=int, default=3)
     p.add_argument("--no-mpi", action="store_true", help="skip the OpenMPI+UCX side")
     p.add_argument("--transport", choices=("rdma", "tcp"), default="rdma", help="pyrdma's transport")
+    p.add_argument("--breakdown", action="store_true",
+                   help="a second pass per size timing the engine's part of each call (transport.run): the "
+                        "table adds the time outside it / the whole call (us), per iteration the slowest rank")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.ranks.split(",")]
     pieces = [int(s) for s in args.pieces.split(",")]
@@ -287,7 +301,8 @@ def main(argv=None):
         p.error("need --rounds >= 1 and --iters >= 1")
     plans = {}
     for size in sizes:
-        plans[size] = dict(collectives=collectives, pieces=pieces, iters=args.iters, transport=args.transport)
+        plans[size] = dict(collectives=collectives, pieces=pieces, iters=args.iters, transport=args.transport,
+                           breakdown=args.breakdown)
         if size == 2:
             plans[size].update(pingpong=(args.pingpong_bytes, args.pingpong_iters),
                                stream=(args.stream_bytes, args.stream_messages, args.stream_repeats),
@@ -304,26 +319,35 @@ def main(argv=None):
               + "; ".join(f"{s} ranks: {rd['mpi_note'][s]}" for s in sizes)
               + "".join(f"; {s} ranks rc resends {v}" for s, v in rd["resends"].items() if any(v.values()))
               + (f"; WRONG DATA {wrong}" if wrong else ""), flush=True)
-    table = summarize(rounds, plans)
-    p2p = p2p_summary(rounds)
+        write_json(args, sizes, pieces, plans, rounds)        # each round: a run cut short still leaves its data
+    table, p2p, verdicts = write_json(args, sizes, pieces, plans, rounds)
     print(f"# bytes per peer; per round the median over {args.iters} iterations of the slowest rank, then the "
           f"median over {args.rounds} round(s); vs MPI = our time / MPI's (<= 1.0 is the target)")
     print(f"{'collective':>10} {'ranks':>5} {'bytes':>8} {'pyrdma(us)':>11} {'MPI(us)':>10} {'vs MPI':>7} "
-          f"{'range':>13}")
+          f"{'range':>13}" + (f" {'outside engine(us)':>19}" if args.breakdown else ""))
     for r in table:
         rng = r["vs_mpi_range"]
         print(f"{r['collective']:>10} {r['ranks']:>5} {r['bytes_per_peer']:>8} {r['time_us']:>11.1f} "
               f"{_fmt(r['mpi_time_us'], '.1f'):>10} {_fmt(r['vs_mpi'], '.2f'):>7} "
-              f"{(f'{rng[0]:.2f}-{rng[1]:.2f}' if rng else ''):>13}")
+              f"{(f'{rng[0]:.2f}-{rng[1]:.2f}' if rng else ''):>13}"
+              + (f" {_fmt(r['outside_engine_us'], '.1f')}/{_fmt(r['breakdown_call_us'], '.1f')}".rjust(20)
+                 if args.breakdown else ""))
     print(f"# send/recv, 2 ranks: ping-pong {args.pingpong_bytes} B half round trip {_fmt(p2p['pingpong_us'], '.2f')} "
           f"us (MPI {_fmt(p2p['mpi_pingpong_us'], '.2f')} us, ib_write_lat t_typical "
           f"{_fmt(p2p['ib_write_lat_us'], '.2f')} us); "
           f"stream of {args.stream_bytes} B messages {_fmt(p2p['stream_gbps'], '.4f')} GB/s (MPI "
           f"{_fmt(p2p['mpi_stream_gbps'], '.4f')} GB/s, ib_write_bw {_fmt(p2p['ib_write_bw_gbps'], '.4f')} GB/s)")
-    verdicts = targets(table, p2p, rounds, args)
     for name, verdict, detail in verdicts:
         print(f"# target {name}: {verdict} ({detail})")
-    doc = dict(ranks=sizes, device=args.dev, iters=args.iters, rounds_count=args.rounds, pieces=pieces,
+    return 0
+
+
+def write_json(args, sizes, pieces, plans, rounds):
+    """collectives.json of the rounds so far; (table, send/recv summary, verdicts)."""
+    table = summarize(rounds, plans)
+    p2p = p2p_summary(rounds)
+    verdicts = targets(table, p2p, rounds, args)
+    doc = dict(ranks=sizes, device=args.dev, iters=args.iters, rounds_count=len(rounds), pieces=pieces,
                rounds=[dict(ib_write_lat_us=rd["ib_write_lat_us"], ib_write_bw_gbps=rd["ib_write_bw_gbps"],
                             mpi={str(s): n for s, n in rd["mpi_note"].items()},
                             rc_resends={str(s): v for s, v in rd["resends"].items()},
@@ -332,7 +356,7 @@ def main(argv=None):
                rows=table, sendrecv=p2p, targets=[dict(target=t, verdict=v, detail=d) for t, v, d in verdicts])
     with open(os.path.join(args.out, "collectives.json"), "w") as fh:
         json.dump(doc, fh, indent=1)
-    return 0
+    return table, p2p, verdicts
 
 
 if __name__ == "__main__":

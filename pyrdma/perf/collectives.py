@@ -605,15 +605,34 @@ def stream(comm, nbytes, messages, send, recv, barrier):
     return None
 
 
+def engine_timer(comm):
+    """Wrap ``comm.transport.run`` (the engine's run of a schedule: the messages, without the GIL)
+    in a timer, for a breakdown of a call's time; returns [seconds spent in it so far]. The
+    instance's attribute only: other communicators are untouched."""
+    t = comm.transport
+    inner = t.run
+    spent = [0.0]
+
+    def run(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t0
+    t.run = run
+    return spent
+
+
 def bench_rank(rank, size, master, plan, cores, results):
     """The pyrdma side of bench/collectives_bench.py in one spawned rank. ``plan``: dict(
     collectives=[name], pieces=[bytes per peer], iters, transport, pingpong=(bytes, iters) or None,
-    stream=(bytes, messages, repeats) or None, count_calls=[bytes per peer] or None). The loop is
+    stream=(bytes, messages, repeats) or None, count_calls=[bytes per peer] or None, breakdown: whether
+    to time the engine's part of each call in a second pass). The loop is
     bench/mpi_collectives.py's: per iteration a barrier, the call, its time. Puts (rank, dict)."""
     from pyrdma.collectives import Communicator
     if cores:
         os.sched_setaffinity(0, {cores[rank]})
-    out = dict(rows=[], wrong=[], pingpong=None, stream=None, python_calls=None)
+    out = dict(rows=[], wrong=[], pingpong=None, stream=None, python_calls=None, breakdown=[])
     with Communicator(rank, size, master, transport=plan.get("transport", "rdma"), timeout=300) as comm:
         for name in plan["collectives"]:
             for piece in plan["pieces"]:
@@ -628,6 +647,22 @@ def bench_rank(rank, size, master, plan, cores, results):
                     call()
                     times.append(time.perf_counter() - t0)
                 out["rows"].append((name, piece, times))
+        if plan.get("breakdown"):
+            # a pass of its own, after the timed one: the timer's wrapper stays out of those figures
+            spent = engine_timer(comm)
+            for name in plan["collectives"]:
+                for piece in plan["pieces"]:
+                    call, _ = per_peer_call(comm, name, piece)
+                    call()
+                    pairs = []
+                    for _ in range(plan["iters"]):
+                        comm.barrier()
+                        before = spent[0]
+                        t0 = time.perf_counter()
+                        call()
+                        pairs.append((time.perf_counter() - t0, spent[0] - before))
+                    out["breakdown"].append((name, piece, pairs))
+            del comm.transport.run                       # the class's own again
         if plan.get("count_calls"):
             counted = {}
             for piece in plan["count_calls"] * 2:        # the second pass counts (caches warm)
