@@ -22,6 +22,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import re
 import subprocess
 import time
@@ -66,10 +67,21 @@ def ours(size, plan):
     master = f"127.0.0.1:{free_port()}"
     cores = cores_for(size)
     procs = [ctx.Process(target=bench_rank, args=(r, size, master, plan, cores, results)) for r in range(size)]
-    for p in procs:
-        p.start()
+    got = {}
     try:
-        got = dict(results.get(timeout=1800) for _ in range(size))
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 1800
+        while len(got) < size:
+            try:
+                rank, out = results.get(timeout=1)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"pyrdma ranks gave no result (exit codes {[p.exitcode for p in procs]})")
+                continue
+            if "error" in out:
+                raise RuntimeError(f"pyrdma rank {rank} failed: {out['error']}")
+            got[rank] = out
     finally:
         for p in procs:
             p.join(10)

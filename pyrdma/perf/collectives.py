@@ -629,6 +629,14 @@ def bench_rank(rank, size, master, plan, cores, results):
     stream=(bytes, messages, repeats) or None, count_calls=[bytes per peer] or None, breakdown: whether
     to time the engine's part of each call in a second pass). The loop is
     bench/mpi_collectives.py's: per iteration a barrier, the call, its time. Puts (rank, dict)."""
+    try:
+        results.put((rank, _bench_rank(rank, size, master, plan, cores)))
+    except BaseException as exc:      # the parent reports it, rather than waiting for a result
+        import traceback
+        results.put((rank, dict(error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
+
+
+def _bench_rank(rank, size, master, plan, cores):
     from pyrdma.collectives import Communicator
     if cores:
         os.sched_setaffinity(0, {cores[rank]})
@@ -679,4 +687,4 @@ def bench_rank(rank, size, master, plan, cores, results):
             out["stream"] = [stream(comm, nbytes, messages, comm.send, comm.recv, comm.barrier)
                              for _ in range(repeats)]
         comm.barrier()
-    results.put((rank, out))
+    return out
