@@ -274,6 +274,10 @@ class Config:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    from pyrdma.perf import collectives       # nccl-tests' all_reduce_perf, alltoall_perf, ...
+    if argv and collectives.canonical(argv[0]) is not None:
+        return collectives.main(argv)
     args = build_parser().parse_intermixed_args(argv)
     cfg = Config(args)
     if args.rdma_cm:
