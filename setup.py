@@ -76,7 +76,7 @@ setup(
     ext_modules=ext_modules,
     python_requires=">=3.9",
     install_requires=["numpy>=1.21"],
-    extras_require={"cuda": ["cupy"], "torch": ["torch>=2.4"], "test": ["pytest"], "bench": ["matplotlib"]},
+    extras_require={"cuda": ["cupy"], "torch": ["torch>=2.13,<2.15"], "test": ["pytest"], "bench": ["matplotlib"]},
     entry_points={"console_scripts": ["pyrdma-perf=pyrdma.perf.cli:main",
                                       "pyrdma-vm=pyrdma.testing.vm:main"]},
     zip_safe=False,

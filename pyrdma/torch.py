@@ -153,12 +153,19 @@ class Work(_c10d.Work):
     """Collectives in flight (one or several Communicator handles). Its future completes (on the
     Communicator's thread) when all have, with the result tensors or the first error; ``wait()``
     re-raises that error (the Work torch makes from a future would return True and drop it: a silent
-    wrong result)."""
+    wrong result). A send or receive is issued later, with the others around it (``issue``): its
+    Work gets its handle then, at the latest when it is waited on."""
 
-    def __init__(self, handles, result, finish=None):
+    def __init__(self, handles, result, finish=None, issue=None):
         super().__init__()
-        self._handles = list(handles)
         self._future = torch.futures.Future()
+        self._result, self._issue = result, issue
+        self._handles = None
+        if handles is not None:
+            self._start(handles, finish)
+
+    def _start(self, handles, finish=None):
+        self._handles = list(handles)
         remaining = [len(self._handles)]
         lock = threading.Lock()
 
@@ -171,7 +178,7 @@ class Work(_c10d.Work):
             except Exception as exc:    # noqa: BLE001 -- handed to whoever waits on the Work
                 self._future.set_exception(exc)
             else:
-                self._future.set_result(result)
+                self._future.set_result(self._result)
 
         def done(_h):
             with lock:
@@ -184,15 +191,21 @@ class Work(_c10d.Work):
         for h in self._handles:
             h.add_done_callback(done)
 
+    def _issued(self):
+        if self._handles is None:
+            self._issue()
+        return self._handles
+
     def wait(self, timeout=None):
         seconds = timeout.total_seconds() if timeout is not None else 0
         deadline = time.monotonic() + seconds if seconds > 0 else None
-        for h in self._handles:           # RDMATimeoutError if one is still running at the deadline
+        for h in self._issued():           # RDMATimeoutError if one is still running at the deadline
             h.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
         self._future.wait()             # re-raises the collective's error
         return True
 
     def is_completed(self):
+        self._issued()
         return self._future.done()
 
     def is_success(self):
@@ -212,6 +225,7 @@ class Work(_c10d.Work):
         return None
 
     def get_future(self):
+        self._issued()
         return self._future
 
     def result(self):
@@ -239,6 +253,8 @@ class ProcessGroupPyrdma(_backend_base()):
         self._timeout = timeout
         self._group_name = self._group_desc = ""
         self._coalesced = None          # the Works issued since start_coalescing, else None
+        self._p2p_pending = []          # sends and receives not yet issued: (kind, _Staged, peer, tag, Work)
+        self._p2p_lock = threading.Lock()
         self.comm = Communicator(exchange=StoreExchange(store, rank, size, timeout), transport=transport,
                                  timeout=timeout.total_seconds())
 
@@ -254,9 +270,10 @@ class ProcessGroupPyrdma(_backend_base()):
     # ---- what torch asks of a backend besides collectives ------------------------------------
     # torch 2.14's Backend trampoline reads these through Python attribute lookup: left undefined,
     # the lookup finds the C++ property, which asks the trampoline again (a RecursionError).
-    # batch_isend_irecv then issues its sends and receives one by one, as on gloo.
+    # With supports_coalescing, batch_isend_irecv and _coalescing_manager bracket their calls with
+    # start_coalescing/end_coalescing (torch 2.13 does so only for _coalescing_manager).
     supports_splitting = property(lambda self: False)
-    supports_coalescing = property(lambda self: False)
+    supports_coalescing = property(lambda self: True)
     supports_time_estimate = property(lambda self: False)
     supports_shrinking = property(lambda self: False)
     supports_reconfigure = property(lambda self: False)
@@ -278,8 +295,8 @@ class ProcessGroupPyrdma(_backend_base()):
     group_desc = property(lambda self: self._group_desc)
 
     def start_coalescing(self, device=None):
-        """The ops issued until end_coalescing are collected into one Work (each runs at once: the
-        Communicator already runs them in order on its own thread)."""
+        """The calls until end_coalescing make one Work (collectives start at once: the Communicator
+        runs them in order on its own thread; sends and receives go as one batch at the end)."""
         if self._coalesced is not None:
             raise UsageError("pyrdma backend: start_coalescing inside a coalescing block")
         self._coalesced = []
@@ -288,7 +305,8 @@ class ProcessGroupPyrdma(_backend_base()):
         if self._coalesced is None:
             raise UsageError("pyrdma backend: end_coalescing without start_coalescing")
         works, self._coalesced = self._coalesced, None
-        return Work([w for work in works for w in work._handles], [])
+        self._comm()
+        return Work([h for work in works for h in work._issued()], [])
 
     _start_coalescing, _end_coalescing = start_coalescing, end_coalescing
 
@@ -302,27 +320,27 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def allreduce(self, tensors, opts=None):
         t = _Staged(_one(tensors, "allreduce"), "the tensor")
-        handle = self.comm.iallreduce(t.array, op=_op(opts, "allreduce"), dtype=t.dtype)
+        handle = self._comm().iallreduce(t.array, op=_op(opts, "allreduce"), dtype=t.dtype)
         return self._work(handle, tensors, t.write_back)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
-            return self._work(self.comm.ibarrier(), tensors)
+            return self._work(self._comm().ibarrier(), tensors)
         if len({t.dtype for t in tensors}) != 1:
             raise UsageError("pyrdma backend: allreduce_coalesced needs tensors of one dtype")
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
         staged = _Staged(flat, "the tensors")
-        handle = self.comm.iallreduce(staged.array, op=_op(opts, "allreduce_coalesced"), dtype=staged.dtype)
+        handle = self._comm().iallreduce(staged.array, op=_op(opts, "allreduce_coalesced"), dtype=staged.dtype)
         return self._work(handle, tensors, lambda: _unflatten(flat, tensors))
 
     def broadcast(self, tensors, opts=None):
         t = _Staged(_one(tensors, "broadcast"), "the tensor")
-        handle = self.comm.ibroadcast(t.array, root=opts.rootRank)
+        handle = self._comm().ibroadcast(t.array, root=opts.rootRank)
         return self._work(handle, tensors, t.write_back)
 
     def reduce(self, tensors, opts=None):
         t = _Staged(_one(tensors, "reduce"), "the tensor")
-        handle = self.comm.ireduce(t.array, op=_op(opts, "reduce"), root=opts.rootRank, dtype=t.dtype)
+        handle = self._comm().ireduce(t.array, op=_op(opts, "reduce"), root=opts.rootRank, dtype=t.dtype)
         return self._work(handle, tensors, t.write_back if self.rank() == opts.rootRank else None)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -346,7 +364,7 @@ class ProcessGroupPyrdma(_backend_base()):
                              f"{src.tensor.dtype} elements each")
         flat = torch.empty(self.size() * n, dtype=src.tensor.dtype)
         gathered = _Staged(flat, "the output")
-        handle = self.comm.iallgather(src.array.reshape(-1), out=gathered.array)
+        handle = self._comm().iallgather(src.array.reshape(-1), out=gathered.array)
         return handle, lambda: _unflatten(flat, outs)
 
     def all_gather_single(self, output, input, opts=None):
@@ -364,7 +382,7 @@ class ProcessGroupPyrdma(_backend_base()):
             raise UsageError(f"pyrdma backend: {call} needs an output of {self.size()} x "
                              f"{src.tensor.numel()} {src.tensor.dtype} elements, got {out.tensor.numel()} "
                              f"{out.tensor.dtype}")
-        return self.comm.iallgather(src.array.reshape(-1), out=out.array.reshape(-1)), out.write_back
+        return self._comm().iallgather(src.array.reshape(-1), out=out.array.reshape(-1)), out.write_back
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
@@ -394,7 +412,7 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def _reduce_scatter_flat(self, flat, output, opts, call):
         src, out = _Staged(flat, "the input"), _Staged(output, "the output", copy_in=False)
-        handle = self.comm.ireduce_scatter(src.array.reshape(-1), out=out.array.reshape(-1), op=_op(opts, call),
+        handle = self._comm().ireduce_scatter(src.array.reshape(-1), out=out.array.reshape(-1), op=_op(opts, call),
                                            dtype=src.dtype)
         return handle, out.write_back
 
@@ -404,7 +422,7 @@ class ProcessGroupPyrdma(_backend_base()):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        return self._work(self.comm.ibarrier(), [])
+        return self._work(self._comm().ibarrier(), [])
 
     # ---- rooted collectives, all-to-all, point to point -----------------------------------------
 
@@ -412,13 +430,13 @@ class ProcessGroupPyrdma(_backend_base()):
         src = _Staged(_one(input_tensors, "gather"), "the input")
         root, n = opts.rootRank, src.tensor.numel()
         if self.rank() != root:
-            return self._work(self.comm.igather(src.array.reshape(-1), root=root), output_tensors)
+            return self._work(self._comm().igather(src.array.reshape(-1), root=root), output_tensors)
         outs = _one(output_tensors, "gather")
         if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
             raise UsageError(f"pyrdma backend: gather needs {self.size()} output tensors of {n} "
                              f"{src.tensor.dtype} elements each on the root")
         flat = torch.empty(self.size() * n, dtype=src.tensor.dtype)
-        handle = self.comm.igather(src.array.reshape(-1), out=_Staged(flat, "the output").array, root=root)
+        handle = self._comm().igather(src.array.reshape(-1), out=_Staged(flat, "the output").array, root=root)
         return self._work(handle, output_tensors, lambda: _unflatten(flat, outs))
 
     def scatter(self, output_tensors, input_tensors, opts):
@@ -431,7 +449,7 @@ class ProcessGroupPyrdma(_backend_base()):
                 raise UsageError(f"pyrdma backend: scatter needs {self.size()} input tensors of {n} "
                                  f"{out.tensor.dtype} elements each (the output's) on the root")
             pieces = _Staged(torch.cat([t.detach().reshape(-1).cpu() for t in ins]), "the inputs").array
-        handle = self.comm.iscatter(pieces, out=out.array.reshape(-1), root=root)
+        handle = self._comm().iscatter(pieces, out=out.array.reshape(-1), root=root)
         return self._work(handle, output_tensors, out.write_back)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -444,7 +462,7 @@ class ProcessGroupPyrdma(_backend_base()):
             raise UsageError("pyrdma backend: all_to_all needs tensors of one dtype")
         src = _Staged(torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors]), "the inputs")
         flat = torch.empty(sum(o.numel() for o in output_tensors), dtype=dtype)
-        handle = self.comm.ialltoall(src.array, out=_Staged(flat, "the outputs").array,
+        handle = self._comm().ialltoall(src.array, out=_Staged(flat, "the outputs").array,
                                      send_counts=[t.numel() for t in input_tensors],
                                      recv_counts=[o.numel() for o in output_tensors])
         return self._work(handle, output_tensors, lambda: _unflatten(flat, output_tensors))
@@ -458,7 +476,7 @@ class ProcessGroupPyrdma(_backend_base()):
         send = self._split_counts(input, input_split_sizes, "input")
         recv = self._split_counts(output, output_split_sizes, "output")
         equal = not input_split_sizes and not output_split_sizes
-        handle = self.comm.ialltoall(src.array.reshape(-1), out=out.array.reshape(-1),
+        handle = self._comm().ialltoall(src.array.reshape(-1), out=out.array.reshape(-1),
                                      send_counts=None if equal else send, recv_counts=None if equal else recv)
         return self._work(handle, output, out.write_back)
 
@@ -480,20 +498,39 @@ class ProcessGroupPyrdma(_backend_base()):
         return [s * row for s in split_sizes]
 
     def send(self, tensors, dst, tag=0):
-        t = _Staged(_one(tensors, "send"), "the tensor")
-        return self._work(self.comm.isend(t.array.reshape(-1), dst, tag=tag), tensors)
+        return self._p2p("send", _Staged(_one(tensors, "send"), "the tensor"), dst, tag, tensors)
 
     def recv(self, tensors, src, tag=0):
-        out = _Staged(_one(tensors, "recv"), "the tensor", copy_in=False)
-        handle = self.comm.irecv(out.array.reshape(-1), src, tag=tag)
+        return self._p2p("recv", _Staged(_one(tensors, "recv"), "the tensor", copy_in=False), src, tag, tensors)
 
-        def finish():
-            count = handle.wait()
-            if count != out.array.size:
-                raise UsageError(f"pyrdma backend: recv from rank {src} got {count} elements for a tensor "
-                                 f"of {out.array.size}")
-            out.write_back()
-        return self._work(handle, tensors, finish)
+    # Sends and receives wait until the next other call, or until one of their Works is waited on,
+    # and then go as one Communicator.batch: its operations wait for none of the others, so the
+    # isend/irecv pairs of batch_isend_irecv (and of the pipelining schedules) cannot deadlock
+    # whatever their order on each rank (the Communicator runs separate calls one after another).
+
+    def _p2p(self, kind, staged, peer, tag, tensors):
+        work = Work(None, tensors, issue=self._issue_p2p)
+        with self._p2p_lock:
+            self._p2p_pending.append((kind, staged, peer, tag, work))
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _issue_p2p(self):
+        with self._p2p_lock:
+            pending, self._p2p_pending = self._p2p_pending, []
+            if not pending:
+                return
+            handle = self.comm.batch([(kind, staged.array.reshape(-1), peer, tag)
+                                      for kind, staged, peer, tag, _ in pending])
+            for i, (kind, staged, peer, tag, work) in enumerate(pending):
+                work._start([handle], None if kind == "send" else _received(handle, i, staged, peer))
+
+    def _comm(self):
+        """The Communicator, once the sends and receives issued before this call have gone."""
+        if self._p2p_pending:
+            self._issue_p2p()
+        return self.comm
 
     def recv_anysource(self, tensors, tag=0):
         raise UsageError("pyrdma backend: recv_anysource (recv without src) is not supported; pass src")
@@ -503,6 +540,17 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def abort(self):
         self.comm.close()
+
+
+def _received(handle, i, staged, src):
+    """What completes receive ``i`` of a batch: its length checked, its tensor written."""
+    def finish():
+        count = handle.wait()[i]
+        if count != staged.array.size:
+            raise UsageError(f"pyrdma backend: recv from rank {src} got {count} elements for a tensor of "
+                             f"{staged.array.size}")
+        staged.write_back()
+    return finish
 
 
 def _pairs(outputs, inputs):
