@@ -1,5 +1,6 @@
-"""A torch.distributed backend named "pyrdma": PyTorch's collectives (and so DDP) over pyrdma's
-Communicator, on RDMA when every rank has a device, else on TCP.
+"""A torch.distributed backend named "pyrdma": PyTorch's collectives and point-to-point calls (and so
+DDP, FSDP2, pipelining, tensor parallel, all-to-all) over pyrdma's Communicator, on RDMA when every
+rank has a device, else on TCP.
 
     import pyrdma.torch                      # registers the backend
     torch.distributed.init_process_group("pyrdma")
@@ -13,6 +14,8 @@ transport listens on (default: the address that reaches MASTER_ADDR).
 
 Collectives run on the Communicator's own thread, so every call returns at once with a Work
 whose future completes when the collective has; DDP's buckets overlap the backward pass that way.
+Sends and receives wait for the next other call (or a wait on one of them) and then go together as
+one Communicator.batch.
 CPU tensors are used in place when contiguous; others (CUDA tensors, non-contiguous ones) go
 through a contiguous host copy that is written back when the collective completes.
 """

@@ -36,7 +36,7 @@ def fsdp_model():
 
 
 def fsdp2_train(group, rank, steps, device):
-    """fully_shard on each Linear and on the root, ``steps`` Adam steps on rank-dependent data; the
+    """fully_shard on each Linear and on the root, ``steps`` SGD steps on rank-dependent data; the
     full parameters (all-gathered by full_tensor()) flattened."""
     from torch.distributed.fsdp import fully_shard
     mesh = _mesh(group, device.type)
@@ -45,7 +45,7 @@ def fsdp2_train(group, rank, steps, device):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
-    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps):
         x, y = torch.randn(8, 16, generator=gen).to(device), torch.randn(8, 5, generator=gen).to(device)
