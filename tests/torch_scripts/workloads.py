@@ -215,6 +215,39 @@ def rooted_and_all_to_all(group, rank, size, checks, device):
         (rank != root or _close(torch.stack(gathered), torch.stack([ring_values(r + 5, 9) for r in range(size)])))
 
 
+def coalesced(group, rank, size, checks, device):
+    """The coalesced forms: through _coalescing_manager (start/end_coalescing, FSDP1's and
+    batch_isend_irecv's path), the functional collectives (DTensor's), and all_gather_coalesced."""
+    import torch.distributed._functional_collectives as funcol
+    pieces = [ring_values(rank, 3), ring_values(rank + 1, 5)]
+    expected = [torch.cat([ring_values(r, 3) for r in range(size)]), torch.cat([ring_values(r + 1, 5)
+                                                                                 for r in range(size)])]
+    outs = [torch.zeros(size * 3, device=device), torch.zeros(size * 5, device=device)]
+    with dist._coalescing_manager(group=group, device=device, async_ops=True) as cm:
+        for out, piece in zip(outs, pieces):
+            dist.all_gather_into_tensor(out, piece.to(device), group=group)
+    cm.wait()
+    checks["coalescing manager all_gather_into_tensor"] = all(_close(o, e) is True for o, e in zip(outs, expected))
+    reduced = [torch.zeros(2, device=device), torch.zeros(4, device=device)]
+    with dist._coalescing_manager(group=group, device=device):
+        for out in reduced:
+            dist.reduce_scatter_tensor(out, torch.arange(size * out.numel(), dtype=torch.float32, device=device),
+                                       group=group)
+    checks["coalescing manager reduce_scatter_tensor"] = all(
+        _close(o, size * torch.arange(rank * o.numel(), (rank + 1) * o.numel(), dtype=torch.float32)) is True
+        for o in reduced)
+    pg = group or dist.distributed_c10d._get_default_group()
+    got = funcol.all_gather_into_tensor_coalesced([p.to(device) for p in pieces], pg)
+    checks["functional all_gather_into_tensor_coalesced"] = all(_close(o, e) is True for o, e in zip(got, expected))
+    got = funcol.reduce_scatter_tensor_coalesced(
+        [torch.arange(size * 2, dtype=torch.float32, device=device)] * 2, "sum", [0, 0], pg)
+    checks["functional reduce_scatter_tensor_coalesced"] = all(
+        _close(o, size * torch.arange(rank * 2, rank * 2 + 2, dtype=torch.float32)) is True for o in got)
+    lists = [[torch.zeros(3, device=device) for _ in range(size)], [torch.zeros(5, device=device) for _ in range(size)]]
+    dist.all_gather_coalesced(lists, [p.to(device) for p in pieces], group=group)
+    checks["all_gather_coalesced"] = all(_close(torch.cat(lst), e) is True for lst, e in zip(lists, expected))
+
+
 def run_all(group, gloo, rank, size, checks, device, phase):
     """Every workload above; one that raises is recorded as its failed check (and the run goes on:
     the other checks still say what works). ``phase(name)`` records how long each took."""
@@ -223,7 +256,8 @@ def run_all(group, gloo, rank, size, checks, device, phase):
                  ("tensor parallel", lambda: tensor_parallel(group, rank, size, checks, device)),
                  ("moe", lambda: moe(group, gloo, rank, size, checks, device)),
                  ("point to point", lambda: point_to_point(group, rank, size, checks, device)),
-                 ("rooted and all_to_all", lambda: rooted_and_all_to_all(group, rank, size, checks, device))]
+                 ("rooted and all_to_all", lambda: rooted_and_all_to_all(group, rank, size, checks, device)),
+                 ("coalesced", lambda: coalesced(group, rank, size, checks, device))]
     for name, run in workloads:
         try:
             run()
