@@ -159,6 +159,14 @@ def point_to_point(group, rank, size, checks, device):
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         checks[f"batch_isend_irecv ring {n}"] = _close(got, ring_values(left, n))
+    # every rank posts its receive first, then its send (2.4 MB: straight from the tensor). Issued one
+    # by one the Communicator would run each rank's receive first and wait for ever; they go as one batch.
+    n = 600_000
+    got = torch.zeros(n, device=device)
+    works = [dist.irecv(got, left, group=group), dist.isend(ring_values(rank, n).to(device), right, group=group)]
+    for work in works:
+        work.wait()
+    checks["irecv then isend ring 600000"] = _close(got, ring_values(left, n))
     # blocking send/recv in both orders, two tags in flight
     if rank in (0, 1) and size > 1:
         peer = 1 - rank
