@@ -7,8 +7,9 @@ For each backend, torchrun starts ``--ranks`` processes that train an MLP (``--h
 4.0 M parameters by default) on synthetic data with DistributedDataParallel and time each step
 (median after one warm-up step), then the same with FSDP2 (``fully_shard`` on each Linear and the
 root: an all-gather before each layer's forward and backward, a reduce-scatter after its backward),
-then time an allreduce of one 25 MiB float32 bucket (DDP's default bucket size; median of ``--iters``). busbw = 2(n-1)/n * bytes / time, as nccl-tests;
-ib_write_bw's 8 MiB average on the same device is the physical anchor. Writes ddp.json.
+then time an allreduce of one 25 MiB float32 bucket (DDP's default bucket size; median of
+``--iters``). busbw = 2(n-1)/n * bytes / time, as nccl-tests; ib_write_bw's 8 MiB average on the same
+device is the physical anchor. Writes ddp.json.
 
 Where to expect what: on Soft-RoCE every RDMA byte is CPU work in the kernel on the same cores as
 the ranks, and gloo's TCP over ``lo`` is a memcpy, so in the VM gloo may move 25 MiB faster than
@@ -127,7 +128,8 @@ def main(argv=None):
         sys.path.insert(0, os.path.join(ROOT, "bench"))
         from allreduce_bench import ib_write_bw
         anchor = ib_write_bw(args.dev, args.gid, 8 << 20)
-    print(f"# DDP and FSDP2, {rows[0]['ranks']} ranks, MLP of {rows[0]['params']:,} parameters, batch {rows[0]['batch']}; "
+    print(f"# DDP and FSDP2, {rows[0]['ranks']} ranks, MLP of {rows[0]['params']:,} parameters, "
+          f"batch {rows[0]['batch']}; "
           f"ib_write_bw 8 MiB: {anchor if anchor is None else f'{anchor:.4f}'} GB/s")
     print(f"{'backend':>8} {'DDP step s':>11} {'FSDP2 step s':>13} {'25MiB allreduce s':>18} {'busbw GB/s':>11} "
           f"{'vs ib_write_bw':>15}")
