@@ -11,14 +11,14 @@ import copy
 import torch
 import torch.distributed as dist
 
-RTOL, ATOL = 1e-5, 1e-6
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}     # CPU against CPU (GPU against CPU: run_all loosens it)
 
 
 def _close(a, b):
     a, b = a.detach().cpu(), b.detach().cpu()
     if a.shape != b.shape:
         return f"shapes {tuple(a.shape)} and {tuple(b.shape)}"
-    return bool(torch.allclose(a, b, rtol=RTOL, atol=ATOL)) or f"max difference {(a - b).abs().max().item()}"
+    return bool(torch.allclose(a, b, **TOLERANCE)) or f"max difference {(a - b).abs().max().item()}"
 
 
 def _mesh(group, device_type):
@@ -259,6 +259,8 @@ def coalesced(group, rank, size, checks, device):
 def run_all(group, gloo, rank, size, checks, device, phase):
     """Every workload above; one that raises is recorded as its failed check (and the run goes on:
     the other checks still say what works). ``phase(name)`` records how long each took."""
+    if device.type != "cpu":     # the GPU's matrix products sum in another order than the CPU's
+        TOLERANCE.update(rtol=1e-4, atol=1e-5)
     workloads = [("fsdp2", lambda: fsdp2(group, gloo, rank, checks, device)),
                  ("pipelining", lambda: pipeline(group, rank, size, checks, device)),
                  ("tensor parallel", lambda: tensor_parallel(group, rank, size, checks, device)),
