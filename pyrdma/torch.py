@@ -232,6 +232,7 @@ class Work(_c10d.Work):
         return self._future
 
     def result(self):
+        self._issued()
         return self._future.wait()
 
 

@@ -181,6 +181,15 @@ def point_to_point(group, rank, size, checks, device):
             dist.recv(b, peer, group=group, tag=2)
             dist.send(ring_values(1, 7).to(device), peer, group=group)
             checks["send/recv"] = _close(a, ring_values(0, 7)) is True and _close(b, ring_values(10, 3))
+        # a message shorter than the tensor: wait() raises, naming both sizes
+        if rank == 0:
+            dist.send(ring_values(0, 3).to(device), peer, group=group)
+        else:
+            try:
+                dist.recv(torch.zeros(7, device=device), peer, group=group)
+                checks["short message refused"] = "a 3-element message filled a 7-element tensor"
+            except Exception as exc:     # noqa: BLE001 -- the message is what is checked
+                checks["short message refused"] = "got 3 elements for a tensor of 7" in str(exc) or str(exc)
     try:
         dist.recv(torch.zeros(1, device=device), group=group)          # no src: recv_anysource
         checks["recv_anysource refused"] = "recv without src was accepted"
