@@ -376,7 +376,8 @@ class ProcessGroupPyrdma(_backend_base()):
         return self._work(handle, output, finish)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        """all_gather_into_tensor_coalesced (FSDP2's full_tensor(), state dicts): one allgather per pair."""
+        """all_gather_into_tensor_coalesced (DTensor's functional collectives, _coalescing_manager): one
+        allgather per pair."""
         issued = [self._all_gather_single(o, i, "all_gather_into_tensor_coalesced") for o, i in _pairs(outputs, inputs)]
         return self._work([h for h, _ in issued], outputs, _all(f for _, f in issued))
 
@@ -416,8 +417,8 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def _reduce_scatter_flat(self, flat, output, opts, call):
         src, out = _Staged(flat, "the input"), _Staged(output, "the output", copy_in=False)
-        handle = self._comm().ireduce_scatter(src.array.reshape(-1), out=out.array.reshape(-1), op=_op(opts, call),
-                                           dtype=src.dtype)
+        handle = self._comm().ireduce_scatter(src.array.reshape(-1), out=out.array.reshape(-1),
+                                              op=_op(opts, call), dtype=src.dtype)
         return handle, out.write_back
 
     _allgather_base = all_gather_single              # their older names
@@ -467,8 +468,8 @@ class ProcessGroupPyrdma(_backend_base()):
         src = _Staged(torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors]), "the inputs")
         flat = torch.empty(sum(o.numel() for o in output_tensors), dtype=dtype)
         handle = self._comm().ialltoall(src.array, out=_Staged(flat, "the outputs").array,
-                                     send_counts=[t.numel() for t in input_tensors],
-                                     recv_counts=[o.numel() for o in output_tensors])
+                                        send_counts=[t.numel() for t in input_tensors],
+                                        recv_counts=[o.numel() for o in output_tensors])
         return self._work(handle, output_tensors, lambda: _unflatten(flat, output_tensors))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
@@ -481,7 +482,7 @@ class ProcessGroupPyrdma(_backend_base()):
         recv = self._split_counts(output, output_split_sizes, "output")
         equal = not input_split_sizes and not output_split_sizes
         handle = self._comm().ialltoall(src.array.reshape(-1), out=out.array.reshape(-1),
-                                     send_counts=None if equal else send, recv_counts=None if equal else recv)
+                                        send_counts=None if equal else send, recv_counts=None if equal else recv)
         return self._work(handle, output, out.write_back)
 
     all_to_all_single = alltoall_base
