@@ -300,9 +300,8 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def start_coalescing(self, device=None):
         """The calls until end_coalescing make one Work (collectives start at once: the Communicator
-        runs them in order on its own thread; sends and receives go as one batch at the end)."""
-        if self._coalesced is not None:
-            raise UsageError("pyrdma backend: start_coalescing inside a coalescing block")
+        runs them in order on its own thread; sends and receives go as one batch at the end). A block
+        that raised never reached its end_coalescing: the next one starts afresh."""
         self._coalesced = []
 
     def end_coalescing(self, device=None):
