@@ -108,7 +108,7 @@ setup(
     cmdclass={"build_ext": BuildExt},
     python_requires=">=3.9",
     install_requires=["numpy>=1.21"],
-    extras_require={"cuda": ["cupy"], "torch": ["torch>=2.4"], "test": ["pytest"], "bench": ["matplotlib"]},
+    extras_require={"cuda": ["cupy"], "torch": ["torch>=2.13,<2.15"], "test": ["pytest"], "bench": ["matplotlib"]},
     # typing: py.typed and the stubs of the compiled modules (checked by tests/test_stubs.py)
     package_data={"pyrdma": ["py.typed", "*.pyi"], "pyrdma._verbs": ["*.pyi"]},
     entry_points={"console_scripts": ["pyrdma-perf=pyrdma.perf.cli:main",

@@ -1,5 +1,6 @@
-"""A torch.distributed backend named "pyrdma": PyTorch's collectives (and so DDP) over pyrdma's
-Communicator, on RDMA when every rank has a device, else on TCP.
+"""A torch.distributed backend named "pyrdma": PyTorch's collectives and point-to-point calls (and so
+DDP, FSDP2, pipelining, tensor parallel, all-to-all) over pyrdma's Communicator, on RDMA when every
+rank has a device, else on TCP.
 
     import pyrdma.torch                      # registers the backend
     torch.distributed.init_process_group("pyrdma")
@@ -13,12 +14,17 @@ transport listens on (default: the address that reaches MASTER_ADDR).
 
 Collectives run on the Communicator's own thread, so every call returns at once with a Work
 whose future completes when the collective has; DDP's buckets overlap the backward pass that way.
+Sends and receives wait for the next other call (or a wait on one of them) and then go together as
+one Communicator.batch.
 CPU tensors are used in place when contiguous; others (CUDA tensors, non-contiguous ones) go
 through a contiguous host copy that is written back when the collective completes.
 """
 import ipaddress
+import math
 import os
 import socket
+import threading
+import time
 
 import numpy as np
 
@@ -38,8 +44,6 @@ BACKEND = "pyrdma"
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 _DTYPES = {torch.int8: None, torch.uint8: None, torch.int32: None, torch.int64: None, torch.float16: None,
            torch.float32: None, torch.float64: None, torch.bfloat16: "bfloat16"}
-SUPPORTED = ("all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
-             "reduce_scatter", "reduce_scatter_tensor", "barrier")
 
 
 class StoreExchange:
@@ -149,33 +153,62 @@ def _one(tensors, call):
 
 
 class Work(_c10d.Work):
-    """A collective in flight. Its future completes (on the Communicator's thread) when the
-    collective has, with the result tensors or the error; ``wait()`` re-raises that error (the Work
-    torch makes from a future would return True and drop it: a silent wrong result)."""
+    """Collectives in flight (one or several Communicator handles). Its future completes (on the
+    Communicator's thread) when all have, with the result tensors or the first error; ``wait()``
+    re-raises that error (the Work torch makes from a future would return True and drop it: a silent
+    wrong result). A send or receive is issued later, with the others around it (``issue``): its
+    Work gets its handle then, at the latest when it is waited on."""
 
-    def __init__(self, handle, result, finish=None):
+    def __init__(self, handles, result, finish=None, issue=None):
         super().__init__()
-        self._handle = handle
         self._future = torch.futures.Future()
+        self._result, self._issue = result, issue
+        self._handles = None
+        if handles is not None:
+            self._start(handles, finish)
 
-        def done(h):
+    def _start(self, handles, finish=None):
+        self._handles = list(handles)
+        remaining = [len(self._handles)]
+        lock = threading.Lock()
+
+        def complete():
             try:
-                h.wait()
+                for h in self._handles:
+                    h.wait()
                 if finish is not None:
                     finish()
             except Exception as exc:    # noqa: BLE001 -- handed to whoever waits on the Work
                 self._future.set_exception(exc)
             else:
-                self._future.set_result(result)
-        handle.add_done_callback(done)
+                self._future.set_result(self._result)
+
+        def done(_h):
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                complete()
+        if not self._handles:
+            complete()
+        for h in self._handles:
+            h.add_done_callback(done)
+
+    def _issued(self):
+        if self._handles is None:
+            self._issue()
+        return self._handles
 
     def wait(self, timeout=None):
         seconds = timeout.total_seconds() if timeout is not None else 0
-        self._handle.wait(seconds if seconds > 0 else None)   # RDMATimeoutError if still running
+        deadline = time.monotonic() + seconds if seconds > 0 else None
+        for h in self._issued():           # RDMATimeoutError if one is still running at the deadline
+            h.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
         self._future.wait()             # re-raises the collective's error
         return True
 
     def is_completed(self):
+        self._issued()
         return self._future.done()
 
     def is_success(self):
@@ -195,14 +228,12 @@ class Work(_c10d.Work):
         return None
 
     def get_future(self):
+        self._issued()
         return self._future
 
     def result(self):
+        self._issued()
         return self._future.wait()
-
-
-def _work(handle, result, finish=None):
-    return Work(handle, result, finish)
 
 
 def _backend_base():
@@ -223,9 +254,13 @@ class ProcessGroupPyrdma(_backend_base()):
         transport = os.environ.get("PYRDMA_TRANSPORT", "auto")
         if transport not in TRANSPORTS:
             raise UsageError(f"PYRDMA_TRANSPORT={transport!r}; use one of {', '.join(TRANSPORTS)}")
-        seconds = timeout.total_seconds()
+        self._timeout = timeout
+        self._group_name = self._group_desc = ""
+        self._coalesced = None          # the Works issued since start_coalescing, else None
+        self._p2p_pending = []          # sends and receives not yet issued: (kind, _Staged, peer, tag, Work)
+        self._p2p_lock = threading.Lock()
         self.comm = Communicator(exchange=StoreExchange(store, rank, size, timeout), transport=transport,
-                                 timeout=seconds)
+                                 timeout=timeout.total_seconds())
 
     def getBackendName(self):
         return BACKEND
@@ -236,63 +271,122 @@ class ProcessGroupPyrdma(_backend_base()):
     def __repr__(self):
         return f"<ProcessGroupPyrdma {self.comm!r}>"
 
+    # ---- what torch asks of a backend besides collectives ------------------------------------
+    # torch 2.14's Backend trampoline reads these through Python attribute lookup: left undefined,
+    # the lookup finds the C++ property, which asks the trampoline again (a RecursionError).
+    # With supports_coalescing, batch_isend_irecv and _coalescing_manager bracket their calls with
+    # start_coalescing/end_coalescing (torch 2.13 does so only for _coalescing_manager).
+    supports_splitting = property(lambda self: False)
+    supports_coalescing = property(lambda self: True)
+    supports_time_estimate = property(lambda self: False)
+    supports_shrinking = property(lambda self: False)
+    supports_reconfigure = property(lambda self: False)
+    supports_window = property(lambda self: False)
+
+    @property
+    def options(self):
+        return _c10d.Backend.Options(BACKEND, self._timeout)
+
+    # torch 2.13 uses this object as the ProcessGroup itself; its C++ getter looks for the name in
+    # the group's (here absent) per-device backends, so DeviceMesh.from_group found none.
+    def _set_group_name(self, name):
+        self._group_name = name
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    group_name = property(lambda self: self._group_name)
+    group_desc = property(lambda self: self._group_desc)
+
+    def start_coalescing(self, device=None):
+        """The calls until end_coalescing make one Work (collectives start at once: the Communicator
+        runs them in order on its own thread; sends and receives go as one batch at the end). A block
+        that raised never reached its end_coalescing: the next one starts afresh."""
+        self._coalesced = []
+
+    def end_coalescing(self, device=None):
+        if self._coalesced is None:
+            raise UsageError("pyrdma backend: end_coalescing without start_coalescing")
+        works, self._coalesced = self._coalesced, None
+        self._comm()
+        return Work([h for work in works for h in work._issued()], [])
+
+    _start_coalescing, _end_coalescing = start_coalescing, end_coalescing
+
+    def _work(self, handles, result, finish=None):
+        work = Work(handles if isinstance(handles, list) else [handles], result, finish)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
     # ---- the collectives DDP and the torch API use ---------------------------------------------
 
     def allreduce(self, tensors, opts=None):
         t = _Staged(_one(tensors, "allreduce"), "the tensor")
-        handle = self.comm.iallreduce(t.array, op=_op(opts, "allreduce"), dtype=t.dtype)
-        return _work(handle, tensors, t.write_back)
+        handle = self._comm().iallreduce(t.array, op=_op(opts, "allreduce"), dtype=t.dtype)
+        return self._work(handle, tensors, t.write_back)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if not tensors:
-            return _work(self.comm.ibarrier(), tensors)
+            return self._work(self._comm().ibarrier(), tensors)
         if len({t.dtype for t in tensors}) != 1:
             raise UsageError("pyrdma backend: allreduce_coalesced needs tensors of one dtype")
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
         staged = _Staged(flat, "the tensors")
-        handle = self.comm.iallreduce(staged.array, op=_op(opts, "allreduce_coalesced"), dtype=staged.dtype)
-
-        def scatter_back():
-            offset = 0
-            for t in tensors:
-                n = t.numel()
-                t.copy_(flat[offset:offset + n].view(t.shape))
-                offset += n
-        return _work(handle, tensors, scatter_back)
+        handle = self._comm().iallreduce(staged.array, op=_op(opts, "allreduce_coalesced"), dtype=staged.dtype)
+        return self._work(handle, tensors, lambda: _unflatten(flat, tensors))
 
     def broadcast(self, tensors, opts=None):
         t = _Staged(_one(tensors, "broadcast"), "the tensor")
-        handle = self.comm.ibroadcast(t.array, root=opts.rootRank)
-        return _work(handle, tensors, t.write_back)
+        handle = self._comm().ibroadcast(t.array, root=opts.rootRank)
+        return self._work(handle, tensors, t.write_back)
 
     def reduce(self, tensors, opts=None):
         t = _Staged(_one(tensors, "reduce"), "the tensor")
-        handle = self.comm.ireduce(t.array, op=_op(opts, "reduce"), root=opts.rootRank, dtype=t.dtype)
-        return _work(handle, tensors, t.write_back if self.rank() == opts.rootRank else None)
+        handle = self._comm().ireduce(t.array, op=_op(opts, "reduce"), root=opts.rootRank, dtype=t.dtype)
+        return self._work(handle, tensors, t.write_back if self.rank() == opts.rootRank else None)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
-        outs, src = _one(output_tensors, "allgather"), _Staged(_one(input_tensors, "allgather"), "the input")
+        handle, finish = self._allgather_list(_one(output_tensors, "allgather"), _one(input_tensors, "allgather"),
+                                              "allgather")
+        return self._work(handle, output_tensors, finish)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """all_gather_coalesced: one allgather per input tensor, into its list of outputs."""
+        if len(output_lists) != len(input_tensors):
+            raise UsageError(f"pyrdma backend: allgather_coalesced got {len(output_lists)} output lists for "
+                             f"{len(input_tensors)} inputs")
+        issued = [self._allgather_list(outs, t, "allgather_coalesced") for outs, t in zip(output_lists, input_tensors)]
+        return self._work([h for h, _ in issued], output_lists, _all(f for _, f in issued))
+
+    def _allgather_list(self, outs, input, call):
+        src = _Staged(input, "the input")
         n = src.tensor.numel()
         if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
-            raise UsageError(f"pyrdma backend: allgather needs {self.size()} output tensors of {n} "
+            raise UsageError(f"pyrdma backend: {call} needs {self.size()} output tensors of {n} "
                              f"{src.tensor.dtype} elements each")
         flat = torch.empty(self.size() * n, dtype=src.tensor.dtype)
         gathered = _Staged(flat, "the output")
-        handle = self.comm.iallgather(src.array.reshape(-1), out=gathered.array)
-
-        def split():
-            for i, o in enumerate(outs):
-                o.copy_(flat[i * n:(i + 1) * n].view(o.shape))
-        return _work(handle, output_tensors, split)
+        handle = self._comm().iallgather(src.array.reshape(-1), out=gathered.array)
+        return handle, lambda: _unflatten(flat, outs)
 
     def all_gather_single(self, output, input, opts=None):
+        handle, finish = self._all_gather_single(output, input, "all_gather_into_tensor")
+        return self._work(handle, output, finish)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        """all_gather_into_tensor_coalesced (DTensor's functional collectives, _coalescing_manager): one
+        allgather per pair."""
+        issued = [self._all_gather_single(o, i, "all_gather_into_tensor_coalesced") for o, i in _pairs(outputs, inputs)]
+        return self._work([h for h, _ in issued], outputs, _all(f for _, f in issued))
+
+    def _all_gather_single(self, output, input, call):
         src, out = _Staged(input, "the input"), _Staged(output, "the output", copy_in=False)
         if out.tensor.numel() != self.size() * src.tensor.numel() or out.tensor.dtype != src.tensor.dtype:
-            raise UsageError(f"pyrdma backend: all_gather_into_tensor needs an output of {self.size()} x "
+            raise UsageError(f"pyrdma backend: {call} needs an output of {self.size()} x "
                              f"{src.tensor.numel()} {src.tensor.dtype} elements, got {out.tensor.numel()} "
                              f"{out.tensor.dtype}")
-        handle = self.comm.iallgather(src.array.reshape(-1), out=out.array.reshape(-1))
-        return _work(handle, output, out.write_back)
+        return self._comm().iallgather(src.array.reshape(-1), out=out.array.reshape(-1)), out.write_back
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
@@ -301,68 +395,186 @@ class ProcessGroupPyrdma(_backend_base()):
             raise UsageError(f"pyrdma backend: reduce_scatter needs {self.size()} input tensors of {n} "
                              f"{out.dtype} elements each (the output's)")
         flat = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
-        return self._reduce_scatter_flat(flat, out, opts, output_tensors, "reduce_scatter")
+        handle, finish = self._reduce_scatter_flat(flat, out, opts, "reduce_scatter")
+        return self._work(handle, output_tensors, finish)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        if input.numel() != self.size() * output.numel() or input.dtype != output.dtype:
-            raise UsageError(f"pyrdma backend: reduce_scatter_tensor needs an input of {self.size()} x "
-                             f"{output.numel()} {output.dtype} elements, got {input.numel()} {input.dtype}")
-        return self._reduce_scatter_flat(input, output, opts, output, "reduce_scatter_tensor")
+        handle, finish = self._reduce_scatter_single(output, input, opts, "reduce_scatter_tensor")
+        return self._work(handle, output, finish)
 
-    def _reduce_scatter_flat(self, flat, output, opts, result, call):
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        """reduce_scatter_tensor_coalesced: one reduce_scatter per pair."""
+        issued = [self._reduce_scatter_single(o, i, opts, "reduce_scatter_tensor_coalesced")
+                  for o, i in _pairs(outputs, inputs)]
+        return self._work([h for h, _ in issued], outputs, _all(f for _, f in issued))
+
+    def _reduce_scatter_single(self, output, input, opts, call):
+        if input.numel() != self.size() * output.numel() or input.dtype != output.dtype:
+            raise UsageError(f"pyrdma backend: {call} needs an input of {self.size()} x "
+                             f"{output.numel()} {output.dtype} elements, got {input.numel()} {input.dtype}")
+        return self._reduce_scatter_flat(input, output, opts, call)
+
+    def _reduce_scatter_flat(self, flat, output, opts, call):
         src, out = _Staged(flat, "the input"), _Staged(output, "the output", copy_in=False)
-        handle = self.comm.ireduce_scatter(src.array.reshape(-1), out=out.array.reshape(-1), op=_op(opts, call),
-                                           dtype=src.dtype)
-        return _work(handle, result, out.write_back)
+        handle = self._comm().ireduce_scatter(src.array.reshape(-1), out=out.array.reshape(-1),
+                                              op=_op(opts, call), dtype=src.dtype)
+        return handle, out.write_back
 
     _allgather_base = all_gather_single              # their older names
     _reduce_scatter_base = reduce_scatter_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        return _work(self.comm.ibarrier(), [])
+        return self._work(self._comm().ibarrier(), [])
 
-    # ---- the rest of c10d's API: refused by name ----------------------------------------------
+    # ---- rooted collectives, all-to-all, point to point -----------------------------------------
 
-    def _unsupported(self, call):
-        raise UsageError(f"pyrdma backend: {call} is not supported (supported: {', '.join(SUPPORTED)})")
+    def gather(self, output_tensors, input_tensors, opts):
+        src = _Staged(_one(input_tensors, "gather"), "the input")
+        root, n = opts.rootRank, src.tensor.numel()
+        if self.rank() != root:
+            return self._work(self._comm().igather(src.array.reshape(-1), root=root), output_tensors)
+        outs = _one(output_tensors, "gather")
+        if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
+            raise UsageError(f"pyrdma backend: gather needs {self.size()} output tensors of {n} "
+                             f"{src.tensor.dtype} elements each on the root")
+        flat = torch.empty(self.size() * n, dtype=src.tensor.dtype)
+        handle = self._comm().igather(src.array.reshape(-1), out=_Staged(flat, "the output").array, root=root)
+        return self._work(handle, output_tensors, lambda: _unflatten(flat, outs))
 
-    def send(self, *args, **kwargs):
-        self._unsupported("send")
+    def scatter(self, output_tensors, input_tensors, opts):
+        out = _Staged(_one(output_tensors, "scatter"), "the output", copy_in=False)
+        root, n = opts.rootRank, out.tensor.numel()
+        pieces = None
+        if self.rank() == root:
+            ins = _one(input_tensors, "scatter")
+            if len(ins) != self.size() or any(t.numel() != n or t.dtype != out.tensor.dtype for t in ins):
+                raise UsageError(f"pyrdma backend: scatter needs {self.size()} input tensors of {n} "
+                                 f"{out.tensor.dtype} elements each (the output's) on the root")
+            pieces = _Staged(torch.cat([t.detach().reshape(-1).cpu() for t in ins]), "the inputs").array
+        handle = self._comm().iscatter(pieces, out=out.array.reshape(-1), root=root)
+        return self._work(handle, output_tensors, out.write_back)
 
-    def recv(self, *args, **kwargs):
-        self._unsupported("recv")
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """all_to_all (lists): input i goes to rank i, output i comes from rank i; sizes may differ."""
+        if len(output_tensors) != self.size() or len(input_tensors) != self.size():
+            raise UsageError(f"pyrdma backend: all_to_all needs {self.size()} input and output tensors, got "
+                             f"{len(input_tensors)} and {len(output_tensors)}")
+        dtype = input_tensors[0].dtype
+        if any(t.dtype != dtype for t in list(input_tensors) + list(output_tensors)):
+            raise UsageError("pyrdma backend: all_to_all needs tensors of one dtype")
+        src = _Staged(torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors]), "the inputs")
+        flat = torch.empty(sum(o.numel() for o in output_tensors), dtype=dtype)
+        handle = self._comm().ialltoall(src.array, out=_Staged(flat, "the outputs").array,
+                                        send_counts=[t.numel() for t in input_tensors],
+                                        recv_counts=[o.numel() for o in output_tensors])
+        return self._work(handle, output_tensors, lambda: _unflatten(flat, output_tensors))
 
-    def recv_anysource(self, *args, **kwargs):
-        self._unsupported("recv_anysource")
-
-    def gather(self, *args, **kwargs):
-        self._unsupported("gather")
-
-    def scatter(self, *args, **kwargs):
-        self._unsupported("scatter")
-
-    def alltoall(self, *args, **kwargs):
-        self._unsupported("alltoall")
-
-    def alltoall_base(self, *args, **kwargs):
-        self._unsupported("all_to_all_single")
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """all_to_all_single: rows of ``input`` (split sizes along dim 0, equal when empty) to each rank."""
+        src, out = _Staged(input, "the input"), _Staged(output, "the output", copy_in=False)
+        if src.tensor.dtype != out.tensor.dtype:
+            raise UsageError(f"pyrdma backend: all_to_all_single got input {src.tensor.dtype}, "
+                             f"output {out.tensor.dtype}")
+        send = self._split_counts(input, input_split_sizes, "input")
+        recv = self._split_counts(output, output_split_sizes, "output")
+        equal = not input_split_sizes and not output_split_sizes
+        handle = self._comm().ialltoall(src.array.reshape(-1), out=out.array.reshape(-1),
+                                        send_counts=None if equal else send, recv_counts=None if equal else recv)
+        return self._work(handle, output, out.write_back)
 
     all_to_all_single = alltoall_base
 
-    def allgather_coalesced(self, *args, **kwargs):
-        self._unsupported("allgather_coalesced")
+    def _split_counts(self, t, split_sizes, name):
+        """Element counts per rank of ``t`` split along dim 0 (equally when ``split_sizes`` is empty)."""
+        rows = t.shape[0] if t.dim() else 1
+        row = math.prod(t.shape[1:]) if t.dim() else 1
+        if not split_sizes:
+            if rows % self.size():
+                raise UsageError(f"pyrdma backend: all_to_all_single: the {name}'s {rows} rows do not split "
+                                 f"equally over {self.size()} ranks; pass split sizes")
+            return [rows // self.size() * row] * self.size()
+        split_sizes = list(split_sizes)
+        if len(split_sizes) != self.size() or sum(split_sizes) != rows or min(split_sizes) < 0:
+            raise UsageError(f"pyrdma backend: all_to_all_single: {name} split sizes {split_sizes} must be "
+                             f"{self.size()} counts summing to the {name}'s {rows} rows")
+        return [s * row for s in split_sizes]
 
-    def all_gather_single_coalesced(self, *args, **kwargs):
-        self._unsupported("all_gather_into_tensor_coalesced")
+    def send(self, tensors, dst, tag=0):
+        return self._p2p("send", _Staged(_one(tensors, "send"), "the tensor"), dst, tag, tensors)
 
-    def reduce_scatter_single_coalesced(self, *args, **kwargs):
-        self._unsupported("reduce_scatter_tensor_coalesced")
+    def recv(self, tensors, src, tag=0):
+        return self._p2p("recv", _Staged(_one(tensors, "recv"), "the tensor", copy_in=False), src, tag, tensors)
+
+    # Sends and receives wait until the next other call, or until one of their Works is waited on,
+    # and then go as one Communicator.batch: its operations wait for none of the others, so the
+    # isend/irecv pairs of batch_isend_irecv (and of the pipelining schedules) cannot deadlock
+    # whatever their order on each rank (the Communicator runs separate calls one after another).
+
+    def _p2p(self, kind, staged, peer, tag, tensors):
+        work = Work(None, tensors, issue=self._issue_p2p)
+        with self._p2p_lock:
+            self._p2p_pending.append((kind, staged, peer, tag, work))
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _issue_p2p(self):
+        with self._p2p_lock:
+            pending, self._p2p_pending = self._p2p_pending, []
+            if not pending:
+                return
+            handle = self.comm.batch([(kind, staged.array.reshape(-1), peer, tag)
+                                      for kind, staged, peer, tag, _ in pending])
+            for i, (kind, staged, peer, tag, work) in enumerate(pending):
+                work._start([handle], None if kind == "send" else _received(handle, i, staged, peer))
+
+    def _comm(self):
+        """The Communicator, once the sends and receives issued before this call have gone."""
+        if self._p2p_pending:
+            self._issue_p2p()
+        return self.comm
+
+    def recv_anysource(self, tensors, tag=0):
+        raise UsageError("pyrdma backend: recv_anysource (recv without src) is not supported; pass src")
 
     def shutdown(self):
         self.comm.close()
 
     def abort(self):
         self.comm.close()
+
+
+def _received(handle, i, staged, src):
+    """What completes receive ``i`` of a batch: its length checked, its tensor written."""
+    def finish():
+        count = handle.wait()[i]
+        if count != staged.array.size:
+            raise UsageError(f"pyrdma backend: recv from rank {src} got {count} elements for a tensor of "
+                             f"{staged.array.size}")
+        staged.write_back()
+    return finish
+
+
+def _pairs(outputs, inputs):
+    if len(outputs) != len(inputs):
+        raise UsageError(f"pyrdma backend: {len(outputs)} outputs for {len(inputs)} inputs")
+    return zip(outputs, inputs)
+
+
+def _unflatten(flat, tensors):
+    """Copy consecutive pieces of ``flat`` into ``tensors``."""
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view(t.shape))
+        offset += n
+
+
+def _all(finishers):
+    finishers = [f for f in finishers if f is not None]
+    return lambda: [f() for f in finishers]
 
 
 def _create(store, rank, size, timeout):

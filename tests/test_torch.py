@@ -2,8 +2,13 @@
 
 Host tests use the TCP transport (no RDMA device needed); the device tests run the same checks
 over RDMA (rxe0 in the Soft-RoCE VM). tests/torch_scripts/check_backend.py does the work inside
-each rank: every collective against gloo's result in the same processes, async forms, and DDP
-trained over both backends from the same seed; here we assert on what each rank wrote.
+each rank: every collective against gloo's result in the same processes, async forms, DDP trained
+over both backends from the same seed, and (tests/torch_scripts/workloads.py) FSDP2, pipelining,
+tensor parallel, all-to-all, send/recv, gather and scatter; here we assert on what each rank wrote.
+
+The system python runs torch 2.13 (the ProcessGroup path, scripts/setup.sh); torch 2.14 calls Python
+backends through its Backend trampoline instead. With PYRDMA_TORCH214_PYTHON naming a python that has
+torch 2.14 (its own virtual environment), the 2-worker TCP run goes through that path too.
 """
 import json
 import os
@@ -49,8 +54,8 @@ def _run(cmd, env, timeout):
     return proc.returncode, out
 
 
-def _torchrun(nproc, tmp_path, transport, *args, launch=("--standalone",), timeout=600):
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={nproc}",
+def _torchrun(nproc, tmp_path, transport, *args, launch=("--standalone",), timeout=600, python=sys.executable):
+    cmd = [python, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={nproc}",
            os.path.join(SCRIPTS, "check_backend.py"), str(tmp_path), *args]
     code, out = _run(cmd, _env(transport), timeout)
     assert code == 0, out[-6000:]
@@ -59,6 +64,19 @@ def _torchrun(nproc, tmp_path, transport, *args, launch=("--standalone",), timeo
         with open(tmp_path / f"rank{rank}.json") as f:
             reports.append(json.load(f))
     return reports
+
+
+# What the full run checks beyond the collectives and DDP (workloads.py); each must be there and true.
+WORKLOAD_CHECKS = ("fsdp2 matches gloo", "fsdp2 trained", "pipeline ScheduleGPipe gradients",
+                   "pipeline Schedule1F1B gradients", "tensor parallel output", "tensor parallel gradients",
+                   "moe all_to_all_single forward", "moe all_to_all_single backward", "moe splits have zeros",
+                   "batch_isend_irecv ring 5", "batch_isend_irecv ring 100000",
+                   "irecv then isend ring 600000", "recv_anysource refused", "scatter",
+                   "all_to_all lists", "all_to_all_single equal", "async all_to_all_single and gather",
+                   "coalescing manager all_gather_into_tensor", "coalescing manager reduce_scatter_tensor",
+                   "functional all_gather_into_tensor_coalesced", "functional reduce_scatter_tensor_coalesced",
+                   "all_gather_coalesced")
+LAST_RANK_CHECKS = ("pipeline ScheduleGPipe loss", "pipeline Schedule1F1B loss", "gather")
 
 
 # Entries of a rank's "checks" that record a fact (asserted on by the tests) rather than pass or fail.
@@ -73,12 +91,37 @@ def _assert_all_passed(reports, transport):
         assert rep["checks"]["transport"] == transport
 
 
+def _assert_workloads_ran(reports):
+    for rep in reports:
+        expected = WORKLOAD_CHECKS + (LAST_RANK_CHECKS if rep["rank"] == rep["size"] - 1 else ())
+        expected += ("send/recv",) if rep["rank"] < 2 else ()
+        expected += ("short message refused",) if rep["rank"] == 1 else ()
+        missing = [name for name in expected if name not in rep["checks"]]
+        assert not missing, f"rank {rep['rank']} did not check {missing}"
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_torchrun_collectives_ddp_and_a_dead_rank_over_tcp(tmp_path, nproc):
+def test_torchrun_collectives_ddp_workloads_and_a_dead_rank_over_tcp(tmp_path, nproc):
     reports = _torchrun(nproc, tmp_path, "tcp", "--dead-rank")
     _assert_all_passed(reports, "tcp")
     assert len(reports[0]["checks"]) > 30        # the collectives ran, not only DDP
-    _assert_dead_rank_named(tmp_path, nproc - 1)
+    _assert_workloads_ran(reports)
+    _assert_dead_rank_named(tmp_path, nproc - 1, step="fsdp2")
+
+
+TORCH214 = os.environ.get("PYRDMA_TORCH214_PYTHON")
+
+
+@pytest.mark.skipif(not TORCH214, reason="PYRDMA_TORCH214_PYTHON (a python with torch 2.14) is not set")
+def test_torch214_backend_trampoline_collectives_ddp_workloads_and_a_dead_rank_over_tcp(tmp_path):
+    """The same run on torch 2.14, whose Backend trampoline (not 2.13's ProcessGroup) calls the backend."""
+    version = subprocess.run([TORCH214, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                             text=True, timeout=120, env=_env("tcp"))
+    assert version.returncode == 0 and version.stdout.startswith("2.14"), version
+    reports = _torchrun(2, tmp_path, "tcp", "--dead-rank", python=TORCH214)
+    _assert_all_passed(reports, "tcp")
+    _assert_workloads_ran(reports)
+    _assert_dead_rank_named(tmp_path, 1, step="fsdp2")
 
 
 @pytest.mark.gpu
@@ -92,11 +135,13 @@ def test_torchrun_cuda_tensors_collectives_and_ddp_over_tcp(tmp_path):
     _assert_all_passed(reports, "tcp")
     assert all(rep["checks"]["device"].startswith("cuda:") for rep in reports), reports
     assert len(reports[0]["checks"]) > 30
+    _assert_workloads_ran(reports)
 
 
-def _assert_dead_rank_named(tmp_path, dead, timeout_s=15):
+def _assert_dead_rank_named(tmp_path, dead, timeout_s=15, step=None):
     with open(tmp_path / "dead_rank.json") as f:
         outcome = json.load(f)
+    assert step is None or outcome["step"] == step, outcome
     assert outcome["error"], f"all_reduce with a dead rank returned {outcome}"
     assert f"rank {dead}" in outcome["error"], outcome["error"]
     assert outcome["seconds"] < timeout_s + 10, outcome
@@ -126,7 +171,7 @@ def test_torchrun_over_rdma_across_hosts_collectives_ddp_and_a_dead_rank(tmp_pat
         launch = ["--nnodes=1", "--node-rank=0", f"--master-addr={hosts[0].address}", f"--master-port={port}"]
         before = [testbed.tx_bytes(h.netdev) for h in hosts]
         reports = _torchrun(2, tmp_path, "rdma", "--dead-rank", "--dead-rank-timeout", str(DEAD_RANK_TIMEOUT),
-                            "--test-bed", launch=launch, timeout=420)
+                            "--test-bed", launch=launch, timeout=720)
         for rep, host in zip(reports, hosts):
             assert rep["checks"]["host"] == host.name
             assert rep["checks"]["gid indices"] == [host.gid_index], (host, rep["checks"]["gid indices"])
@@ -134,10 +179,11 @@ def test_torchrun_over_rdma_across_hosts_collectives_ddp_and_a_dead_rank(tmp_pat
             assert testbed.tx_bytes(host.netdev) - b > 64 << 10, f"{host.name}'s veth carried too little"
     else:
         reports = _torchrun(2, tmp_path, "rdma", "--dead-rank", "--dead-rank-timeout", str(DEAD_RANK_TIMEOUT),
-                            timeout=420)
+                            timeout=720)
     _assert_all_passed(reports, "rdma")
     assert len(reports[0]["checks"]) > 30        # the collectives ran, not only DDP
-    _assert_dead_rank_named(tmp_path, 1, DEAD_RANK_TIMEOUT)
+    _assert_workloads_ran(reports)
+    _assert_dead_rank_named(tmp_path, 1, DEAD_RANK_TIMEOUT, step="fsdp2")
     print("phases (s) per rank:", [rep["phases"] for rep in reports])
 
 

@@ -24,6 +24,9 @@ import torch.distributed as dist  # noqa: E402
 
 import pyrdma.torch  # noqa: F401,E402 -- registers the backend
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads  # noqa: E402 -- FSDP2, pipelining, tensor parallel, all-to-all, p2p
+
 PHASES = {"import": time.monotonic() - T0}
 DEVICE = torch.device("cpu")     # where pyrdma's tensors and the DDP models live (--device)
 
@@ -146,11 +149,6 @@ def collectives(gloo, rank, size, checks):
     same("reduce_scatter_tensor", out, ref)
     dist.barrier()
     checks["barrier"] = True
-    try:
-        dist.send(here(torch.zeros(1)), dst=(rank + 1) % size)
-        checks["send refused"] = "send was accepted"
-    except Exception as exc:     # noqa: BLE001 -- the message is what is checked
-        checks["send refused"] = "send is not supported" in str(exc) or str(exc)
 
 
 def main():
@@ -182,7 +180,9 @@ def main():
     rank, size = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     t = phase("init", t)
-    comm = dist.distributed_c10d._get_default_group().comm
+    pg = dist.distributed_c10d._get_default_group()
+    # torch 2.13: the group is the backend; 2.14: a ProcessGroup holding it per device
+    comm = (pg if isinstance(pg, pyrdma.torch.ProcessGroupPyrdma) else pg._get_backend(torch.device("cpu"))).comm
     checks = {"backend": dist.get_backend() == "pyrdma" or dist.get_backend(), "transport": comm.transport_name,
               "device": str(DEVICE)}
     if comm.transport_name == "rdma":    # the GID index each QP uses (the test bed checks it is its host's)
@@ -192,6 +192,12 @@ def main():
     if args.only == "all":
         collectives(gloo, rank, size, checks)
         t = phase("collectives", t)
+        since = [t]
+
+        def workload_phase(name):
+            since[0] = phase(name, since[0])
+        workloads.run_all(None, gloo, rank, size, checks, DEVICE, workload_phase)
+        t = since[0]
     params, t_pyrdma = train(None, args.steps, rank)
     params_gloo, t_gloo = train(gloo, args.steps, rank)
     t = phase("ddp", t)
@@ -206,25 +212,34 @@ def main():
                    "phases": PHASES},
                   f, indent=1)
     if args.dead_rank:
-        dead_rank(rank, size, args.out, t, args.dead_rank_timeout)
+        dead_rank(rank, size, args.out, t, args.dead_rank_timeout, fsdp2=args.only == "all")
     dist.destroy_process_group()
     return 0
 
 
-def dead_rank(rank, size, out, t, timeout_s):
+def dead_rank(rank, size, out, t, timeout_s, fsdp2):
+    """The last rank exits without a word; rank 0's next step (an FSDP2 step with ``fsdp2``, else an
+    all_reduce) in a group with a ``timeout_s`` timeout must fail naming it."""
     short = dist.new_group(backend="pyrdma", timeout=datetime.timedelta(seconds=timeout_s))
-    dist.all_reduce(torch.ones(10), group=short)          # every rank is connected
+    if fsdp2:
+        step = workloads.fsdp2_dead_rank_step(short, rank, size, DEVICE)    # one step with every rank
+    else:
+        dist.all_reduce(torch.ones(10), group=short)          # every rank is connected
+
+        def step():
+            dist.all_reduce(torch.ones(1000), group=short)
     dist.barrier()
     phase("dead-rank group", t)
     if rank == size - 1:
         os._exit(0)
     start = time.monotonic()
     try:
-        dist.all_reduce(torch.ones(1000), group=short)
+        step()
         outcome = {"error": None}
     except Exception as exc:     # noqa: BLE001 -- the message is the result
         outcome = {"error": f"{type(exc).__name__}: {exc}"}
     outcome["seconds"] = time.monotonic() - start
+    outcome["step"] = "fsdp2" if fsdp2 else "all_reduce"
     if rank == 0:
         with open(os.path.join(out, "dead_rank.json"), "w") as f:
             json.dump(outcome, f)
