@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pyrdma.testing import free_port
-from test_collectives_world import World
+from test_collectives_world import World, cached_worlds, world_params
 
 try:
     import ml_dtypes
@@ -31,26 +31,12 @@ TIMEOUT = 30.0
 START_TIMEOUT = 300.0   # Python starts slowly in the emulated VM
 
 
-def _world_params(sizes_tcp, sizes_rdma):
-    return ([pytest.param("tcp", n, id=f"tcp-{n}") for n in sizes_tcp] +
-            [pytest.param("rdma", n, id=f"rdma-{n}", marks=pytest.mark.device) for n in sizes_rdma])
+_world_params = world_params
 
 
 @pytest.fixture(scope="module")
 def worlds():
-    cache = {}
-
-    def get(transport, size):
-        w = cache.get((transport, size))
-        if w is None or w.broken:
-            if w is not None:
-                w.close()
-            w = cache[(transport, size)] = World(size, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT,
-                                                 max_message=MAX_MESSAGE)
-        return w
-    yield get
-    for w in cache.values():
-        w.close()
+    yield from cached_worlds(timeout=TIMEOUT, start_timeout=START_TIMEOUT, max_message=MAX_MESSAGE)
 
 
 # ---- inputs and references (computed the same way in the ranks and in the parent) ---------------

@@ -5,13 +5,12 @@ rank receives, in the same order and of the same size, inside the work area. Dev
 what only the engine can show: one Python call path whatever the size, and a malformed schedule
 refused before anything is posted. (Ctrl-C and close() during a collective blocked in the engine:
 tests/test_collectives_hardening.py.)"""
-import sys
 
 import numpy as np
 import pytest
 
 from mp import run_ranks
-from pyrdma.testing import free_port
+from pyrdma.testing import count_python_calls, free_port
 from pyrdma.collectives import ring, schedule, tree
 
 ROOTED = [ring.chain_broadcast, ring.chain_reduce, tree.binomial_broadcast, tree.binomial_reduce]
@@ -98,19 +97,7 @@ def _comm(rank, size, port, **kw):
     return Communicator(rank, size, f"127.0.0.1:{port}", transport="rdma", **kw)
 
 
-def _count_calls(fn):
-    """How many Python-level function calls ``fn()`` makes (C calls not counted)."""
-    calls = [0]
-
-    def profile(frame, event, arg):
-        if event == "call":
-            calls[0] += 1
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls[0]
+_count_calls = count_python_calls
 
 
 def _python_cost(rank, size, port):

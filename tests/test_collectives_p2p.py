@@ -11,7 +11,7 @@ import pytest
 
 from pyrdma.testing import free_port
 from test_collectives_comm import START_TIMEOUT, TIMEOUT, fresh_comm
-from test_collectives_world import World
+from test_collectives_world import World, cached_worlds, world_params
 
 MAX_MESSAGE = 2048
 ZERO_COPY = 8192
@@ -23,26 +23,13 @@ except ImportError:
     pass
 
 
-def _params(tcp, rdma):
-    return ([pytest.param("tcp", n, id=f"tcp-{n}") for n in tcp] +
-            [pytest.param("rdma", n, id=f"rdma-{n}", marks=pytest.mark.device) for n in rdma])
+_params = world_params
 
 
 @pytest.fixture(scope="module")
 def worlds():
-    cache = {}
-
-    def get(transport, size):
-        w = cache.get((transport, size))
-        if w is None or w.broken:
-            if w is not None:
-                w.close()
-            w = cache[(transport, size)] = World(size, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT,
-                                                 max_message=MAX_MESSAGE, zero_copy_bytes=ZERO_COPY)
-        return w
-    yield get
-    for w in cache.values():
-        w.close()
+    yield from cached_worlds(timeout=TIMEOUT, start_timeout=START_TIMEOUT, max_message=MAX_MESSAGE,
+                             zero_copy_bytes=ZERO_COPY)
 
 
 def piece(rank, peer, count, dtype):
@@ -387,7 +374,7 @@ def test_ranks_that_each_name_themselves_root_fail_at_that_call(worlds, transpor
 def _one_call_alltoall(comm):
     """A warm blocking all-to-all of host memory over RDMA is one Python frame whatever its size, and
     gives what the general path gives (the two mix: a rank may take either)."""
-    from test_collectives_engine import _count_calls
+    from pyrdma.testing import count_python_calls as _count_calls
     n, r = comm.size, comm.rank
     frames = []
     for count in (1, 1000, 300_000):                       # 8 B to 2.4 MB per peer

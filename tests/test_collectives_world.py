@@ -142,3 +142,29 @@ class World:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def world_params(sizes_tcp, sizes_rdma):
+    """pytest parameters (transport, size): TCP worlds on the host, RDMA ones (marker device) in the VM."""
+    import pytest
+    return ([pytest.param("tcp", n, id=f"tcp-{n}") for n in sizes_tcp] +
+            [pytest.param("rdma", n, id=f"rdma-{n}", marks=pytest.mark.device) for n in sizes_rdma])
+
+
+def cached_worlds(**world_kwargs):
+    """The body of a module-scoped fixture: yields get(transport, size), a World started once per
+    (transport, size) and again after it broke; all are closed at the end."""
+    cache = {}
+
+    def get(transport, size):
+        w = cache.get((transport, size))
+        if w is None or w.broken:
+            if w is not None:
+                w.close()
+            w = cache[(transport, size)] = World(size, transport, **world_kwargs)
+        return w
+    try:
+        yield get
+    finally:
+        for w in cache.values():
+            w.close()

@@ -843,22 +843,16 @@ class Communicator:
             if dst_arr.dtype != arr.dtype or dst.nbytes != n * block:
                 raise UsageError(f"out must hold {n} x {arr.size} elements of {arr.dtype}; it has {dst_arr.size} "
                                  f"of {dst_arr.dtype}")
-        algo = self._copy_algorithm("gather", algorithm, block)
-        entry = algorithms.ALGORITHMS["gather"][algo]
-        full = entry.full_area or r == root
-        tag = self._tag("gather", dtype=arr.dtype, count=arr.size, root=root, algorithm=algo)
 
-        def fill(work):
-            at = r * block if full else 0
+        def fill(work, at):
             work[at:at + block] = data
 
-        def finish(work, schedule, received):
+        def finish(work, at):
             if r != root:
                 return None
             dst[:] = work[:n * block]
             return out
-        return _Spec([_Run(lambda m: entry.planner(n, r, root, block, m), tag, n * block if full else block, fill,
-                           finish)])
+        return self._rooted_copy("gather", root, algorithm, arr.dtype, arr.size, block, fill, finish)
 
     def _scatter(self, buf, out, root, algorithm):
         root = self._check_root(root)
@@ -880,21 +874,29 @@ class Communicator:
         if src is not None and (arr.dtype != out_arr.dtype or src.nbytes != n * block):
             raise UsageError(f"buf must hold {n} pieces like out ({out_arr.size} elements of {out_arr.dtype}); it "
                              f"has {arr.size} of {arr.dtype}")
-        algo = self._copy_algorithm("scatter", algorithm, block)
-        entry = algorithms.ALGORITHMS["scatter"][algo]
-        full = entry.full_area or r == root
-        tag = self._tag("scatter", dtype=out_arr.dtype, count=out_arr.size, root=root, algorithm=algo)
 
-        def fill(work):
+        def fill(work, at):
             if r == root:
                 work[:n * block] = src
 
-        def finish(work, schedule, received):
-            at = r * block if full else 0
+        def finish(work, at):
             dst[:] = work[at:at + block]
             return out
-        return _Spec([_Run(lambda m: entry.planner(n, r, root, block, m), tag, n * block if full else block, fill,
-                           finish)])
+        return self._rooted_copy("scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish)
+
+    def _rooted_copy(self, kind, root, algorithm, dtype, count, block, fill, finish):
+        """The spec of a gather or scatter of ``block`` bytes per rank. The work area holds every
+        rank's block in rank order where the root or the algorithm needs them all, else this rank's
+        at 0; ``fill(work, at)`` and ``finish(work, at)`` get where this rank's block lies."""
+        n, r = self.size, self.rank
+        algo = self._copy_algorithm(kind, algorithm, block)
+        entry = algorithms.ALGORITHMS[kind][algo]
+        full = entry.full_area or r == root
+        at = r * block if full else 0
+        return _Spec([_Run(functools.partial(entry.planner, n, r, root, block),
+                           self._tag(kind, dtype=dtype, count=count, root=root, algorithm=algo),
+                           n * block if full else block, lambda work: fill(work, at),
+                           lambda work, schedule, received: finish(work, at))])
 
     def _alltoall(self, buf, out, send_counts, recv_counts):
         n, r = self.size, self.rank

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pyrdma import testing
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -529,19 +531,9 @@ def main(argv=None):
 # ---- the side-by-side bench's pyrdma side (bench/collectives_bench.py) --------------------------
 
 def count_python_calls(fn):
-    """How many Python-level function calls ``fn()`` makes (C calls not counted), as
-    tests/test_collectives_engine.py counts them."""
-    calls = [0]
-
-    def profile(frame, event, arg):
-        if event == "call":
-            calls[0] += 1
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return calls[0] - 1          # fn itself (the caller's lambda) is not the collective's
+    """How many Python-level calls ``fn()`` makes below ``fn`` itself (the caller's lambda is not
+    the collective's)."""
+    return testing.count_python_calls(fn) - 1
 
 
 def per_peer_call(comm, name, piece):

@@ -2,6 +2,7 @@
 import contextlib
 import os
 import socket
+import sys
 
 SYSFS_INFINIBAND = "/sys/class/infiniband"
 # Soft-RoCE's counters of RC retransmission: ACK timeouts (each resends everything not yet
@@ -88,3 +89,19 @@ def again_if_perftest_clock_failed(run_once, server_cmd, client_cmd, port=None, 
         except AssertionError as exc:
             if PERFTEST_CLOCK_FAILED not in str(exc) or attempt == attempts - 1:
                 raise
+
+
+def count_python_calls(fn):
+    """How many Python-level function calls ``fn()`` makes, ``fn`` itself included (calls of C
+    functions are not counted): what a warm one-call collective costs in Python."""
+    calls = [0]
+
+    def profile(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
