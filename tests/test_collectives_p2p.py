@@ -150,8 +150,9 @@ def _ring_p2p(comm):
     # than every receive slot together, so ranks that ran them one by one would wait for each other
     big = 20 * MAX_MESSAGE // 8
     y_left, y_right = np.zeros(big), np.zeros(big)
-    ops = [("recv", y_left, left, 2), ("recv", y_right, right, 2),
-           ("send", piece(r, right, big, "float64"), right, 2), ("send", piece(r, left, big, "float64"), left, 2)]
+    # each direction its own tag: a send and a receive of different tags still go as one exchange
+    ops = [("recv", y_left, left, 2), ("recv", y_right, right, 4),
+           ("send", piece(r, right, big, "float64"), right, 2), ("send", piece(r, left, big, "float64"), left, 4)]
     got = comm.batch(ops).wait(timeout=60) if n > 1 else None
     assert got[:2] == [big, big] and got[2:] == [None, None], got
     if n == 2:                     # left and right are the same rank: its messages come in order

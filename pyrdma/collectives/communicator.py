@@ -778,13 +778,9 @@ class Communicator:
             out, inc = sends.get((r + k) % n, []), recvs.get((r - k) % n, [])
             for j in range(max(len(out), len(inc))):
                 s, v = out[j] if j < len(out) else None, inc[j] if j < len(inc) else None
-                if s is not None and v is not None and s[2] != v[2]:
-                    spec = self._p2p(s[1], (r + k) % n, None, s[2])
-                    steps.append(((s[0], spec),))
-                    steps.append(((v[0], self._p2p(v[1], None, (r - k) % n, v[2])),))
-                    continue
                 buf = (s[1], v[1]) if s and v else (s or v)[1]
-                spec = self._p2p(buf, (r + k) % n if s else None, (r - k) % n if v else None, (s or v)[2])
+                tag = (s[2], v[2]) if s and v else (s or v)[2]
+                spec = self._p2p(buf, (r + k) % n if s else None, (r - k) % n if v else None, tag)
                 steps.append(tuple((x[0], spec) for x in (s, v) if x is not None))
         results = [None] * len(ops)
 
@@ -943,9 +939,12 @@ class Communicator:
         return _Spec([_Run(plan, tag, base + rb[-1], fill, finish)])
 
     def _p2p(self, buf, dst, src, tag):
-        """A send (dst), a receive (src) or both (buf a pair): one message each way."""
-        if not isinstance(tag, (int, np.integer)) or isinstance(tag, bool) or not 0 <= tag < NO_ROOT:
-            raise UsageError(f"tag must be an integer in [0, {NO_ROOT}), got {tag!r}")
+        """A send (dst), a receive (src) or both (buf and tag pairs: send's, receive's): one message
+        each way."""
+        send_tag, recv_tag = tag if isinstance(tag, tuple) else (tag, tag)
+        for t in (send_tag, recv_tag):
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < NO_ROOT:
+                raise UsageError(f"tag must be an integer in [0, {NO_ROOT}), got {t!r}")
         sendbuf, recvbuf = buf if isinstance(buf, tuple) else ((buf, None) if dst is not None else (None, buf))
         for peer, what in ((dst, "dst"), (src, "src")):
             if peer is not None and (not isinstance(peer, (int, np.integer)) or not 0 <= peer < self.size):
@@ -958,12 +957,12 @@ class Communicator:
         if dst == self.rank or src == self.rank:
             raise UsageError(f"rank {self.rank} sends or receives a message to itself; copy the array instead")
         item = r_arr.dtype.itemsize if r_arr is not None else 1
-        send_tag = recv_tag = describe(0, "")
+        send_desc = recv_desc = describe(0, "")
         if dst is not None:
-            send_tag = describe_message(self._p2p_sent[dst], s_data.nbytes, s_arr.dtype, tag)
+            send_desc = describe_message(self._p2p_sent[dst], s_data.nbytes, s_arr.dtype, send_tag)
             self._p2p_sent[dst] += 1
         if src is not None:
-            recv_tag = describe_message(self._p2p_received[src], 0, r_arr.dtype, tag)
+            recv_desc = describe_message(self._p2p_received[src], 0, r_arr.dtype, recv_tag)
             self._p2p_received[src] += 1
         nbytes = s_data.nbytes if s_data is not None else 0
         capacity = r_data.nbytes if r_data is not None else 0
@@ -989,7 +988,7 @@ class Communicator:
             return received // item
         plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if lend is not None else nbytes)
         area = nbytes + capacity if lend is None else (nbytes or capacity)
-        return _Spec([_Run(plan, send_tag, area, fill, finish, lend=lend, recv_tag=recv_tag)], collective=False)
+        return _Spec([_Run(plan, send_desc, area, fill, finish, lend=lend, recv_tag=recv_desc)], collective=False)
 
 
 class _Run:
