@@ -800,7 +800,8 @@ class Communicator:
             if not blocking:
                 raise UsageError(f"i{make_spec.__name__.strip('_')}: non-blocking collectives on CUDA arrays are "
                                  f"not supported; use the blocking form (it stages through the host)")
-            return _cuda().staged_call(self, make_spec.__name__.strip("_"), *args)
+            return _cuda().staged_call(lambda *host_args: self._call(make_spec, *host_args, blocking=True),
+                                       make_spec.__name__.strip("_"), *args)
         spec = make_spec(*args)
         handle = self._exec.submit(blocking, self._run_spec, spec, seq=spec.collective)
         return handle.wait() if blocking else handle

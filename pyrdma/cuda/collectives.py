@@ -172,12 +172,12 @@ def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
     return out
 
 
-def staged_call(comm, name, *args, stream=None):
-    """A gather, scatter, alltoall or point-to-point call (``name``, Communicator._call's spec of
-    the same name) whose arrays are CUDA arrays, staged: each CUDA array is copied to pinned host
-    memory, the host call runs on the copies, and the copies are uploaded back (those the call
-    wrote: they are the outputs). A new result array comes back as a CuPy array. Returns what the
-    host call returns."""
+def staged_call(host_call, name, *args, stream=None):
+    """A call (``name``: gather, scatter, alltoall, a point-to-point one) on CUDA arrays, staged:
+    each CUDA array among ``args`` (or in a tuple of them) is copied to pinned host memory,
+    ``host_call(*host_args)`` runs on the copies, and the copies the call wrote (its outputs) are
+    uploaded back. A new result array comes back as a CuPy array. Returns what the host call
+    returns."""
     cp = import_cupy(f"{name} of a CUDA array")
     staged = []
 
@@ -191,7 +191,7 @@ def staged_call(comm, name, *args, stream=None):
         return host.reshape(buf.shape) if buf.shape else host
     with _on(cp, stream):
         host_args = [tuple(down(a) for a in x) if isinstance(x, tuple) else down(x) for x in args]
-        result = comm._call(getattr(comm, "_" + name), *host_args, blocking=True)
+        result = host_call(*host_args)
         for obj, buf, dtype, host, before in staged:
             if buf.nbytes and not np.array_equal(host.view(np.uint8), before.view(np.uint8)):
                 _upload(cp, _cupy_view(cp, obj, buf, dtype), host)
