@@ -88,16 +88,16 @@ def test_the_reference_and_the_count_of_wrong_elements():
     assert prod.dtype == np.int8 and (prod == 0).all()
 
 
-def _every_test(rank, size, port, transport, sizes):
-    """run_rank for every test on one communicator; rank 0's rows, and a deliberately spoiled result
-    counted by the same check."""
+def _every_test(rank, size, port, transport, sizes, every_type):
+    """run_rank for every test on one communicator (``every_type``: -d all, else float; reductions
+    int32 with every op); rank 0's rows, and a deliberately spoiled result counted by the same check."""
     import io
     from pyrdma.collectives import Communicator
     with Communicator(rank, size, f"127.0.0.1:{port}", transport=transport, timeout=60) as comm:
         tables = {}
         for test in collectives.TESTS:
             argv = [test, "-b", str(sizes[0]), "-e", str(sizes[-1]), "-f", str(sizes[1] // sizes[0]), "-n", "2",
-                    "-w", "1", "-d", "int32" if "reduce" in test else "all", "-o", "all" if "reduce" in test else "sum"]
+                    "-w", "1", "-d", "int32" if "reduce" in test else ("all" if every_type else "float"), "-o", "all" if "reduce" in test else "sum"]
             out = io.StringIO()
             rows, bad = collectives.run_rank(comm, _settings(*argv), out=out)
             tables[test] = (rows, bad, out.getvalue())
@@ -125,7 +125,7 @@ def _check_tables(tables, size, sizes):
 
 def test_every_collective_test_over_tcp_with_two_ranks():
     sizes = [64, 4096]
-    (tables, spoiled0), (_, spoiled1) = run_ranks(_every_test, 2, free_port(), "tcp", sizes, timeout=240)
+    (tables, spoiled0), (_, spoiled1) = run_ranks(_every_test, 2, free_port(), "tcp", sizes, True, timeout=240)
     assert (spoiled0, spoiled1) == (1, 1)
     _check_tables(tables, 2, sizes)
     assert {r["type"] for r in tables["alltoall_perf"][0]} == set(collectives.TYPES)
@@ -188,7 +188,7 @@ def test_perftest_names_still_go_to_perftests_cli():
 @pytest.mark.device
 def test_every_collective_test_over_rdma_with_two_ranks():
     sizes = [8, 4096, 1 << 20]
-    (tables, spoiled0), (_, spoiled1) = run_ranks(_every_test, 2, free_port(), "rdma", sizes, timeout=300)
+    (tables, spoiled0), (_, spoiled1) = run_ranks(_every_test, 2, free_port(), "rdma", sizes, False, timeout=300)
     assert (spoiled0, spoiled1) == (1, 1)
     _check_tables(tables, 2, sizes)
     for rows, _, text in tables.values():
