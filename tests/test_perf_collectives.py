@@ -207,6 +207,10 @@ def _alltoall_python_calls(rank, size, port):
         return counted
 
 
+# Issue 30's target, not met yet: a warm alltoall takes the general path (_call -> _spec -> _submit ->
+# _run_spec -> transport.run), 39 Python-level calls at 8 B and at 1 MiB per peer over RDMA in the VM.
+# strict: once it is one call this test passes, and the marker must go.
+@pytest.mark.xfail(strict=True, reason="issue 30: alltoall is not one C call yet (39 Python-level calls)")
 @pytest.mark.device
 def test_a_warm_blocking_alltoall_is_one_python_call_whatever_its_size():
     for counted in run_ranks(_alltoall_python_calls, 2, free_port(), timeout=300):
