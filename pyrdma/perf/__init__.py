@@ -7,7 +7,8 @@
            (``loops.bw``, ``loops.lat``, and what they share in ``loops.common``);
 ``side``   one side of a run (``Side``): resources, exchange, measurement, printing, JSON;
            ``compat`` (perftest's exchange) and ``rdmacm`` (rdma_cm) derive from it;
-``cli``    argument parsing (``Config``) and ``main``, which picks the side.
+``cli``    argument parsing (``Config``) and ``main``, which picks the side;
+``collectives``  nccl-tests' collective benchmarks (all_reduce_perf ... sendrecv_perf) on the Communicator.
 
 The benches' code (bench/ runs it): ``side_by_side`` (perftest and pyrdma-perf in rounds),
 ``lat_breakdown`` (where a latency iteration's time goes), ``allreduce_bench`` (collective sweeps

@@ -528,7 +528,7 @@ def main(argv=None):
     return 1 if bad else 0
 
 
-# ---- the side-by-side bench's pyrdma side (bench/collectives_bench.py) --------------------------
+# ---- the side-by-side bench's pyrdma side (pyrdma.perf.collectives_bench) -----------------------
 
 def count_python_calls(fn):
     """How many Python-level calls ``fn()`` makes below ``fn`` itself (the caller's lambda is not
@@ -616,11 +616,11 @@ def engine_timer(comm):
 
 
 def bench_rank(rank, size, master, plan, cores, results):
-    """The pyrdma side of bench/collectives_bench.py in one spawned rank. ``plan``: dict(
+    """The pyrdma side of pyrdma.perf.collectives_bench in one spawned rank. ``plan``: dict(
     collectives=[name], pieces=[bytes per peer], iters, transport, pingpong=(bytes, iters) or None,
     stream=(bytes, messages, repeats) or None, count_calls=[bytes per peer] or None, breakdown: whether
     to time the engine's part of each call in a second pass). The loop is
-    bench/mpi_collectives.py's: per iteration a barrier, the call, its time. Puts (rank, dict)."""
+    mpi_collectives.py's: per iteration a barrier, the call, its time. Puts (rank, dict)."""
     try:
         results.put((rank, _bench_rank(rank, size, master, plan, cores)))
     except BaseException as exc:      # the parent reports it, rather than waiting for a result

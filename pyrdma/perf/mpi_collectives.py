@@ -1,10 +1,11 @@
-"""The MPI side of collectives_bench.py: MPI_Alltoall, MPI_Gather, MPI_Scatter, a ping-pong and a
-stream of MPI_Send/MPI_Recv, timed like pyrdma's side (pyrdma.perf.collectives.bench_rank).
+"""The MPI side of collectives_bench.py (mpirun runs this file with the system's python3):
+MPI_Alltoall, MPI_Gather, MPI_Scatter, a ping-pong and a stream of MPI_Send/MPI_Recv, timed like
+pyrdma's side (pyrdma.perf.collectives.bench_rank).
 
 Runs under mpirun with Debian's python3 and python3-mpi4py (no numpy: bytearrays are the buffers):
 
     mpirun -np 2 --mca pml ucx -x UCX_TLS=rc_verbs,ud_verbs,self -x UCX_NET_DEVICES=rxe0:1 \\
-        -x UCX_UD_VERBS_ETH_DGID_CHECK=n /usr/bin/python3 bench/mpi_collectives.py --pieces 8,4096 --iters 5
+        -x UCX_UD_VERBS_ETH_DGID_CHECK=n /usr/bin/python3 pyrdma/perf/mpi_collectives.py --pieces 8,4096 --iters 5
 
 Per collective and size (bytes per peer; root 0): one warm-up call (its result checked), then per
 iteration a barrier, the call, its time; the slowest rank's time per iteration, median over the
