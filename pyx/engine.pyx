@@ -885,23 +885,28 @@ cdef class HostCall:
     per buffer format, size, op and algorithm: _prepare_host_allreduce): the Program, the description
     (whose call number HostCollectives patches per call), the reduction codes, and the work area:
     the caller's buffer itself (``work_region`` None) or the transport's own buffer, with a copy
-    in and a copy out at ``result_offset``. ``own``: (from, to, length) of a copy within the work
-    area after the copy in (an all-to-all's own block, which no message carries)."""
+    in (``nbytes`` at ``in_offset``) and a copy out (``out_bytes``, default nbytes, from
+    ``result_offset``). ``own``: (from, to, length) of a copy within the work area after the copy
+    in (an all-to-all's own block, which no message carries)."""
     cdef Program program
     cdef uint8_t desc[DESC_SIZE]
     cdef int dtype, op
-    cdef int64_t nbytes, result_offset, work_bytes
+    cdef int64_t nbytes, result_offset, work_bytes, in_offset, out_bytes
     cdef int64_t own_from, own_to, own_len
     cdef MemoryRegion work_region
 
     def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
-                 int64_t result_offset, int64_t work_bytes, MemoryRegion work_region=None, own=(0, 0, 0)):
+                 int64_t result_offset, int64_t work_bytes, MemoryRegion work_region=None, own=(0, 0, 0),
+                 int64_t in_offset=0, int64_t out_bytes=-1):
         if len(desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
         if not 0 <= dtype < 8 or not 0 <= op < 4:
             raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
-        if nbytes < 0 or result_offset < 0 or result_offset + nbytes > work_bytes or program.extent > work_bytes \
-                or (work_region is None and (result_offset or work_bytes != nbytes)):
+        if out_bytes < 0:
+            out_bytes = nbytes
+        if nbytes < 0 or result_offset < 0 or in_offset < 0 or result_offset + out_bytes > work_bytes \
+                or in_offset + nbytes > work_bytes or program.extent > work_bytes \
+                or (work_region is None and (result_offset or in_offset or work_bytes != nbytes or out_bytes != nbytes)):
             raise UsageError("HostCall: the result or the schedule is outside the work area")
         self.own_from, self.own_to, self.own_len = own
         if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or work_region is None and self.own_len \
@@ -911,11 +916,28 @@ cdef class HostCall:
         memcpy(self.desc, <char *>desc, DESC_SIZE)
         self.dtype, self.op = dtype, op
         self.nbytes, self.result_offset, self.work_bytes = nbytes, result_offset, work_bytes
+        self.in_offset, self.out_bytes = in_offset, out_bytes
         self.work_region = work_region
 
 
 cdef object _MISSING = object()
-from numpy import ndarray as _ndarray, empty_like as _empty_like
+from numpy import ndarray as _ndarray, empty as _empty, empty_like as _empty_like
+
+
+cdef bytes _format(Py_buffer *view):
+    if view.format == NULL:
+        return b"B"
+    return PyBytes_FromString(view.format)
+
+
+cdef bint _same_format(Py_buffer *a, Py_buffer *b):
+    cdef const char *fa = a.format
+    cdef const char *fb = b.format
+    if fa == NULL:
+        fa = "B"
+    if fb == NULL:
+        fb = "B"
+    return strcmp(fa, fb) == 0
 
 
 @cython.final
@@ -1102,6 +1124,96 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
+    def gather(self, buf, out, root, algorithm):
+        """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
+        and buf is a numpy array); None where the general path must run it (as allreduce)."""
+        cdef Py_buffer view, oview
+        cdef Py_buffer *outp = NULL
+        cdef int n = self.engine.size
+        ex = self.ex
+        if ex.pending or ex.closed or ex.broken is not None or type(root) is not int \
+                or not 0 <= <long>root < n:
+            return None
+        is_root = root == self.engine.rank
+        if is_root and out is None:
+            if type(buf) is not _ndarray or buf.ndim == 0:
+                return None
+            out = _empty((n * buf.shape[0],) + buf.shape[1:], buf.dtype)
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            if is_root:
+                try:
+                    PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+                except Exception:
+                    return None
+                outp = &oview
+            try:
+                if outp != NULL and (oview.len != n * view.len or not _same_format(&view, &oview)):
+                    return None
+                call = self._prepared(("gather", _format(&view), view.len, root, algorithm), "_prepare_host_gather",
+                                      buf, root, algorithm)
+                if call is None:
+                    return None
+                return (self._run(<HostCall>call, out if is_root else None, &view, outp),)
+            finally:
+                if outp != NULL:
+                    PyBuffer_Release(&oview)
+        finally:
+            PyBuffer_Release(&view)
+
+    def scatter(self, buf, out, root, algorithm):
+        """(out,) of a scatter from ``root`` (out: a new array when None and buf is a numpy
+        array); None where the general path must run it (as allreduce)."""
+        cdef Py_buffer view, oview
+        cdef Py_buffer *inp = NULL
+        cdef int n = self.engine.size
+        ex = self.ex
+        if ex.pending or ex.closed or ex.broken is not None or type(root) is not int \
+                or not 0 <= <long>root < n:
+            return None
+        is_root = root == self.engine.rank
+        if out is None:
+            if type(buf) is not _ndarray or buf.ndim == 0 or buf.shape[0] % n:
+                return None
+            out = _empty((buf.shape[0] // n,) + buf.shape[1:], buf.dtype)
+        try:
+            PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            if is_root:
+                try:
+                    PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+                except Exception:
+                    return None
+                inp = &view
+            try:
+                if inp != NULL and (view.len != n * oview.len or not _same_format(&view, &oview)):
+                    return None
+                call = self._prepared(("scatter", _format(&oview), oview.len, root, algorithm),
+                                      "_prepare_host_scatter", out, root, algorithm)
+                if call is None:
+                    return None
+                return (self._run(<HostCall>call, out, inp, &oview),)
+            finally:
+                if inp != NULL:
+                    PyBuffer_Release(&view)
+        finally:
+            PyBuffer_Release(&oview)
+
+    cdef object _prepared(self, key, str prepare, buf, root, algorithm):
+        """The HostCall of ``key``, prepared by the Communicator's method ``prepare`` the first time."""
+        call = self.calls.get(key, _MISSING)
+        if call is _MISSING:
+            if len(self.calls) >= 256:
+                self.calls.clear()
+                self.last_call = None
+            call = self.calls[key] = getattr(self.comm, prepare)(buf, root, algorithm)
+        return call
+
     def barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
         comm = self.comm
@@ -1147,12 +1259,12 @@ cdef class HostCollectives:
                 try:
                     with nogil:
                         if copy and call.nbytes:
-                            memcpy(work, data, <size_t>call.nbytes)
+                            memcpy(work + call.in_offset, data, <size_t>call.nbytes)
                         if call.own_len:
                             memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
                         rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
-                        if rc == 0 and copy and call.nbytes:
-                            memcpy(out_data, work + call.result_offset, <size_t>call.nbytes)
+                        if rc == 0 and copy and call.out_bytes:
+                            memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
                 finally:
                     engine._end()
                 if rc < 0:

@@ -374,33 +374,54 @@ def test_ranks_that_each_name_themselves_root_fail_at_that_call(worlds, transpor
                 (kind, result)
 
 
-def _one_call_alltoall(comm):
-    """A warm blocking all-to-all of host memory over RDMA is one Python frame whatever its size, and
-    gives what the general path gives (the two mix: a rank may take either)."""
-    from pyrdma.testing import count_python_calls as _count_calls
+def _one_call_copies(comm):
+    """A warm blocking all-to-all, gather or scatter of host memory over RDMA is one Python frame
+    whatever its size, and gives what the general path gives (the two mix: a rank may take
+    either; here rank 0 takes the general one through the non-blocking form)."""
+    from pyrdma.testing import count_python_calls
     n, r = comm.size, comm.rank
-    frames = []
+    frames = {}
     for count in (1, 1000, 300_000):                       # 8 B to 2.4 MB per peer
         buf = np.concatenate([piece(r, p, count, "float64") for p in range(n)])
         want = np.concatenate([piece(p, r, count, "float64") for p in range(n)])
         out = np.empty_like(buf)
-        assert np.array_equal(comm.alltoall(buf, out), want)          # prepares the call
-        out[:] = 0
-        frames.append(_count_calls(lambda: comm.alltoall(buf, out)))
-        assert np.array_equal(out, want), count
-        if r == 0:               # the general path on one rank (a memoryview), the one-call path on the others
-            got = comm.alltoall(memoryview(buf))
+        mine = piece(r, 0, count, "float64")
+        everyone = np.concatenate([piece(p, 0, count, "float64") for p in range(n)])
+        gathered = np.empty_like(everyone) if r == 1 else None
+        part = np.empty(count)
+        calls = {"alltoall": lambda: comm.alltoall(buf, out),
+                 "gather": lambda: comm.gather(mine, gathered, root=1),
+                 "scatter": lambda: comm.scatter(everyone if r == 2 else None, part, root=2)}
+        for name, call in calls.items():
+            call()                                             # prepares the call
+            out[:] = 0
+            part[:] = 0
+            if gathered is not None:
+                gathered[:] = 0
+            frames.setdefault(name, []).append(count_python_calls(call))
+            assert np.array_equal(out, want) if name == "alltoall" else True, count
+            assert name != "gather" or r != 1 or np.array_equal(gathered, everyone), count
+            assert name != "scatter" or np.array_equal(part, piece(r, 0, count, "float64")), count
+        if r == 0:               # the general path on one rank, the one-call path on the others
+            got = comm.ialltoall(buf).wait(60)
+            comm.igather(mine, root=1).wait(60)
+            comm.iscatter(None, np.empty(count), root=2).wait(60)
         else:
             got = comm.alltoall(buf)
+            g = comm.gather(mine, root=1)
+            assert r != 1 or np.array_equal(g, everyone)
+            assert np.array_equal(comm.scatter(everyone if r == 2 else None, np.empty(count), root=2),
+                                  piece(r, 0, count, "float64"))
         assert np.array_equal(got, want), count
     return frames
 
 
 @pytest.mark.device
-def test_a_warm_blocking_alltoall_over_rdma_is_one_python_call():
+def test_warm_blocking_alltoall_gather_and_scatter_over_rdma_are_one_python_call_each():
     with World(3, "rdma", timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
-        for frames in w.run(_one_call_alltoall, timeout=300):
-            assert frames == [2, 2, 2], f"Python frames per call (alltoall and the lambda): {frames}"
+        for frames in w.run(_one_call_copies, timeout=300):
+            assert frames == {name: [2, 2, 2] for name in ("alltoall", "gather", "scatter")}, \
+                f"Python frames per call (the call and the lambda): {frames}"
 
 
 def _each_once(comm):

@@ -421,6 +421,37 @@ class Communicator:
         return HostCall(t.engine.program(schedule), tag, 0, 0, data.nbytes, data.nbytes, 2 * data.nbytes,
                         t.own_region(2 * data.nbytes), own=(r * piece, data.nbytes + r * piece, piece))
 
+    def _prepare_host_gather(self, buf, root, algorithm):
+        """The HostCall of a blocking gather of ``buf`` (see _prepare_host_allreduce), or None."""
+        return self._prepare_rooted_copy("gather", buf, root, algorithm)
+
+    def _prepare_host_scatter(self, out, root, algorithm):
+        """The HostCall of a blocking scatter into ``out`` (see _prepare_host_allreduce), or None."""
+        return self._prepare_rooted_copy("scatter", out, root, algorithm)
+
+    def _prepare_rooted_copy(self, kind, piece, root, algorithm):
+        """A gather's or scatter's HostCall for this rank's ``piece``: the same plan, description
+        and work area as the general path's (_rooted_copy)."""
+        from pyrdma._engine import HostCall
+        try:
+            arr, data = plain_bytes(piece, "buf")
+            algo = self._copy_algorithm(kind, algorithm, data.nbytes)
+        except UsageError:
+            return None
+        n, r, block = self.size, self.rank, data.nbytes
+        entry = algorithms.ALGORITHMS[kind][algo]
+        full = entry.full_area or r == root
+        at = r * block if full else 0
+        t = self.transport
+        schedule = entry.planner(n, r, root, block, t.max_message)
+        tag = self._tag(kind, dtype=arr.dtype, count=arr.size, root=root, algorithm=algo)
+        area = n * block if full else block
+        if kind == "gather":          # in: this rank's block; out: all of them, on the root
+            return HostCall(t.engine.program(schedule), tag, 0, 0, block, 0, area, t.own_region(area), in_offset=at,
+                            out_bytes=n * block if r == root else 0)
+        return HostCall(t.engine.program(schedule), tag, 0, 0, n * block if r == root else 0, at, area,
+                        t.own_region(area), out_bytes=block)
+
     def _prepare_barrier(self):
         """The HostCall of barrier() (see _prepare_host_allreduce): the same plan and description
         as the general path's."""
@@ -697,6 +728,10 @@ class Communicator:
         """Every rank's ``buf`` (the same size everywhere) to ``root``, in rank order, into ``out``
         there (default a new array of shape (size * len(buf),) + buf.shape[1:], as allgather).
         Returns out on root, None elsewhere."""
+        if self._host is not None:
+            done = self._host.gather(buf, out, root, algorithm)
+            if done is not None:
+                return done[0]
         return self._call(self._gather, buf, out, root, algorithm, blocking=True)
 
     def igather(self, buf, out=None, root=0, algorithm="auto"):
@@ -707,6 +742,10 @@ class Communicator:
         ``out`` (default a new array of shape (len(buf) // size,) + buf.shape[1:]). Elsewhere ``buf``
         may be None when ``out`` is given (or an array of the root's shape: its piece shape is
         used). Returns out."""
+        if self._host is not None:
+            done = self._host.scatter(buf, out, root, algorithm)
+            if done is not None:
+                return done[0]
         return self._call(self._scatter, buf, out, root, algorithm, blocking=True)
 
     def iscatter(self, buf, out=None, root=0, algorithm="auto"):
