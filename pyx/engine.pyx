@@ -1204,6 +1204,89 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&oview)
 
+    def send(self, buf, int dst, tag):
+        """True once ``buf`` went to rank ``dst`` as the next message of that pair (copied, below
+        the zero-copy size); None where the general path must run it (as allreduce)."""
+        return self._message(buf, dst, tag, False)
+
+    def recv(self, buf, int src, tag):
+        """The elements of the next message of rank ``src``, received into ``buf``; None where the
+        general path must run it (as allreduce)."""
+        return self._message(buf, src, tag, True)
+
+    cdef object _message(self, buf, int peer, tag, bint receive):
+        cdef Py_buffer view
+        cdef Engine engine = self.engine
+        ex, comm = self.ex, self.comm
+        if ex.pending or ex.closed or ex.broken is not None or type(tag) is not int \
+                or not 0 <= peer < engine.size or peer == engine.rank:
+            return None
+        try:
+            PyObject_GetBuffer(buf, &view, (PyBUF_WRITABLE if receive else 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            if comm.zero_copy_bytes and view.len >= comm.zero_copy_bytes:
+                return None
+            call = self._prepared(("recv" if receive else "send", _format(&view), view.len, peer, tag),
+                                  "_prepare_host_message", buf, peer, (tag, receive))
+            if call is None:
+                return None
+            return self._run_message(<HostCall>call, &view, peer, receive)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef object _run_message(self, HostCall call, Py_buffer *view, int peer, bint receive):
+        """Run a prepared point-to-point call: its description takes the pair's next message number
+        (not the collectives' call number), a receive copies out what arrived and returns its
+        element count."""
+        cdef Engine engine = self.engine
+        cdef Program prog = call.program
+        cdef MemoryRegion region
+        cdef uint8_t *data = <uint8_t *>view.buf
+        cdef uint8_t *work
+        cdef uint64_t seq
+        cdef int64_t got = 0
+        cdef int rc, i
+        self.lock._take(-1.0)
+        try:
+            ex = self.ex
+            if ex.pending or ex.closed or ex.broken is not None or engine.fail_kind != FAIL_NONE:
+                return None
+            counters = self.comm._p2p_received if receive else self.comm._p2p_sent
+            seq = counters[peer]
+            counters[peer] = seq + 1
+            try:
+                region = call.work_region
+                if region._closed:
+                    region = call.work_region = self.transport.own_region(call.work_bytes)
+                work = <uint8_t *><uintptr_t>region.addr
+                for i in range(8):
+                    call.desc[i] = (seq >> (8 * i)) & 0xFF
+                memcpy(engine.rdesc, call.desc, DESC_SIZE)
+                engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc, 0, 0, None)
+                try:
+                    with nogil:
+                        if call.nbytes:
+                            memcpy(work, data, <size_t>call.nbytes)
+                        rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                        if rc == 0 and receive:
+                            got = engine.received
+                            if got:
+                                memcpy(data, work, <size_t>got)
+                finally:
+                    engine._end()
+                if rc < 0:
+                    raise self.transport.engine_failed()
+                if receive and got % view.itemsize:
+                    raise UsageError(f"rank {peer} sent {got} bytes, not whole {view.itemsize}-byte elements")
+            except BaseException as exc:
+                ex.fail(exc)
+                raise
+            return got // view.itemsize if receive else True
+        finally:
+            self.lock._give()
+
     cdef object _prepared(self, key, str prepare, buf, root, algorithm):
         """The HostCall of ``key``, prepared by the Communicator's method ``prepare`` the first time."""
         call = self.calls.get(key, _MISSING)

@@ -416,12 +416,49 @@ def _one_call_copies(comm):
     return frames
 
 
+def _one_call_messages(comm):
+    """A warm blocking send or recv below the zero-copy size is one Python frame; its messages and
+    the general path's (isend/irecv, and a zero-copy size) keep one order and numbering per pair."""
+    from pyrdma.testing import count_python_calls
+    r = comm.rank
+    frames = []
+    if r > 1:
+        return frames
+    peer = 1 - r
+    for count in (1, 1000, 100_000):                   # 8 B to 800 kB (zero-copy: 1 MiB)
+        x = piece(r, peer, count, "float64")
+        y = np.zeros(count + 3)
+        for k in range(3):
+            if (r + k) % 2 == 0:
+                frames.append(count_python_calls(lambda: comm.send(x, peer, tag=k)))
+                comm.isend(x, peer, tag=k).wait(60)
+            else:
+                n = [None]
+
+                def receive():
+                    n[0] = comm.recv(y, peer, tag=k)
+                frames.append(count_python_calls(receive))           # receive() stands for the lambda
+                assert n[0] == count and np.array_equal(y[:count], piece(peer, r, count, "float64"))
+                y[:] = 0
+                assert comm.irecv(y, peer, tag=k).wait(60) == count
+                assert np.array_equal(y[:count], piece(peer, r, count, "float64"))
+    big = np.arange(200_000, dtype=np.float64)       # 1.6 MB: the general, zero-copy path
+    if r == 0:
+        comm.send(big, 1)
+    else:
+        z = np.zeros_like(big)
+        assert comm.recv(z, 0) == big.size and np.array_equal(z, big)
+    return frames
+
+
 @pytest.mark.device
-def test_warm_blocking_alltoall_gather_and_scatter_over_rdma_are_one_python_call_each():
+def test_warm_blocking_alltoall_gather_scatter_send_and_recv_over_rdma_are_one_python_call_each():
     with World(3, "rdma", timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
         for frames in w.run(_one_call_copies, timeout=300):
             assert frames == {name: [2, 2, 2] for name in ("alltoall", "gather", "scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"
+        for rank, frames in enumerate(w.run(_one_call_messages, timeout=300)):
+            assert frames == ([2] * 9 if rank < 2 else []), f"rank {rank}: Python frames per send/recv: {frames}"
 
 
 def _each_once(comm):

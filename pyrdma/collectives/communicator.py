@@ -452,6 +452,27 @@ class Communicator:
         return HostCall(t.engine.program(schedule), tag, 0, 0, n * block if r == root else 0, at, area,
                         t.own_region(area), out_bytes=block)
 
+    def _prepare_host_message(self, buf, peer, how):
+        """The HostCall of a blocking send to or receive from ``peer`` (``how``: (tag, receive)),
+        copied through the transport's buffer: the same plan and description as the general path's
+        (_p2p), whose message number HostCollectives fills in per call; or None."""
+        from pyrdma._engine import HostCall
+        tag, receive = how
+        if not 0 <= tag < NO_ROOT:
+            return None
+        try:
+            arr, data = plain_bytes(buf, "buf", writable=receive)
+        except UsageError:
+            return None
+        t, nbytes = self.transport, data.nbytes
+        if receive:
+            schedule = exchange.message(None, 0, peer, nbytes, 0, t.max_message)
+            desc = describe_message(0, 0, arr.dtype, tag)
+            return HostCall(t.engine.program(schedule), desc, 0, 0, 0, 0, nbytes, t.own_region(nbytes), out_bytes=0)
+        schedule = exchange.message(peer, nbytes, None, 0, nbytes, t.max_message)
+        desc = describe_message(0, nbytes, arr.dtype, tag)
+        return HostCall(t.engine.program(schedule), desc, 0, 0, nbytes, 0, nbytes, t.own_region(nbytes), out_bytes=0)
+
     def _prepare_barrier(self):
         """The HostCall of barrier() (see _prepare_host_allreduce): the same plan and description
         as the general path's."""
@@ -771,6 +792,8 @@ class Communicator:
         (with the same tag, as MPI); the receiver's ``recv`` must name this rank and tag. Small
         messages go eagerly into the receiver's slots; a message of zero_copy_bytes or more is sent
         straight from ``buf``. Returns once ``buf`` may be reused."""
+        if self._host is not None and type(dst) is int and self._host.send(buf, dst, tag) is not None:
+            return None
         return self._call(self._p2p, buf, dst, None, tag, blocking=True)
 
     def isend(self, buf, dst, tag=0):
@@ -780,6 +803,10 @@ class Communicator:
         """Receive the next message of rank ``src`` with ``tag`` into ``buf``; returns the number of
         elements received (the message may be shorter than buf; longer is an error naming both
         sizes, never a truncation)."""
+        if self._host is not None and type(src) is int:
+            done = self._host.recv(buf, src, tag)
+            if done is not None:
+                return done
         return self._call(self._p2p, buf, None, src, tag, blocking=True)
 
     def irecv(self, buf, src, tag=0):
