@@ -32,8 +32,8 @@ def install_command(library):
 
 
 def missing_library(exc):
-    """The rdma-core library whose absence made loading the extension fail (from the loader's
-    message), or None when ``exc`` is about something else."""
+    """The rdma-core library a failure to load names (``exc``: the error or the dynamic loader's
+    text; librdmacm.so.1 fails when the libibverbs.so.1 it needs is missing), or None."""
     text = str(exc)
     for library in LIBRARY_PACKAGES:
         if library.split(".so")[0] in text:
@@ -49,13 +49,6 @@ def load_fix(exc):
     if isinstance(exc, ModuleNotFoundError):
         return "build it: `pip install .`, or `python3 setup.py build_ext --inplace` in the source tree"
     return "reinstall pyrdma (`pip install --force-reinstall .` from the source tree)"
-
-
-def library_advice(exc):
-    """One sentence for an ImportError/OSError of the extension: what is missing and how to get it."""
-    library = missing_library(exc)
-    what = f"{library} cannot be loaded" if library else "pyrdma's compiled extension cannot be loaded"
-    return f"{what} ({exc}); {load_fix(exc)}"
 
 
 # ---- memlock --------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ Exit status 0 when it found no problem, 1 otherwise. It runs where rdma-core or 
 cannot be loaded, and says so.
 """
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -65,33 +64,36 @@ def _loaded_path(library):
 
 
 def check_libraries(report):
-    libraries = {}
-    for library in advice.LIBRARY_PACKAGES:
-        try:
-            ctypes.CDLL(library)
-            libraries[library] = {"loaded": True, "path": _loaded_path(library)}
-        except OSError as exc:
-            libraries[library] = {"loaded": False, "error": str(exc)}
-            needs = advice.missing_library(exc)
-            if needs in (None, library):        # else a library it needs is missing, reported as such
-                report.problem(f"{library} cannot be loaded ({exc})", advice.install_command(library))
+    """pyrdma's extension, and rdma-core's libraries as pyrdma opens them (pyrdma._verbs.loader: dlopen
+    on first use, PYRDMA_LIBIBVERBS / PYRDMA_LIBRDMACM honoured). Returns the pyrdma package when the
+    verbs can be used, else None."""
     extension = {}
-    verbs = None
-    for module in ("pyrdma._verbs.device", "pyrdma._verbs.cm"):
+    for module in ("pyrdma._verbs.loader", "pyrdma._verbs.device", "pyrdma._verbs.cm"):
         try:
             __import__(module)
             extension[module] = {"loaded": True}
         except (ImportError, OSError) as exc:
             extension[module] = {"loaded": False, "error": str(exc)}
-            library = advice.missing_library(exc)
-            if library is None or libraries[library]["loaded"]:    # else reported with the library
-                report.problem(f"pyrdma's extension {module} cannot be loaded: {exc}", advice.load_fix(exc))
-    if extension["pyrdma._verbs.device"]["loaded"]:
-        import pyrdma
-        verbs = pyrdma
-    report.sections["libraries"] = libraries
+            report.problem(f"pyrdma's extension {module} cannot be loaded: {exc}", advice.load_fix(exc))
     report.sections["extension"] = extension
-    return verbs
+    libraries = {}
+    report.sections["libraries"] = libraries
+    if not extension["pyrdma._verbs.loader"]["loaded"]:
+        return None
+    from pyrdma._verbs.loader import library_status
+    for status in library_status():
+        library = status["library"]
+        if status["loaded"]:
+            libraries[library] = {"loaded": True, "path": _loaded_path(os.path.basename(status["path"]))}
+            continue
+        libraries[library] = {"loaded": False, "error": status["error"]}
+        needs = advice.missing_library(status["error"])
+        if needs in (None, library):        # else a library it needs is missing, reported as such
+            report.problem(f"{library} cannot be loaded ({status['error']})", advice.install_command(library))
+    if extension["pyrdma._verbs.device"]["loaded"] and libraries["libibverbs.so.1"]["loaded"]:
+        import pyrdma
+        return pyrdma
+    return None
 
 
 def check_kernel(report):
@@ -341,7 +343,7 @@ def diagnose():
     if rd is not None:
         check_gpus(rd, report, devices)
     else:
-        report.sections["gpus"] = {"note": "skipped: pyrdma's extension is not loaded"}
+        report.sections["gpus"] = {"note": "skipped: pyrdma's extension or libibverbs.so.1 is not loaded"}
     return report
 
 

@@ -65,13 +65,6 @@ class PeerError(RDMAError):
         super().__init__(message, **kwargs)
 
 
-# rdma-core's run-time libraries and the packages that install them: (Debian/Ubuntu, RHEL/Fedora)
-RDMA_CORE_PACKAGES = {
-    "libibverbs.so.1": ("libibverbs1 ibverbs-providers", "libibverbs rdma-core"),
-    "librdmacm.so.1": ("librdmacm1", "librdmacm rdma-core"),
-}
-
-
 class MissingLibraryError(RDMAError):
     """rdma-core's libibverbs.so.1 or librdmacm.so.1 cannot be loaded, or lacks an entry point a call
     needs. pyrdma opens them on first use, so ``import pyrdma`` works without them.
@@ -85,13 +78,11 @@ class MissingLibraryError(RDMAError):
         self.path = path
         self.symbol = symbol
         self.reason = reason
-        debian, rhel = RDMA_CORE_PACKAGES.get(library, ("rdma-core", "rdma-core"))
+        from pyrdma.advice import install_command
         if symbol:
-            message = (f"{path or library} has no {symbol}: this call needs a newer rdma-core "
-                       f"(Debian/Ubuntu: {debian}; RHEL/Fedora: {rhel})")
+            message = f"{path or library} has no {symbol}: this call needs a newer rdma-core; {install_command(library)}"
         else:
-            message = (f"cannot load {library} ({reason}); install rdma-core's user-space library: "
-                       f"Debian/Ubuntu: apt-get install {debian}; RHEL/Fedora: dnf install {rhel}")
+            message = f"cannot load {library} ({reason}); {install_command(library)}"
         super().__init__(message, call=call)
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command (README; .ci/run calls exactly this):
-#   1. scripts/setup.sh: apt + pip dependencies (skipped when present), build the extension in place;
+#   1. scripts/setup.sh: apt + pip dependencies (skipped when present), build the extension in place
+#      and the wheel (build/wheel: tests/test_wheel.py installs it into a fresh venv in the VM);
 #   2. host tests:   pytest -m "not device"                -> build/test-reports/host.xml
 #   3. device tests: pytest -m "device and not gpu and not torch_vm" in the Soft-RoCE VM (pyrdma.testing.vm;
 #      rxe0 on lo, plus the 4-host test bed of --hosts 4 for tests/test_multihost.py and the 2-worker
