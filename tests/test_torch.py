@@ -244,3 +244,26 @@ def test_unsupported_dtype_and_op_are_named():
         reduceOp = torch.distributed.ReduceOp.BAND
     with pytest.raises(ValueError, match="all_reduce with BAND is not supported"):
         _op(Opts, "all_reduce")
+
+
+_FROM_ENV = """
+import sys
+import numpy as np
+from pyrdma.collectives import Communicator
+with Communicator.from_env(transport="tcp", timeout=30) as c:
+    x = np.full(4, c.rank + 1.0)
+    c.allreduce(x)
+    with open(f"{sys.argv[1]}/rank{c.rank}", "w") as f:     # one file each: printed lines interleave
+        f.write(str(x[0]))
+"""
+
+
+def test_communicator_from_env_under_torchrun_joins_the_agents_store(tmp_path):
+    """torchrun's agent serves its own store on MASTER_PORT: from_env joins it instead of trying to
+    serve one there ("Address already in use" before)."""
+    script = tmp_path / "from_env.py"
+    script.write_text(_FROM_ENV)
+    code, out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                      str(script), str(tmp_path)], _env("tcp"), timeout=120)
+    assert code == 0, out[-4000:]
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["3.0", "3.0"], out[-4000:]

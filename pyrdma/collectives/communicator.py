@@ -258,8 +258,19 @@ class Communicator:
 
     @classmethod
     def from_env(cls, environ=None, **kwargs):
-        """From torchrun-style MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE."""
+        """From torchrun-style MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE. Under torchrun itself
+        (TORCHELASTIC_RUN_ID set) its agent already serves a c10d store on MASTER_PORT, so the
+        ranks join that one (through torch, as the torch backend does); elsewhere rank 0 serves
+        the rendezvous there."""
+        environ = os.environ if environ is None else environ
         host, port, rank, size = env_config(environ)
+        if environ.get("TORCHELASTIC_RUN_ID"):
+            import datetime
+            from torch.distributed import TCPStore as C10dStore
+            from pyrdma.torch import StoreExchange
+            wait = datetime.timedelta(seconds=kwargs.get("timeout", 60.0))
+            store = C10dStore(host, port, size, is_master=False, timeout=wait)
+            return cls(exchange=StoreExchange(store, rank, size, wait, environ), **kwargs)
         return cls(rank, size, f"{host}:{port}", **kwargs)
 
     @classmethod

@@ -453,18 +453,6 @@ def communicator(args, environ=None):
                              f"({sys.executable}); install mpi4py for it, or use --np N") from None
         return Communicator.from_mpi(**kw)
     if how == "env":
-        environ = os.environ if environ is None else environ
-        if environ.get("TORCHELASTIC_RUN_ID"):
-            # torchrun's agent serves its own store on MASTER_PORT (from_env would try to serve one
-            # there too): join the agent's store, as the pyrdma torch backend does
-            import datetime
-            from torch.distributed import TCPStore
-            from pyrdma.collectives.bootstrap import env_config
-            from pyrdma.torch import StoreExchange
-            host, port, rank, size = env_config(environ)
-            wait = datetime.timedelta(seconds=args.timeout)
-            store = TCPStore(host, port, size, is_master=False, timeout=wait)
-            return Communicator(exchange=StoreExchange(store, rank, size, wait, environ), **kw)
         return Communicator.from_env(environ, **kw)
     return Communicator(0, 1, "127.0.0.1:0", **kw)
 
