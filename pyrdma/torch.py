@@ -135,7 +135,10 @@ class _Staged:
 
     def write_back(self):
         if self.host is not self.tensor:
-            self.tensor.copy_(self.host)
+            # a received buffer may be a leaf that requires grad (a pipeline stage's input): the
+            # collective fills its data, as it does a CPU tensor's through its numpy view
+            with torch.no_grad():
+                self.tensor.copy_(self.host)
 
 
 def _op(opts, call):
@@ -566,10 +569,11 @@ def _pairs(outputs, inputs):
 def _unflatten(flat, tensors):
     """Copy consecutive pieces of ``flat`` into ``tensors``."""
     offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset:offset + n].view(t.shape))
-        offset += n
+    with torch.no_grad():            # as _Staged.write_back
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset:offset + n].view(t.shape))
+            offset += n
 
 
 def _all(finishers):
