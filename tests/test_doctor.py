@@ -163,7 +163,8 @@ def test_doctor_gpu_section_with_cupy(monkeypatch):
     assert "GPU 1 (GPU model 1) and mlx5_0: no GPUDirect RDMA" in problem["problem"]
     assert "modprobe nvidia-peermem" in problem["fix"]
     text = doctor.render(_with_defaults(report))
-    assert "GPU 0 GPU model 0: dma-buf GPU yes, NIC mlx5_0 yes; nvidia-peermem not loaded; GPUDirect RDMA via dmabuf" in text
+    assert ("GPU 0 GPU model 0: dma-buf GPU yes, NIC mlx5_0 yes; nvidia-peermem not loaded; "
+            "GPUDirect RDMA via dmabuf") in text
 
 
 def _with_defaults(report):
