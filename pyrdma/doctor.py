@@ -204,7 +204,7 @@ def check_port(rd, ctx, port, pick, report):
         report.problem(f"{where}: no GID to use ({exc})",
                        "give its Ethernet interface an IP address: `ip addr add 10.0.0.1/24 dev <netdev>`")
     info["gid_index"] = chosen
-    info["gid_from"] = "PYRDMA_IB_GID_INDEX" if pick is not None else "best (RoCE v2, reachable, IPv4)"
+    info["gid_from"] = "PYRDMA_IB_GID_INDEX" if pick is not None else "best_gid_index: RoCE v2, reachable, IPv4 first"
     if chosen is not None and entries and chosen not in [e.index for e in entries]:
         best = min(entries, key=rd.gid_preference).index
         report.problem(f"{where}: GID index {chosen} (PYRDMA_IB_GID_INDEX) is an empty entry",

@@ -208,7 +208,7 @@ cdef class Context(VerbsObject):
     """An opened RDMA device. ``Context()`` opens the first device with an ACTIVE port."""
 
     def __init__(self, name=None):
-        cdef int n = 0, i
+        cdef int n = 0, i, err
         cdef ibv_device **devs
         cdef ibv_context *ctx
         require_library(PYRDMA_DL_VERBS, "ibv_open_device")
@@ -235,9 +235,10 @@ cdef class Context(VerbsObject):
             for i in candidates:
                 ctx = ibv_open_device(devs[i])
                 if ctx == NULL:
+                    err = _errno()      # before any Python runs
                     if name is not None:
-                        raise_errno("ibv_open_device", _errno(), names[i])
-                    unopened.append((names[i], _errno()))
+                        raise_errno("ibv_open_device", err, names[i])
+                    unopened.append((names[i], err))
                     continue
                 self.ctx = ctx
                 self.name = names[i]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The main job: perftest and pyrdma side by side on one RDMA device (the host's, or rxe0 in the
-# Soft-RoCE VM when the host has none), in one boot. Table on stdout; JSON and PNG in build/bench/.
-# Extra arguments go to bench/side_by_side.py (e.g. --tests write_bw,write_lat --iters-lat 2000).
+# Soft-RoCE VM when the host has none), in one boot, in 3 rounds: the table gives each ratio's median
+# over the rounds and its range, then per-op latency and where a Python iteration's time goes.
+# Table on stdout; JSON and PNG in build/bench/.
+# Extra arguments go to bench/side_by_side.py (e.g. --rounds 5, --tests write_bw,write_lat --iters-lat 2000).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON=${PYTHON:-python3}

@@ -16,7 +16,9 @@ SECTION_MODULES = {"Collectives": ["pyrdma.collectives", "pyrdma.collectives.com
                            "pyrdma.cuda.buffers", "pyrdma.cuda.reduce", "pyrdma.cuda.staging",
                            "pyrdma.collectives", "pyrdma.collectives.transport"],
                    "Out-of-band": ["pyrdma", "pyrdma.connect", "pyrdma.endpoint"],
-                   "asyncio": ["pyrdma.aio"]}
+                   "asyncio": ["pyrdma.aio"],
+                   "Environment": ["pyrdma.doctor", "pyrdma.advice", "pyrdma.collectives.communicator",
+                                   "pyrdma.cuda"]}
 DEFAULT_MODULES = ["pyrdma", "pyrdma.errors"]
 # sections about every verbs object: their calls are checked on one of them
 SECTION_CONTEXT = {"Lifetimes": "Context"}

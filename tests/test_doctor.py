@@ -129,6 +129,53 @@ def test_device_open_errors_name_the_device_file(tmp_path, monkeypatch):
     assert "modprobe ib_uverbs" in str(info.value)
 
 
+def test_doctor_gpu_section_with_cupy(monkeypatch):
+    """With CuPy: each GPU's dma-buf and nvidia-peermem support and, beside an RDMA device, what
+    gpudirect_status picks; no GPUDirect path at all is a problem with its fix. (CuPy, the driver and
+    the NIC are stand-ins here; scripts/gpu.sh runs on a GPU.)"""
+    import contextlib
+    import types
+    import pyrdma
+    import pyrdma.cuda
+    from pyrdma import doctor
+    runtime = types.SimpleNamespace(getDeviceCount=lambda: 2,
+                                    getDeviceProperties=lambda i: {"name": f"GPU model {i}".encode()})
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    driver = types.SimpleNamespace(dmabuf_supported=lambda ordinal: ordinal == 0)
+    monkeypatch.setattr(pyrdma.cuda, "cuda_driver", lambda: driver)
+    monkeypatch.setattr(pyrdma.cuda, "peermem_module", lambda sysfs_root="/": None)
+    report = doctor.Report()                  # no RDMA device: the GPUs' own support
+    doctor.check_gpus(pyrdma, report, [])
+    gpus = report.sections["gpus"]["gpus"]
+    assert [(g["name"], g["gpu_dmabuf"], g["peermem"]) for g in gpus] == [("GPU model 0", True, None),
+                                                                          ("GPU model 1", False, None)]
+    assert report.problems == []
+    statuses = {0: pyrdma.cuda.GPUDirectStatus(True, True, None, "dmabuf"),
+                1: pyrdma.cuda.GPUDirectStatus(True, False, None, None)}
+    monkeypatch.setattr(pyrdma.cuda, "gpudirect_status", lambda pd, ordinal: statuses[ordinal])
+    fake_rd = types.SimpleNamespace(RDMAError=pyrdma.RDMAError, Context=lambda name: contextlib.nullcontext(),
+                                    ProtectionDomain=lambda ctx: contextlib.nullcontext())
+    report = doctor.Report()
+    report.sections["default"] = {"device": "mlx5_0", "port": 1, "gid_index": 3}
+    doctor.check_gpus(fake_rd, report, [])
+    assert [g["method"] for g in report.sections["gpus"]["gpus"]] == ["dmabuf", None]
+    (problem,) = report.problems
+    assert "GPU 1 (GPU model 1) and mlx5_0: no GPUDirect RDMA" in problem["problem"]
+    assert "modprobe nvidia-peermem" in problem["fix"]
+    text = doctor.render(_with_defaults(report))
+    assert ("GPU 0 GPU model 0: dma-buf GPU yes, NIC mlx5_0 yes; nvidia-peermem not loaded; "
+            "GPUDirect RDMA via dmabuf") in text
+
+
+def _with_defaults(report):
+    """The sections render() needs besides the GPUs, as diagnose() fills them on a host without devices."""
+    from pyrdma import doctor
+    full = doctor.diagnose()
+    full.sections["gpus"] = report.sections["gpus"]
+    full.problems = report.problems
+    return full
+
+
 # ---- device (the VM) ------------------------------------------------------------------------------
 
 @pytest.mark.device

@@ -58,6 +58,45 @@ def test_ratios_and_targets(sbs, tmp_path):
     assert b.targets(b.comparisons())[0]["status"] == "MISSED"
 
 
+def test_rounds_give_the_median_of_their_ratios_and_its_range(sbs, tmp_path, capsys):
+    b = _bench(sbs, tmp_path)
+    lat = lambda typ: dict(size=2, iters=10, t_min=1, t_max=9, t_typical=typ, t_avg=typ, t_stdev=0, p99=typ,
+                           p999=typ)
+    b.rows = [r for r in b.rows if r["test"] != "write_lat"]
+    for rnd, (pt, ours) in enumerate([(10.0, 12.0), (10.0, 15.0), (20.0, 20.0)], 1):
+        b.rows.append(dict(test="write_lat", size=2, tool="perftest", mode="-", report=lat(pt), round=rnd))
+        b.rows.append(dict(test="write_lat", size=2, tool="pyrdma", mode="loop", report=lat(ours), round=rnd))
+    c = next(c for c in b.comparisons() if (c["test"], c["mode"], c["metric"]) == ("write_lat", "loop", "t_typical"))
+    # per round 1.2, 1.5, 1.0: the median ratio is 1.2, not the ratio of the medians (15 / 10)
+    assert c["ratio"] == pytest.approx(1.2) and c["rounds"] == 3
+    assert (c["ratio_min"], c["ratio_max"]) == (pytest.approx(1.0), pytest.approx(1.5))
+    assert (c["perftest"], c["ours"]) == (10.0, 15.0)
+    assert b.find("write_lat", 2, "pyrdma", "loop")["t_typical"] == 15.0
+    comps = b.comparisons()
+    sbs.print_table(comps, b.targets(comps))
+    b.breakdowns = [dict(empty=0.1, bookkeeping=1.0, post=3.0, poll=6.0, python_op=9.5, batched_op=7.0),
+                    dict(empty=0.1, bookkeeping=3.0, post=5.0, poll=8.0, python_op=13.5, batched_op=9.0)]
+    sbs.print_latency(b, comps)
+    out = capsys.readouterr().out
+    assert "Medians over 3 round(s)" in out
+    assert "write_lat          2 loop     t_typical         10.00        15.00    1.200   1.000-1.500" in out
+    assert "write_lat        2 B  perftest    10.00  pyrdma    15.00     +5.00 us (1.200x, range 1.000-1.500)" in out
+    assert "post      qp.post_write(...) from Python                          4.00" in out
+    assert "API       post + poll from Python beyond the C path               3.50" in out
+    assert "API + Python account for 5.50 us of one iteration" in out
+
+
+def test_rounds_alternate_which_tool_runs_first(sbs, tmp_path, monkeypatch):
+    b = _bench(sbs, tmp_path)
+    b.args.tests, b.args.interop, b.args.rounds = ["write_lat"], False, 3
+    monkeypatch.setattr(pyrdma.testing, "rc_resends", lambda dev, port, sysfs: None)
+    calls = []
+    monkeypatch.setattr(b, "ours", lambda test, sizes: calls.append((b.round, "pyrdma")))
+    monkeypatch.setattr(b, "perftest", lambda test, size: calls.append((b.round, "perftest")))
+    b.run()
+    assert calls == [(1, "pyrdma"), (1, "perftest"), (2, "perftest"), (2, "pyrdma"), (3, "pyrdma"), (3, "perftest")]
+
+
 def test_table_and_plots(sbs, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     b = _bench(sbs, tmp_path)

@@ -15,6 +15,13 @@ table), so the bench talks to a program we did not write (``--no-interop`` skips
     BW tests:       BW average and MsgRate (higher is better; ratio > 1 means we are faster)
     latency tests:  t_typical and the 99% percentile (lower is better; ratio < 1 means faster)
 
+The whole sweep runs ``--rounds`` times (default 3), pyrdma and perftest one after the other in
+each round (pyrdma first in odd rounds, perftest first in even ones). Each ratio is taken within a
+round and the table shows the median of the rounds' ratios with their range, as
+pyrdma.perf.allreduce_bench does: the emulated device drifts by 10-25% over minutes, so a single run
+flips verdicts from boot to boot. With write_lat, each round also runs pyrdma.perf.lat_breakdown,
+and the end prints per-op latency with where a Python iteration's time goes (post, poll, Python).
+
 It writes ``side_by_side.json`` (every parsed row, the ratios, the environment) and PNG plots
 (``bw_vs_size.png``, ``latency.png``) to --out. Iteration counts default low: the VM is emulated
 and 10-50x slower than hardware.
@@ -28,10 +35,13 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
 
+from pyrdma.errors import RDMAError
+from pyrdma.perf import lat_breakdown
 from pyrdma.perf.parse import parse_output
 from pyrdma.testing import PERFTEST_CLOCK_FAILED as CLOCK_CALIBRATION_FAILED
 from pyrdma.testing import counting_rc_resends, tcp_listening
@@ -129,9 +139,11 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.port = args.port_base
-        self.rows = []          # dict(test, size, tool, mode, report)
-        self.resends = []       # dict(tool, test, sizes, <counter>: count) per run, where the device counts them
+        self.rows = []          # dict(test, size, tool, mode, report, round)
+        self.resends = []       # dict(tool, test, sizes, round, <counter>: count) per run, where the device counts them
         self.failures = []
+        self.round = 1
+        self.breakdowns = []    # lat_breakdown.measure() of each round (us)
         os.makedirs(args.out, exist_ok=True)
         self.log = os.path.join(args.out, "commands.log")
         open(self.log, "w").close()
@@ -175,12 +187,13 @@ class Bench:
             self.failures.append(f"perftest {test} {size}B: rc={rc_c}, {len(rows)} rows{why}")
             return
         for r in rows:
-            self.rows.append(dict(test=test, size=r.size, tool="perftest", mode="-", report=r.to_dict()))
+            self.rows.append(dict(test=test, size=r.size, tool="perftest", mode="-", report=r.to_dict(),
+                                  round=self.round))
 
     def ours(self, test, sizes):
         a = self.args
         port = self.next_port()
-        json_path = os.path.join(self.raw_dir, f"pyrdma_{test}.json")
+        json_path = os.path.join(self.raw_dir, f"r{self.round}_pyrdma_{test}.json")
         base = [sys.executable, "-m", "pyrdma.perf", test, "-d", a.dev, "-x", str(a.gid),
                 "-n", str(self.iters_for(test)), "-p", str(port), "--mode", "both",
                 "--sizes", ",".join(str(s) for s in sizes), "-l", str(a.post_list)]
@@ -191,7 +204,8 @@ class Bench:
         if rc_c != 0 or not run.rows:
             self.failures.append(f"pyrdma-perf {test}: rc={rc_c}, {len(run.rows)} rows")
         for r, mode in zip(run.rows, run.modes):
-            self.rows.append(dict(test=test, size=r.size, tool="pyrdma", mode=mode, report=r.to_dict()))
+            self.rows.append(dict(test=test, size=r.size, tool="pyrdma", mode=mode, report=r.to_dict(),
+                                  round=self.round))
 
     def interop(self, test, sizes):
         """Our client (batched) against perftest's own server, in perftest's TCP exchange: the
@@ -217,59 +231,95 @@ class Bench:
             self.failures.append(f"interop {test}: perftest's server printed BW {printed[-1].bw_avg}, "
                                  f"our client measured {mine[-1].bw_avg}")
         for r in mine:
-            self.rows.append(dict(test=test, size=r.size, tool="pyrdma", mode=INTEROP, report=r.to_dict()))
+            self.rows.append(dict(test=test, size=r.size, tool="pyrdma", mode=INTEROP, report=r.to_dict(),
+                                  round=self.round))
 
     def _save(self, name, out_s, out_c):
+        name = f"r{self.round}_{name}"
         with open(os.path.join(self.raw_dir, name + ".server.txt"), "w") as fh:
             fh.write(out_s or "")
         with open(os.path.join(self.raw_dir, name + ".client.txt"), "w") as fh:
             fh.write(out_c or "")
 
     def run(self):
-        for test in self.args.tests:
-            sizes = self.sizes_for(test)
-            print(f"== {test}: sizes {sizes}", flush=True)
+        """``--rounds`` rounds; in each, every test by both tools, one after the other (pyrdma first in
+        odd rounds, perftest first in even ones), so each ratio compares runs minutes apart at most
+        while the emulated device drifts by more than that over a whole sweep."""
+        for self.round in range(1, getattr(self.args, "rounds", 1) + 1):
+            if getattr(self.args, "rounds", 1) > 1:
+                print(f"=== round {self.round} of {self.args.rounds}", flush=True)
+            for test in self.args.tests:
+                self.run_test(test)
+            if getattr(self.args, "breakdown", False) and "write_lat" in self.args.tests:
+                self.measure_breakdown()
+
+    def run_test(self, test):
+        sizes = self.sizes_for(test)
+        print(f"== {test}: sizes {sizes}", flush=True)
+        def ours():
             self.counting_resends("pyrdma", test, sizes, self.ours, test, sizes)
+
+        def perftest():
             for size in sizes:
                 self.counting_resends("perftest", test, [size], self.perftest, test, size)
-            if self.args.interop and test in INTEROP_TESTS:
-                self.counting_resends(INTEROP, test, sizes, self.interop, test, sizes)
-            runs = [r for r in self.resends if r["test"] == test and r["completer_retry_err"]]
-            if runs:
-                print("   RC retries (ACK timeouts; they slow the run that has them): " +
-                      ", ".join(f"{r['tool']} {','.join(map(str, r['sizes']))}B: {r['completer_retry_err']}"
-                                for r in runs), flush=True)
+        for run in ((ours, perftest) if self.round % 2 else (perftest, ours)):
+            run()
+        if self.args.interop and test in INTEROP_TESTS:
+            self.counting_resends(INTEROP, test, sizes, self.interop, test, sizes)
+        runs = [r for r in self.resends if r["test"] == test and r["completer_retry_err"]
+                and r.get("round", 1) == self.round]
+        if runs:
+            print("   RC retries (ACK timeouts; they slow the run that has them): " +
+                  ", ".join(f"{r['tool']} {','.join(map(str, r['sizes']))}B: {r['completer_retry_err']}"
+                            for r in runs), flush=True)
+
+    def measure_breakdown(self):
+        """Where one Python write-latency iteration's time goes (pyrdma.perf.lat_breakdown), this round."""
+        try:
+            self.breakdowns.append(lat_breakdown.measure(self.args.dev, self.args.iters_lat * 4, 2))
+        except RDMAError as exc:
+            self.failures.append(f"latency breakdown (round {self.round}): {exc}")
 
     def counting_resends(self, tool, test, sizes, run, *args):
         """run(*args), noting the device's RC resend counters over it (both sides share the device)."""
         with counting_rc_resends(self.args.dev) as resends:
             run(*args)
         if resends:
-            self.resends.append(dict(tool=tool, test=test, sizes=list(sizes), **resends))
+            self.resends.append(dict(tool=tool, test=test, sizes=list(sizes), round=self.round, **resends))
 
     # -- analysis --------------------------------------------------------------------------------
+    def reports(self, test, size, tool, mode):
+        """{round: report} of one (test, size, tool, mode)."""
+        return {row.get("round", 1): row["report"] for row in self.rows
+                if row["test"] == test and row["size"] == size and row["tool"] == tool and row["mode"] == mode}
+
     def find(self, test, size, tool, mode):
-        for row in self.rows:
-            if row["test"] == test and row["size"] == size and row["tool"] == tool and row["mode"] == mode:
-                return row["report"]
-        return None
+        """The report of (test, size, tool, mode), each figure the median over the rounds; None if it never ran."""
+        reports = list(self.reports(test, size, tool, mode).values())
+        if not reports:
+            return None
+        return {k: statistics.median(r[k] for r in reports) if isinstance(v, (int, float)) else v
+                for k, v in reports[0].items() if all(k in r for r in reports)}
 
     def comparisons(self):
         out = []
         for test in self.args.tests:
             metrics = ["bw_avg", "msg_rate"] if test.endswith("_bw") else ["t_typical", "p99"]
             for size in self.sizes_for(test):
-                ref = self.find(test, size, "perftest", "-")
+                refs = self.reports(test, size, "perftest", "-")
                 for mode in MODES + [INTEROP]:
-                    mine = self.find(test, size, "pyrdma", mode)
-                    if mode == INTEROP and mine is None:
+                    mines = self.reports(test, size, "pyrdma", mode)
+                    if mode == INTEROP and not mines:
                         continue
                     for metric in metrics:
-                        p = ref.get(metric) if ref else None
-                        o = mine.get(metric) if mine else None
-                        ratio = (o / p) if (p and o is not None) else None
+                        # each round's ratio compares runs of that round; the verdict is their median
+                        ratios = [mines[r][metric] / refs[r][metric] for r in sorted(refs)
+                                  if r in mines and refs[r].get(metric) and mines[r].get(metric) is not None]
+                        p = _median([r.get(metric) for r in refs.values()])
+                        o = _median([r.get(metric) for r in mines.values()])
                         out.append(dict(test=test, size=size, mode=mode, metric=metric, perftest=p, ours=o,
-                                        ratio=ratio))
+                                        ratio=_median(ratios), ratio_min=min(ratios) if ratios else None,
+                                        ratio_max=max(ratios) if ratios else None, rounds=len(ratios)))
         return out
 
     def targets(self, comps):
@@ -289,20 +339,57 @@ class Bench:
         return results
 
 
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def print_table(comps, targets):
+    rounds = max((c.get("rounds", 1) for c in comps), default=1)
     print()
-    print(f"{'test':<11} {'bytes':>8} {'mode':<8} {'metric':<10} {'perftest':>12} {'pyrdma':>12} {'ours/pt':>8}")
-    print("-" * 75)
+    print(f"Medians over {rounds} round(s); ours/pt is the median of the rounds' ratios, range their spread.")
+    print(f"{'test':<11} {'bytes':>8} {'mode':<8} {'metric':<10} {'perftest':>12} {'pyrdma':>12} {'ours/pt':>8} "
+          f"{'range':>13}")
+    print("-" * 89)
     for c in comps:
         fmt = lambda v: "-" if v is None else (f"{v:.6f}" if c["metric"] == "msg_rate" else f"{v:.2f}")
         ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+        spread = "-" if c.get("ratio_min") is None else f"{c['ratio_min']:.3f}-{c['ratio_max']:.3f}"
         print(f"{c['test']:<11} {c['size']:>8} {c['mode']:<8} {c['metric']:<10} {fmt(c['perftest']):>12} "
-              f"{fmt(c['ours']):>12} {ratio:>8}")
+              f"{fmt(c['ours']):>12} {ratio:>8} {spread:>13}")
     print()
-    print("Targets (ours/perftest):")
+    print("Targets (ours/perftest, median of the rounds):")
     for t in targets:
         worst = "-" if t["worst"] is None else f"{t['worst']:.3f}"
         print(f"  [{t['status']}] {t['name']}: worst ratio {worst}  {t['cases']}")
+
+
+def print_latency(bench, comps):
+    """Per-op latency of the latency tests (loop mode against perftest, medians of the rounds) and,
+    with write_lat, where one Python iteration's time goes beyond the C path perftest runs."""
+    rows = [c for c in comps if c["metric"] == "t_typical" and c["mode"] == "loop"
+            and c["perftest"] is not None and c["ours"] is not None]
+    if rows:
+        print("\nPer-op latency, t_typical [usec], medians of the rounds (pyrdma: loop mode, one Python call per op):")
+        for c in rows:
+            spread = "" if c.get("ratio_min") is None else f", range {c['ratio_min']:.3f}-{c['ratio_max']:.3f}"
+            print(f"  {c['test']:<11} {c['size']:>6} B  perftest {c['perftest']:8.2f}  pyrdma {c['ours']:8.2f}  "
+                  f"{c['ours'] - c['perftest']:+8.2f} us ({c['ratio']:.3f}x{spread})")
+    if not bench.breakdowns:
+        return
+    b = {k: statistics.median(d[k] for d in bench.breakdowns) for k in bench.breakdowns[0]}
+    print(f"\nWhere a Python write iteration's time goes [usec] (pyrdma.perf.lat_breakdown: one process, RC QPs "
+          f"looped back, 2 B inline WRITE; medians of {len(bench.breakdowns)} round(s)):")
+    print(f"  post      qp.post_write(...) from Python                      {b['post']:8.2f}")
+    print(f"  poll      cq.poll_into(...) from Python until the completion  {b['poll']:8.2f}")
+    print(f"  C path    post_send_list + poll_wait (what perftest's loop does) {b['batched_op']:5.2f}")
+    print(f"  API       post + poll from Python beyond the C path           {b['python_op'] - b['batched_op']:8.2f}")
+    print(f"  Python    write_lat's own loop bookkeeping (no verbs call)    {b['bookkeeping']:8.2f}")
+    print(f"  (an empty Python loop iteration: {b['empty']:.2f})")
+    lat = next((c for c in rows if c["test"] == "write_lat" and c["size"] == 2), None)
+    if lat is not None:
+        print(f"  write_lat 2 B is {lat['ours'] - lat['perftest']:+.2f} us per op beyond perftest; API + Python "
+              f"account for {b['python_op'] - b['batched_op'] + b['bookkeeping']:.2f} us of one iteration")
 
 
 def plot(bench, out):
@@ -385,7 +472,13 @@ def main(argv=None):
     p.add_argument("--port-base", type=int, default=19000)
     p.add_argument("--no-interop", dest="interop", action="store_false",
                    help="skip our client against perftest's server (write_bw, read_bw)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of every test by both tools; the ratios are the medians of the rounds' ratios")
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip the per-round latency breakdown (pyrdma.perf.lat_breakdown; needs write_lat)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     args.tests = [t.strip().replace("ib_", "") for t in args.tests.split(",") if t.strip()]
     args.bw_sizes = [int(x) for x in args.bw_sizes.split(",")]
     args.lat_sizes = [int(x) for x in args.lat_sizes.split(",")]
@@ -395,6 +488,7 @@ def main(argv=None):
     comps = bench.comparisons()
     targets = bench.targets(comps)
     print_table(comps, targets)
+    print_latency(bench, comps)
     plots = plot(bench, args.out)
     perftest_version = ""
     try:
@@ -406,7 +500,7 @@ def main(argv=None):
                         gid_index=args.gid, perftest=perftest_version, cpus=os.cpu_count(),
                         seconds=round(time.time() - t0, 1)),
                params=dict(vars(args)), rows=bench.rows, comparisons=comps, targets=targets,
-               failures=bench.failures, plots=plots, rc_resends=bench.resends)
+               failures=bench.failures, plots=plots, rc_resends=bench.resends, lat_breakdown=bench.breakdowns)
     with open(os.path.join(args.out, "side_by_side.json"), "w") as fh:
         json.dump(doc, fh, indent=1, default=str)
     if bench.failures:
