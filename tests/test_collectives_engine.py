@@ -285,7 +285,7 @@ def _hostile_peer(rank, size, port, case, seed):
             outcome = f"{type(exc).__name__}: {exc}"
         finally:
             open(flag, "w").close()
-        return outcome, time.monotonic() - start, getattr(comm._broken, "peer", None)
+        return outcome, time.monotonic() - start, getattr(comm._exec.broken, "peer", None)
 
 
 @pytest.mark.device
