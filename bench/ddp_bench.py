@@ -1,6 +1,6 @@
 """DDP and FSDP2 over the "pyrdma" torch backend against gloo, in one run (one VM boot):
 
-    python3 -m pyrdma.testing.vm --rwdir build/bench -- "$(python3 -c 'import sys;print(sys.executable)')" \
+    python3 -m pyrdma.testing.vm --hosts 2 --rwdir build/bench -- "$(python3 -c 'import sys;print(sys.executable)')" \
         bench/ddp_bench.py --out build/bench
 
 For each backend, torchrun starts ``--ranks`` processes that train an MLP (``--hidden``: about
@@ -26,6 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET_BYTES = 25 << 20
+sys.path.insert(0, ROOT)        # pyrdma from this checkout, for the launcher as for the workers
 
 
 def mlp(args):
@@ -61,6 +62,9 @@ def worker(args):
     from torch.distributed.fsdp import fully_shard
     import pyrdma.torch  # noqa: F401 -- registers "pyrdma"
 
+    hosts = test_bed_hosts(args)
+    if hosts:                   # this rank's device, GID and address
+        os.environ.update(hosts[int(os.environ["LOCAL_RANK"])].env())
     dist.init_process_group(args.backend)
     rank, size = dist.get_rank(), dist.get_world_size()
     net = mlp(args)
@@ -92,8 +96,22 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def test_bed_hosts(args):
+    """The test bed's hosts the ranks run on (local rank k on host k), or [] (all on --dev)."""
+    from pyrdma.testing import hosts as testbed
+    hosts = testbed.load() if os.environ.get(testbed.HOSTS_ENV) else []
+    return hosts[:args.ranks] if len(hosts) >= args.ranks else []
+
+
 def run_backend(args, backend, extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}",
+    hosts = test_bed_hosts(args)
+    if hosts:       # torch's store and the pyrdma rendezvous on host 0's address, as a second node sees them
+        from pyrdma.testing import free_port
+        launch = ["--nnodes=1", "--node-rank=0", f"--master-addr={hosts[0].address}",
+                  f"--master-port={free_port(hosts[0].address)}"]
+    else:
+        launch = ["--standalone"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={args.ranks}",
            os.path.abspath(__file__), "--worker", "--backend", backend, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run(cmd, check=True, timeout=args.timeout, env=env)

@@ -25,7 +25,9 @@ class Engine:
     """The data path of RdmaTransport: per-peer state in C, and ``run(program, ...)``."""
     def __init__(self, cq: CompletionQueue, qps: List[Any], slot_mr: MemoryRegion, header_mr: MemoryRegion,
                  remotes: List[Any], rank: int, size: int, slots: int, slot_stride: int, max_message: int,
-                 sq_depth: int, timeout: float, spin: float, max_inline: int = ...) -> None: ...
+                 sq_depth: int, timeout: float, spin: float, max_inline: int = ...,
+                 rendezvous_bytes: int = ...) -> None: ...
+    rendezvous_bytes: int
     @property
     def runs(self) -> int: ...
     @property
@@ -40,7 +42,7 @@ class Engine:
     def description(self) -> bytes: ...
     def run(self, program: Program, work_addr: int, work_len: int, work_lkey: int, desc: bytes, dtype: int, op: int,
             consume: Optional[Callable[..., Any]] = ..., background: bool = ...,
-            recv_desc: Optional[bytes] = ...) -> int: ...
+            recv_desc: Optional[bytes] = ..., work_rkey: int = ...) -> int: ...
 
 @final
 class HostCall:

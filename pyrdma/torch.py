@@ -16,8 +16,10 @@ Collectives run on the Communicator's own thread, so every call returns at once 
 whose future completes when the collective has; DDP's buckets overlap the backward pass that way.
 Sends and receives wait for the next other call (or a wait on one of them) and then go together as
 one Communicator.batch.
-CPU tensors are used in place when contiguous; others (CUDA tensors, non-contiguous ones) go
-through a contiguous host copy that is written back when the collective completes.
+Contiguous tensors are used in place: CPU ones as numpy arrays, CUDA ones through the
+Communicator's GPU paths (with CuPy installed: staged through pinned host memory; without it,
+through a host copy made here). Non-contiguous ones go through a contiguous copy that is written
+back when the collective completes.
 """
 import ipaddress
 import math
@@ -115,30 +117,69 @@ def _host_array(t):
     return t.numpy(), None
 
 
+_CUPY = []
+
+
+def _gpu_paths():
+    """Whether CUDA tensors can go to the Communicator's GPU paths (they stage through CuPy's
+    pinned memory); without CuPy they go through a host copy made here."""
+    if not _CUPY:
+        try:
+            import cupy  # noqa: F401
+            _CUPY.append(True)
+        except Exception:   # noqa: BLE001 -- absent, or present without a usable CUDA
+            _CUPY.append(False)
+    return _CUPY[0]
+
+
 class _Staged:
-    """Contiguous host memory for tensor ``t``: ``t`` itself when it is a contiguous CPU tensor,
-    else a copy that ``write_back`` copies into ``t``."""
+    """The memory the Communicator works on for tensor ``t`` (``array``, reduced as ``dtype``):
+    ``t`` itself when it is contiguous, a CPU tensor as a numpy view, a CUDA tensor as it is (the
+    Communicator's GPU paths take it: staged through pinned memory in stream order, uploaded when
+    the call has run); else a contiguous copy on the same device (on the host for a CUDA tensor
+    when CuPy is missing) that ``write_back`` copies into ``t``."""
 
     def __init__(self, t, name, copy_in=True):
         if not isinstance(t, torch.Tensor):
             raise UsageError(f"pyrdma backend: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.layout != torch.strided:
             raise UsageError(f"pyrdma backend: {name} is a {t.layout} tensor; only dense tensors are supported")
+        if t.dtype not in _DTYPES:
+            raise UsageError(f"pyrdma backend: tensors of {t.dtype} are not supported; "
+                             f"use one of {', '.join(str(d) for d in _DTYPES)}")
         self.tensor = t
-        if t.device.type == "cpu" and t.is_contiguous():
-            self.host = t
+        device = t.device if t.device.type == "cpu" or (t.device.type == "cuda" and _gpu_paths()) else "cpu"
+        if t.device == device and t.is_contiguous():
+            self.contiguous = t
         elif copy_in:
-            self.host = t.detach().to("cpu").contiguous()
+            self.contiguous = t.detach().to(device).contiguous()
         else:
-            self.host = torch.empty(t.shape, dtype=t.dtype)
-        self.array, self.dtype = _host_array(self.host)
+            self.contiguous = torch.empty(t.shape, dtype=t.dtype, device=device)
+        if self.contiguous.device.type == "cuda":
+            # CuPy stages on its current stream (the null stream), which does not wait for torch's
+            # streams: what torch queued for this tensor must be done first
+            torch.cuda.current_stream(t.device).synchronize()
+            self.array, self.dtype = self.contiguous.detach(), _DTYPES[t.dtype]
+        else:
+            self.array, self.dtype = _host_array(self.contiguous)
+
+    def flat(self):
+        return self.array.reshape(-1)
 
     def write_back(self):
-        if self.host is not self.tensor:
+        if self.contiguous is not self.tensor:
             # a received buffer may be a leaf that requires grad (a pipeline stage's input): the
             # collective fills its data, as it does a CPU tensor's through its numpy view
             with torch.no_grad():
-                self.tensor.copy_(self.host)
+                self.tensor.copy_(self.contiguous)
+
+
+def _flat_like(tensors, numel=None):
+    """One contiguous tensor on the device of ``tensors``: their concatenation, or (``numel``)
+    uninitialised room for that many elements of their dtype."""
+    if numel is None:
+        return torch.cat([t.detach().reshape(-1) for t in tensors])
+    return torch.empty(numel, dtype=tensors[0].dtype, device=tensors[0].device)
 
 
 def _op(opts, call):
@@ -334,10 +375,10 @@ class ProcessGroupPyrdma(_backend_base()):
             return self._work(self._comm().ibarrier(), tensors)
         if len({t.dtype for t in tensors}) != 1:
             raise UsageError("pyrdma backend: allreduce_coalesced needs tensors of one dtype")
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in tensors])
+        flat = _flat_like(tensors)
         staged = _Staged(flat, "the tensors")
         handle = self._comm().iallreduce(staged.array, op=_op(opts, "allreduce_coalesced"), dtype=staged.dtype)
-        return self._work(handle, tensors, lambda: _unflatten(flat, tensors))
+        return self._work(handle, tensors, lambda: _unflatten(staged, tensors))
 
     def broadcast(self, tensors, opts=None):
         t = _Staged(_one(tensors, "broadcast"), "the tensor")
@@ -368,10 +409,10 @@ class ProcessGroupPyrdma(_backend_base()):
         if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
             raise UsageError(f"pyrdma backend: {call} needs {self.size()} output tensors of {n} "
                              f"{src.tensor.dtype} elements each")
-        flat = torch.empty(self.size() * n, dtype=src.tensor.dtype)
-        gathered = _Staged(flat, "the output")
-        handle = self._comm().iallgather(src.array.reshape(-1), out=gathered.array)
-        return handle, lambda: _unflatten(flat, outs)
+        flat = _flat_like([input], self.size() * n)
+        gathered = _Staged(flat, "the output", copy_in=False)
+        handle = self._comm().iallgather(src.flat(), out=gathered.array)
+        return handle, lambda: _unflatten(gathered, outs)
 
     def all_gather_single(self, output, input, opts=None):
         handle, finish = self._all_gather_single(output, input, "all_gather_into_tensor")
@@ -389,7 +430,7 @@ class ProcessGroupPyrdma(_backend_base()):
             raise UsageError(f"pyrdma backend: {call} needs an output of {self.size()} x "
                              f"{src.tensor.numel()} {src.tensor.dtype} elements, got {out.tensor.numel()} "
                              f"{out.tensor.dtype}")
-        return self._comm().iallgather(src.array.reshape(-1), out=out.array.reshape(-1)), out.write_back
+        return self._comm().iallgather(src.flat(), out=out.flat()), out.write_back
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
@@ -397,7 +438,7 @@ class ProcessGroupPyrdma(_backend_base()):
         if len(ins) != self.size() or any(t.numel() != n or t.dtype != out.dtype for t in ins):
             raise UsageError(f"pyrdma backend: reduce_scatter needs {self.size()} input tensors of {n} "
                              f"{out.dtype} elements each (the output's)")
-        flat = torch.cat([t.detach().reshape(-1).cpu() for t in ins])
+        flat = _flat_like(ins)
         handle, finish = self._reduce_scatter_flat(flat, out, opts, "reduce_scatter")
         return self._work(handle, output_tensors, finish)
 
@@ -419,7 +460,7 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def _reduce_scatter_flat(self, flat, output, opts, call):
         src, out = _Staged(flat, "the input"), _Staged(output, "the output", copy_in=False)
-        handle = self._comm().ireduce_scatter(src.array.reshape(-1), out=out.array.reshape(-1),
+        handle = self._comm().ireduce_scatter(src.flat(), out=out.flat(),
                                               op=_op(opts, call), dtype=src.dtype)
         return handle, out.write_back
 
@@ -437,14 +478,15 @@ class ProcessGroupPyrdma(_backend_base()):
         src = _Staged(_one(input_tensors, "gather"), "the input")
         root, n = opts.rootRank, src.tensor.numel()
         if self.rank() != root:
-            return self._work(self._comm().igather(src.array.reshape(-1), root=root), output_tensors)
+            return self._work(self._comm().igather(src.flat(), root=root), output_tensors)
         outs = _one(output_tensors, "gather")
         if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
             raise UsageError(f"pyrdma backend: gather needs {self.size()} output tensors of {n} "
                              f"{src.tensor.dtype} elements each on the root")
-        flat = torch.empty(self.size() * n, dtype=src.tensor.dtype)
-        handle = self._comm().igather(src.array.reshape(-1), out=_Staged(flat, "the output").array, root=root)
-        return self._work(handle, output_tensors, lambda: _unflatten(flat, outs))
+        flat = _flat_like(outs, self.size() * n)
+        gathered = _Staged(flat, "the output", copy_in=False)
+        handle = self._comm().igather(src.flat(), out=gathered.array, root=root)
+        return self._work(handle, output_tensors, lambda: _unflatten(gathered, outs))
 
     def scatter(self, output_tensors, input_tensors, opts):
         out = _Staged(_one(output_tensors, "scatter"), "the output", copy_in=False)
@@ -455,8 +497,8 @@ class ProcessGroupPyrdma(_backend_base()):
             if len(ins) != self.size() or any(t.numel() != n or t.dtype != out.tensor.dtype for t in ins):
                 raise UsageError(f"pyrdma backend: scatter needs {self.size()} input tensors of {n} "
                                  f"{out.tensor.dtype} elements each (the output's) on the root")
-            pieces = _Staged(torch.cat([t.detach().reshape(-1).cpu() for t in ins]), "the inputs").array
-        handle = self._comm().iscatter(pieces, out=out.array.reshape(-1), root=root)
+            pieces = _Staged(_flat_like(ins), "the inputs").array
+        handle = self._comm().iscatter(pieces, out=out.flat(), root=root)
         return self._work(handle, output_tensors, out.write_back)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -467,12 +509,13 @@ class ProcessGroupPyrdma(_backend_base()):
         dtype = input_tensors[0].dtype
         if any(t.dtype != dtype for t in list(input_tensors) + list(output_tensors)):
             raise UsageError("pyrdma backend: all_to_all needs tensors of one dtype")
-        src = _Staged(torch.cat([t.detach().reshape(-1).cpu() for t in input_tensors]), "the inputs")
-        flat = torch.empty(sum(o.numel() for o in output_tensors), dtype=dtype)
-        handle = self._comm().ialltoall(src.array, out=_Staged(flat, "the outputs").array,
+        src = _Staged(_flat_like(input_tensors), "the inputs")
+        flat = _flat_like(output_tensors, sum(o.numel() for o in output_tensors))
+        gathered = _Staged(flat, "the outputs", copy_in=False)
+        handle = self._comm().ialltoall(src.array, out=gathered.array,
                                         send_counts=[t.numel() for t in input_tensors],
                                         recv_counts=[o.numel() for o in output_tensors])
-        return self._work(handle, output_tensors, lambda: _unflatten(flat, output_tensors))
+        return self._work(handle, output_tensors, lambda: _unflatten(gathered, output_tensors))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """all_to_all_single: rows of ``input`` (split sizes along dim 0, equal when empty) to each rank."""
@@ -483,7 +526,7 @@ class ProcessGroupPyrdma(_backend_base()):
         send = self._split_counts(input, input_split_sizes, "input")
         recv = self._split_counts(output, output_split_sizes, "output")
         equal = not input_split_sizes and not output_split_sizes
-        handle = self._comm().ialltoall(src.array.reshape(-1), out=out.array.reshape(-1),
+        handle = self._comm().ialltoall(src.flat(), out=out.flat(),
                                         send_counts=None if equal else send, recv_counts=None if equal else recv)
         return self._work(handle, output, out.write_back)
 
@@ -528,7 +571,7 @@ class ProcessGroupPyrdma(_backend_base()):
             pending, self._p2p_pending = self._p2p_pending, []
             if not pending:
                 return
-            handle = self.comm.batch([(kind, staged.array.reshape(-1), peer, tag)
+            handle = self.comm.batch([(kind, staged.flat(), peer, tag)
                                       for kind, staged, peer, tag, _ in pending])
             for i, (kind, staged, peer, tag, work) in enumerate(pending):
                 work._start([handle], None if kind == "send" else _received(handle, i, staged, peer))
@@ -553,9 +596,9 @@ def _received(handle, i, staged, src):
     """What completes receive ``i`` of a batch: its length checked, its tensor written."""
     def finish():
         count = handle.wait()[i]
-        if count != staged.array.size:
+        if count != staged.tensor.numel():
             raise UsageError(f"pyrdma backend: recv from rank {src} got {count} elements for a tensor of "
-                             f"{staged.array.size}")
+                             f"{staged.tensor.numel()}")
         staged.write_back()
     return finish
 
@@ -566,9 +609,10 @@ def _pairs(outputs, inputs):
     return zip(outputs, inputs)
 
 
-def _unflatten(flat, tensors):
-    """Copy consecutive pieces of ``flat`` into ``tensors``."""
-    offset = 0
+def _unflatten(staged, tensors):
+    """Copy consecutive pieces of the flat tensor of ``staged`` (once written back) into ``tensors``."""
+    staged.write_back()
+    flat, offset = staged.tensor, 0
     with torch.no_grad():            # as _Staged.write_back
         for t in tensors:
             n = t.numel()

@@ -71,6 +71,7 @@ cdef enum:
     KIND_CONTROL = 3
     CTRL_QUERY = 0
     CTRL_REPORT = 1
+    CTRL_CTS = 2                     # rendezvous: the receiver's buffer is in the sender's mailbox
     LEN_MASK = 0x7FFFFF
     CREDIT_SHIFT = 23                # a data message's immediate returns up to CREDIT_MASK credits
     CREDIT_MASK = 0x7F
@@ -78,6 +79,7 @@ cdef enum:
     HEADER_SIZE = 48
     C_HEADER_ROOM = 64
     NWC = 64
+    RDV_MAX_WRITE = 1 << 30          # the longest RDMA WRITE of a rendezvous (larger ones are split)
 
 # what a wait waits for, and the kinds of failure (failure())
 cdef enum:
@@ -85,6 +87,7 @@ cdef enum:
     WAIT_ARRIVAL = 1
     WAIT_SEND_QUEUE = 2
     WAIT_SENDS_DONE = 3
+    WAIT_CTS = 4
     FAIL_NONE = 0
     FAIL_LINK = 1
     FAIL_ABORT = 2
@@ -100,7 +103,8 @@ LAYOUT = dict(STEP_COLUMNS=STEP_COLUMNS, CHUNK_COLUMNS=CHUNK_COLUMNS, EXCHANGE=E
               CONSUME_NONE=CONSUME_NONE, CONSUME_COPY=CONSUME_COPY, CONSUME_REDUCE=CONSUME_REDUCE,
               CONSUME_REDUCE_LOWER=CONSUME_REDUCE_LOWER, CONSUME_REDUCE_UPPER=CONSUME_REDUCE_UPPER,
               CONSUME_COPY_UPTO=CONSUME_COPY_UPTO, HEADER_ROOM=C_HEADER_ROOM)
-WAITS = {WAIT_CREDIT: "credit", WAIT_ARRIVAL: "arrival", WAIT_SEND_QUEUE: "send queue", WAIT_SENDS_DONE: "sends"}
+WAITS = {WAIT_CREDIT: "credit", WAIT_ARRIVAL: "arrival", WAIT_SEND_QUEUE: "send queue", WAIT_SENDS_DONE: "sends",
+         WAIT_CTS: "rendezvous"}
 FAILURES = {FAIL_LINK: "link", FAIL_ABORT: "abort", FAIL_MISMATCH: "mismatch", FAIL_TIMEOUT: "timeout",
             FAIL_CLOSED: "closed", FAIL_POST: "post", FAIL_POLL: "poll", FAIL_MALFORMED: "malformed",
             FAIL_PYTHON: "python"}
@@ -133,6 +137,10 @@ cdef struct peer_t:
     int arr_head
     int arr_count
     int report               # the rank this peer says it waits for (this wait's epoch), -1: none
+    uint8_t *mailbox         # where the peer writes its rendezvous answer (CTS) to us
+    uint64_t remote_mailbox  # where we write ours in the peer's memory
+    uint8_t *cts_staging     # our answer's source (registered with the headers)
+    int cts                  # answers arrived and not yet acted on (0 or 1)
 
 
 cdef int64_t _gcd(int64_t a, int64_t b) noexcept nogil:
@@ -250,6 +258,13 @@ cdef class Engine:
     cdef uint8_t fail_desc[DESC_SIZE]
     cdef list keep                   # the verbs objects whose handles the engine uses
     cdef readonly unsigned long long runs
+    # rendezvous: a point-to-point message of at least this many bytes (0: none) is written straight
+    # into the receiver's buffer, whose address the receiver sends when the header (RTS) arrives
+    cdef public int64_t rendezvous_bytes
+    cdef bint mailboxes              # the regions have them (else rendezvous stays off)
+    cdef uint32_t work_rkey
+    cdef int rdv_peer                # the send waiting for its receiver's answer, -1: none
+    cdef int64_t rdv_off, rdv_len
 
     def __cinit__(self):
         self.peers = NULL
@@ -258,11 +273,14 @@ cdef class Engine:
 
     def __init__(self, CompletionQueue cq not None, list qps, MemoryRegion slot_mr not None,
                  MemoryRegion header_mr not None, list remotes, int rank, int size, int slots, int slot_stride,
-                 int max_message, int sq_depth, double timeout, double spin, int max_inline=0):
+                 int max_message, int sq_depth, double timeout, double spin, int max_inline=0,
+                 int64_t rendezvous_bytes=0):
         """``qps[p]``: the QueuePair to rank p (None at ``rank``); ``remotes[p]``: (address of our
         slots in p's memory, rkey). Slots of peer p here start at slot_mr's address plus its index
         among the peers (rank order, skipping ours) times slots * slot_stride; header staging
-        likewise in header_mr, slots * 64 bytes per peer."""
+        likewise in header_mr, slots * 64 bytes per peer. ``rendezvous_bytes``: see the attribute;
+        it needs a 64-byte mailbox per peer after all the slots (and a staging room after the
+        headers), in the same peer order, else rendezvous stays off."""
         cdef int p, i
         if self.peers != NULL:
             raise UsageError("Engine is already initialised")
@@ -285,6 +303,12 @@ cdef class Engine:
         self.keep = [cq, cq.channel, slot_mr, header_mr]
         if slot_mr.length < (size - 1) * slots * slot_stride or header_mr.length < (size - 1) * slots * C_HEADER_ROOM:
             raise UsageError("Engine: the slot or header region is too small")
+        # a mailbox per peer after the slots, and a staging room per peer after the headers: the
+        # regions carry them when rendezvous is wanted (the transport makes them so on every rank)
+        self.mailboxes = slot_mr.length >= (size - 1) * (slots * slot_stride + C_HEADER_ROOM) and \
+            header_mr.length >= (size - 1) * (slots + 1) * C_HEADER_ROOM
+        self.rendezvous_bytes = rendezvous_bytes
+        self.rdv_peer = -1
         self.peers = <peer_t *>calloc(size, sizeof(peer_t))
         self.queried = <uint8_t *>calloc(size, 1)
         self.visited = <uint8_t *>calloc(size, 1)
@@ -305,6 +329,15 @@ cdef class Engine:
             self.peers[p].slots = <uint8_t *><uintptr_t>slot_mr.addr + <size_t>i * slots * slot_stride
             self.peers[p].headers = <uint8_t *><uintptr_t>header_mr.addr + <size_t>i * slots * C_HEADER_ROOM
             self.peers[p].credits = slots
+            if self.mailboxes:
+                # the peer orders its peers by rank, skipping itself, as we do
+                their = rank if rank < p else rank - 1
+                self.peers[p].mailbox = <uint8_t *><uintptr_t>slot_mr.addr + <size_t>(size - 1) * slots * slot_stride \
+                    + <size_t>i * C_HEADER_ROOM
+                self.peers[p].remote_mailbox = <uint64_t>remotes[p][0] - <uint64_t>their * slots * slot_stride \
+                    + <uint64_t>(size - 1) * slots * slot_stride + <uint64_t>their * C_HEADER_ROOM
+                self.peers[p].cts_staging = <uint8_t *><uintptr_t>header_mr.addr \
+                    + <size_t>(size - 1) * slots * C_HEADER_ROOM + <size_t>i * C_HEADER_ROOM
             self.peers[p].arrivals = <uint32_t *>calloc(slots, sizeof(uint32_t))
             if self.peers[p].arrivals == NULL:
                 raise MemoryError()
@@ -384,7 +417,8 @@ cdef class Engine:
         return bytes((<char *>self.rdesc)[:DESC_SIZE])
 
     def run(self, Program program not None, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
-            bytes desc not None, int dtype, int op, consume=None, bint background=False, bytes recv_desc=None):
+            bytes desc not None, int dtype, int op, consume=None, bint background=False, bytes recv_desc=None,
+            uint32_t work_rkey=0):
         """Execute a Program (see program()) on the work area [work_addr, + work_len) (registered
         with work_lkey). ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None
         (host memory: reductions and copies in C), or ``consume(kind, offset, nbytes, aux,
@@ -392,7 +426,9 @@ cdef class Engine:
         the run overlaps the caller's work (a non-blocking collective), so it sleeps on the
         completion channel as soon as there is nothing to do instead of spinning first: the CPU
         goes to the caller's compute. ``recv_desc``: the description received messages must carry
-        when it differs from the one sent (point-to-point). Returns 0; on failure returns the
+        when it differs from the one sent (point-to-point). ``work_rkey``: the work area's remote
+        key when it takes RDMA writes (a rendezvous receive is written there; 0: it does not, and a
+        rendezvous message to it fails). Returns 0; on failure returns the
         failure kind (see failure() and python_error()), leaving the error to the caller."""
         cdef int rc
         if recv_desc is None:
@@ -403,7 +439,7 @@ cdef class Engine:
             return self.fail_kind
         memcpy(self.rdesc, <const uint8_t *><char *>recv_desc, DESC_SIZE)
         self._begin(program, work_addr, work_len, work_lkey, <const uint8_t *><char *>desc, dtype, op, consume,
-                    background)
+                    background, work_rkey)
         try:
             with nogil:
                 rc = self._execute(program.steps, program.nsteps, program.chunks)
@@ -412,7 +448,8 @@ cdef class Engine:
         return self.fail_kind if rc < 0 else 0
 
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
-                    const uint8_t *desc, int dtype, int op, object consume, bint background=False) except -1:
+                    const uint8_t *desc, int dtype, int op, object consume, bint background=False,
+                    uint32_t work_rkey=0) except -1:
         """Check a run's arguments against the program, then hold the verbs objects (a close()
         elsewhere waits for _end)."""
         cdef int i, used = 0
@@ -427,6 +464,8 @@ cdef class Engine:
         self.dtype, self.op, self.itemsize = dtype, op, <int>pyrdma_itemsize[dtype]
         memcpy(self.desc, desc, DESC_SIZE)
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
+        self.work_rkey = work_rkey
+        self.rdv_peer = -1
         self.consume = consume
         self.py_error = None
         self.spin_now = 0.0 if background else self.spin
@@ -514,13 +553,25 @@ cdef class Engine:
                                int nr) noexcept nogil:
         """_exchange whose receive is one point-to-point message of at most the chunks' total length:
         its first header says how long it is (the description's count), and the receive ends with
-        its last chunk. ``received`` holds its length afterwards."""
+        its last chunk. ``received`` holds its length afterwards.
+        A send of rendezvous_bytes or more goes by rendezvous: a header alone (RTS), then, once the
+        receiver has written its buffer's address into our mailbox (CTS), RDMA WRITEs straight into
+        that buffer and a second header (FIN) behind them. The writes go from whichever wait sees
+        the CTS (_progress), so two ranks that send to each other this way never wait on each other."""
         cdef int sent = 0, k, last
+        cdef bint rts
         cdef uint8_t *data
-        cdef int64_t total = 0, capacity = 0, got = 0
+        cdef int64_t total = 0, capacity = 0, got = 0, send_len = 0
         for k in range(nr):
             capacity += rch[k * CHUNK_COLUMNS + 1]
-        if ns:
+        for k in range(ns):
+            send_len += sch[k * CHUNK_COLUMNS + 1]
+        if ns and self.rendezvous_bytes > 0 and self.mailboxes and send_len >= self.rendezvous_bytes:
+            if self._send(sp, sch[0], 0) < 0:            # the RTS: its description's count is the length
+                return -1
+            self.rdv_peer, self.rdv_off, self.rdv_len = sp, sch[0], send_len
+            ns = 0
+        elif ns:
             if self._send(sp, sch[0], sch[1]) < 0:
                 return -1
             sent = 1
@@ -534,31 +585,108 @@ cdef class Engine:
                     return -1
                 if k == 0:
                     total = <int64_t>self.last_count
+                rts = k == 0 and self.last_length == 0 and total > 0
                 # every chunk but the last is full, and the message fits the receive's chunks
-                if total > capacity or got + self.last_length > total or \
-                        (self.last_length < rch[k * CHUNK_COLUMNS + 1] and got + self.last_length != total):
+                if total > capacity or (not rts and (got + self.last_length > total or (
+                        self.last_length < rch[k * CHUNK_COLUMNS + 1] and got + self.last_length != total))):
                     memcpy(self.fail_desc, self.rdesc, DESC_SIZE)
                     memcpy(self.fail_desc + 8, &total, 8)
                     return self._fail(FAIL_MISMATCH, rp, total, capacity)
                 if self._send_ahead(sp, sch, ns, &sent, k) < 0:
                     return -1
-                if self.last_length:
-                    if self.consume is not None:
-                        if self._callback(CONSUME_COPY, rch[k * CHUNK_COLUMNS], self.last_length, 0, data) < 0:
-                            return -1
-                    else:
-                        memcpy(self.work + rch[k * CHUNK_COLUMNS], data, self.last_length)
-                got += self.last_length
-                if self._release(rp) < 0:
-                    return -1
+                if rts:
+                    if self._rendezvous_receive(rp, rch[0], total) < 0:
+                        return -1
+                    got = total
+                else:
+                    if self.last_length:
+                        if self.consume is not None:
+                            if self._callback(CONSUME_COPY, rch[k * CHUNK_COLUMNS], self.last_length, 0, data) < 0:
+                                return -1
+                        else:
+                            memcpy(self.work + rch[k * CHUNK_COLUMNS], data, self.last_length)
+                    got += self.last_length
+                    if self._release(rp) < 0:
+                        return -1
                 if got == total:
                     nr = k + 1                      # the message is complete: no more chunks from rp
             if sent < ns and sent < k + 2:
                 if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
                     return -1
                 sent += 1
+        if self.rdv_peer >= 0 and self._wait(WAIT_CTS, sp, send_len) < 0:
+            return -1
         self.received = got
         return 0
+
+    cdef int _rendezvous_receive(self, int peer, int64_t off, int64_t total) noexcept nogil:
+        """After the RTS of ``total`` bytes from ``peer``: tell it where to write (the work area at
+        ``off``), then wait for its FIN."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint64_t addr = <uint64_t><uintptr_t>(self.work + off)
+        cdef ibv_sge sge
+        cdef ibv_send_wr wr
+        cdef ibv_send_wr *bad = NULL
+        if self.work_rkey == 0 or self.consume is not None or p.mailbox == NULL or off + total > self.work_len:
+            return self._fail(FAIL_MALFORMED, peer, total, 1)   # no remote access here: never asked for
+        if self._release(peer) < 0:                             # the RTS's slot
+            return -1
+        if p.outstanding >= self.sq_depth and self._wait(WAIT_SEND_QUEUE, peer, 0) < 0:
+            return -1
+        memcpy(p.cts_staging, &addr, 8)
+        memcpy(p.cts_staging + 8, &self.work_rkey, 4)
+        memset(&wr, 0, sizeof(wr))
+        sge.addr, sge.length, sge.lkey = <uint64_t><uintptr_t>p.cts_staging, 16, self.header_lkey
+        wr.sg_list, wr.num_sge = &sge, 1
+        wr.wr_id = <uint64_t>peer << 2
+        wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
+        wr.send_flags = IBV_SEND_SIGNALED
+        wr.imm_data = htonl((KIND_CONTROL << 30) | (CTRL_CTS << 28))
+        wr.wr.rdma.remote_addr, wr.wr.rdma.rkey = p.remote_mailbox, p.rkey
+        if ibv_post_send(p.qp, &wr, &bad):
+            return self._fail(FAIL_POST, peer, errno, 0)
+        p.outstanding += 1
+        if self._recv(peer, 0, True) == NULL:                   # the FIN: a header alone
+            return -1
+        if self.last_length != 0 or <int64_t>self.last_count != total:
+            memcpy(self.fail_desc, self.rdesc, DESC_SIZE)
+            return self._fail(FAIL_MISMATCH, peer, <int64_t>self.last_count, total)
+        return self._release(peer)
+
+    cdef int _rendezvous_write(self) noexcept nogil:
+        """The WRITEs and the FIN of the pending rendezvous send once its CTS is in; they wait (0)
+        while the peer has no credit or the send queue no room for them."""
+        cdef int peer = self.rdv_peer
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint64_t addr
+        cdef uint32_t rkey
+        cdef int64_t done = 0, n
+        cdef int nwr = <int>((self.rdv_len + RDV_MAX_WRITE - 1) // RDV_MAX_WRITE)
+        cdef ibv_sge sge
+        cdef ibv_send_wr wr
+        cdef ibv_send_wr *bad = NULL
+        if not p.cts or not self._can_send(peer) or p.outstanding + nwr + 1 > self.sq_depth:
+            return 0
+        memcpy(&addr, p.mailbox, 8)
+        memcpy(&rkey, p.mailbox + 8, 4)
+        p.cts = 0
+        while done < self.rdv_len:
+            n = min(<int64_t>RDV_MAX_WRITE, self.rdv_len - done)
+            memset(&wr, 0, sizeof(wr))
+            sge.addr = <uint64_t><uintptr_t>(self.work + self.rdv_off + done)
+            sge.length, sge.lkey = <uint32_t>n, self.work_lkey
+            wr.sg_list, wr.num_sge = &sge, 1
+            wr.wr_id = (<uint64_t>peer << 2) | 1          # a payload read from the work area
+            wr.opcode = IBV_WR_RDMA_WRITE
+            wr.send_flags = IBV_SEND_SIGNALED
+            wr.wr.rdma.remote_addr, wr.wr.rdma.rkey = addr + <uint64_t>done, rkey
+            if ibv_post_send(p.qp, &wr, &bad):
+                return self._fail(FAIL_POST, peer, errno, 0)
+            p.outstanding += 1
+            p.data_outstanding += 1
+            done += n
+        self.rdv_peer = -1
+        return self._send(peer, self.rdv_off, 0)            # the FIN, behind the writes (RC keeps order)
 
     cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil:
         """Send the chunks after sent[0], up to k + slots, while sp takes them without a credit wait."""
@@ -725,6 +853,8 @@ cdef class Engine:
             return p.arr_count > 0
         if what == WAIT_SEND_QUEUE:
             return p.outstanding < self.sq_depth
+        if what == WAIT_CTS:
+            return self.rdv_peer < 0
         return p.data_outstanding == 0
 
     cdef int _chain_end(self, int peer) noexcept nogil:
@@ -824,7 +954,10 @@ cdef class Engine:
                     n = ibv_poll_cq(self.cq, NWC, self.wcs)
         if n < 0:
             return self._fail(FAIL_POLL, -1, errno, 0)
-        return self._handle(n)
+        n = self._handle(n)
+        if n >= 0 and self.rdv_peer >= 0 and self.peers[self.rdv_peer].cts and self._rendezvous_write() < 0:
+            return -1
+        return n
 
     cdef int _handle(self, int n) noexcept nogil:
         cdef int i, peer, kind, sub, epoch, value
@@ -872,6 +1005,10 @@ cdef class Engine:
                                          | <uint32_t>self.waiting_on)
                     elif sub == CTRL_REPORT and epoch == self.epoch:
                         p.report = value
+                    elif sub == CTRL_CTS:
+                        p.cts += 1
+                        if p.cts > 1 or self.rdv_peer != peer:    # an answer to no RTS of ours
+                            self._fail(FAIL_MALFORMED, peer, imm, 0)
             else:
                 p.outstanding -= 1
                 if wc.wr_id & 1:                  # a payload read from the work area (not inline)
@@ -1264,7 +1401,8 @@ cdef class HostCollectives:
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
                 memcpy(engine.rdesc, call.desc, DESC_SIZE)
-                engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc, 0, 0, None)
+                engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc, 0, 0, None,
+                              False, region.rkey)
                 try:
                     with nogil:
                         if call.nbytes:

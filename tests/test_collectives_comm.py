@@ -391,7 +391,6 @@ def _usage_errors(comm):
         "root": lambda: comm.broadcast(np.zeros(4), root=comm.size),
         "reduce_algorithm": lambda: comm.reduce(np.zeros(4), algorithm="ring"),
         "not_a_buffer": lambda: comm.allreduce(object()),
-        "cuda_nonblocking": lambda: comm.ibroadcast(FakeCuda()),
         "cuda_mixed": lambda: comm.allreduce(FakeCuda(), out=np.zeros(4)),
         "allgather_out": lambda: comm.allgather(np.zeros(4), out=np.zeros(4)),
         "reduce_scatter_out": lambda: comm.reduce_scatter(np.zeros(9), out=np.zeros(9)),
@@ -409,7 +408,7 @@ def test_bad_input_is_a_clear_usage_error(worlds, transport, size):
     expected = {"noncontiguous": "C-contiguous", "dtype": "unsupported dtype", "dtype16": "unsupported dtype",
                 "op": "unsupported op", "algorithm": "unknown algorithm", "readonly": "read-only",
                 "out_size": "5 elements", "out_dtype": "dtype", "root": "root", "reduce_algorithm": "unknown algorithm",
-                "not_a_buffer": "not an array", "cuda_nonblocking": "CUDA", "cuda_mixed": "must both be CUDA arrays", "allgather_out": "out must hold",
+                "not_a_buffer": "not an array", "cuda_mixed": "must both be CUDA arrays", "allgather_out": "out must hold",
                 "reduce_scatter_out": "out must hold"}
     for errors in worlds(transport, size).run(_usage_errors):
         assert errors.pop("still_works")

@@ -138,6 +138,11 @@ def _ring_p2p(comm):
     y = np.zeros(500, np.int32)
     got = comm.sendrecv(piece(r, right, 500, "int32"), right, y, left, tag=3)
     assert got == 500 and np.array_equal(y, piece(left, r, 500, "int32"))
+    # even ranks send by rendezvous (zero-copy size), odd ones eagerly: one exchange does both
+    count = lambda rank: 3 * ZERO_COPY if rank % 2 == 0 else 100          # noqa: E731
+    y = np.zeros(3 * ZERO_COPY, np.int8)
+    got = comm.sendrecv(piece(r, right, count(r), "int8"), right, y, left, tag=6)
+    assert got == count(left) and np.array_equal(y[:got], piece(left, r, got, "int8"))
     # non-blocking, in call order (as NCCL's ops on a stream): several messages per pair in order
     ss = [comm.isend(np.full(50, 10 * k + r, np.int64), right, tag=1) for k in range(3)]
     ys = [np.zeros(50, np.int64) for _ in range(3)]
@@ -186,23 +191,43 @@ def test_send_recv_tags_sizes_and_interleaved_collectives(worlds, transport, siz
     assert all(w.run(_p2p_uninvolved, timeout=120))
 
 
-def _big_send(comm, nbytes):
+def _big_send(comm, nbytes, zero_copy_bytes):
+    """Rank 0 sends ``nbytes`` to rank 1; rank 1 returns how many messages came through its slots
+    (over RDMA; None over TCP)."""
+    comm.zero_copy_bytes = comm.transport.rendezvous_bytes = zero_copy_bytes
+    engine = getattr(comm.transport, "engine", None)
+    slots_used = None
+    if comm.rank < 2 and engine is not None:
+        slots_used = -engine.state(1 - comm.rank)["recv_seq"]
     data = np.arange(nbytes // 8, dtype=np.int64)
     if comm.rank == 0:
-        start = time.monotonic()
         comm.send(data, 1)
-        return time.monotonic() - start
-    if comm.rank == 1:
-        y = np.zeros_like(data)
+    elif comm.rank == 1:
+        y = np.zeros(data.size + 3, np.int64)          # a longer buffer, as MPI allows
         assert comm.recv(y, 0) == data.size
-        assert np.array_equal(y, data)
-    return 0.0
+        assert np.array_equal(y[:data.size], data) and not y[data.size:].any()
+    if slots_used is not None:
+        slots_used += engine.state(1 - comm.rank)["recv_seq"]
+    return slots_used
+
+
+def _max_message(comm):
+    return comm.transport.max_message
 
 
 @pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
-def test_send_of_64_mib(transport):
+def test_send_of_64_mib_eager_and_by_rendezvous(transport):
+    """64 MiB by rendezvous (rendezvous_bytes or more: over RDMA the sender writes it straight into
+    the receiver's buffer, and only the two headers, RTS and FIN, use the receiver's slots), and
+    eagerly (rendezvous_bytes=0: through the slots, max_message at a time)."""
+    nbytes = 64 << 20
     with World(2, transport, timeout=120, start_timeout=START_TIMEOUT) as w:
-        w.run(_big_send, 64 << 20, timeout=600)
+        by_rendezvous = w.run(_big_send, nbytes, 1 << 20, timeout=600)[1]
+        eager = w.run(_big_send, nbytes, 0, timeout=600)[1]
+        max_message = w.run(_max_message)[1]
+    if transport == "rdma":
+        assert by_rendezvous == 2, by_rendezvous
+        assert eager == nbytes // max_message, (eager, max_message)
 
 
 # ---- errors: bad input, mismatches, dead ranks ---------------------------------------------------------
@@ -267,11 +292,11 @@ def _mismatch(comm, ports, kinds):
                         c.send(np.zeros(5), 1, tag=1)
                     elif r == 1:
                         c.recv(np.zeros(5), 0, tag=2)
-                elif kind == "too-long":
+                elif kind in ("too-long", "too-long-lent"):
                     if r == 0:
-                        c.send(np.zeros(3000), 1)
+                        c.send(np.zeros(3000), 1)        # by rendezvous over RDMA (zero_copy_bytes)
                     elif r == 1:
-                        c.recv(np.zeros(100), 0)
+                        c.recv(np.zeros(100 if kind == "too-long" else 2000), 0)
                 result = "no error"
                 # a rank that only sent may finish first: it learns at its next call
                 c.barrier()
@@ -284,10 +309,10 @@ def _mismatch(comm, ports, kinds):
 
 @pytest.mark.parametrize("transport, size", _params([3], [3]))
 def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
-    kinds = ["gather-count", "scatter-count", "alltoall-counts", "send-tag", "too-long"]
+    kinds = ["gather-count", "scatter-count", "alltoall-counts", "send-tag", "too-long", "too-long-lent"]
     results = worlds(transport, size).run(_mismatch, [free_port() for _ in kinds], kinds, timeout=300)
     receivers = {"gather-count": {0}, "scatter-count": {1}, "alltoall-counts": {1}, "send-tag": {1},
-                 "too-long": {1}}
+                 "too-long": {1}, "too-long-lent": {1}}
     for rank, outcomes in enumerate(results):
         for kind, (result, elapsed) in zip(kinds, outcomes):
             # every rank raises UsageError; a rank that receives the mismatched message, at that call
@@ -296,6 +321,8 @@ def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
             assert elapsed < TIMEOUT / 2, (rank, kind, elapsed)
     too_long = results[1][kinds.index("too-long")][0]
     assert "24000-byte message" in too_long and "800 bytes" in too_long, too_long
+    too_long = results[1][kinds.index("too-long-lent")][0]         # a buffer registered in place
+    assert "24000-byte message" in too_long and "16000 bytes" in too_long, too_long
     tag = results[1][kinds.index("send-tag")][0]
     assert "tag=1" in tag and "tag=2" in tag, tag
 

@@ -174,7 +174,7 @@ def test_direct_path_matches_the_numpy_path(direct_world):
 
 def _copy_collectives_on_gpu(comm):
     """gather, scatter, alltoall (equal and uneven) and send/recv of CuPy arrays, staged: the same
-    values as the numpy path; non-blocking forms refuse CUDA arrays."""
+    values as the numpy path; the non-blocking forms and batch as well."""
     import cupy as cp
     import pyrdma
     from test_collectives_p2p import piece, uneven
@@ -197,12 +197,24 @@ def _copy_collectives_on_gpu(comm):
         count = comm.sendrecv(cp.asarray(piece(r, right, 400, dtype)), right, y, left)
         assert count == 400 and np.array_equal(cp.asnumpy(y[:400]), piece(left, r, 400, dtype))
         assert not cp.asnumpy(y[400:]).any()
-    try:
-        comm.isend(cp.zeros(4), (r + 1) % n)
-    except pyrdma.UsageError as exc:
-        assert "non-blocking" in str(exc)
-    else:
-        raise AssertionError("isend of a CUDA array was accepted")
+    # the non-blocking forms stage too: copied down at the call, uploaded when wait() returns
+    x = cp.arange(1000, dtype=cp.float32) * (r + 1)
+    assert comm.iallreduce(x).wait(timeout=120) is x
+    assert np.array_equal(cp.asnumpy(x), np.arange(1000, dtype=np.float32) * (n * (n + 1) // 2))
+    y = cp.zeros(500, "int32")
+    h = comm.batch([("recv", y, left), ("send", cp.asarray(piece(r, right, 300, "int32")), right)])
+    assert h.wait(timeout=120)[0] == 300 and np.array_equal(cp.asnumpy(y[:300]), piece(left, r, 300, "int32"))
+    assert not cp.asnumpy(y[300:]).any()
+    got = comm.igather(cp.asarray(piece(r, 0, 70, "float64")), root=0).wait(timeout=120)
+    want = np.concatenate([piece(p, 0, 70, "float64") for p in range(n)])
+    assert (got is None) if r else np.array_equal(cp.asnumpy(got), want)
+    # a bfloat16 DLPack tensor is reduced as bfloat16, not as the uint16 bits its host copy holds
+    import torch
+    t = torch.full((64,), 1.5, dtype=torch.bfloat16, device="cuda")
+    comm.iallreduce(t).wait(timeout=120)
+    assert bool(torch.all(t == 1.5 * n)), t[:4]
+    with pytest.raises(pyrdma.UsageError, match="does not match"):
+        comm.iallreduce(t, dtype="float16")
     return True
 
 

@@ -80,7 +80,7 @@ LAST_RANK_CHECKS = ("pipeline ScheduleGPipe loss", "pipeline Schedule1F1B loss",
 
 
 # Entries of a rank's "checks" that record a fact (asserted on by the tests) rather than pass or fail.
-INFO_CHECKS = ("transport", "gid indices", "host", "device")
+INFO_CHECKS = ("transport", "gid indices", "host", "device", "gpu paths")
 
 
 def _assert_all_passed(reports, transport):
@@ -126,14 +126,21 @@ def test_torch214_backend_trampoline_collectives_ddp_workloads_and_a_dead_rank_o
 
 @pytest.mark.gpu
 def test_torchrun_cuda_tensors_collectives_and_ddp_over_tcp(tmp_path):
-    """CUDA tensors through the backend (it stages them through host memory): every collective against
-    gloo's CPU result, and DDP of a model on the GPU against the same DDP over gloo."""
+    """CUDA tensors through the backend (the Communicator's GPU paths stage them through pinned host
+    memory; without CuPy the backend copies them to the host): every collective against gloo's CPU
+    result, and DDP of a model on the GPU against the same DDP over gloo."""
     import torch
+    try:
+        import cupy  # noqa: F401
+        with_cupy = True
+    except ImportError:
+        with_cupy = False
     if not torch.cuda.is_available():
         pytest.fail("CuPy sees a GPU but this torch has no CUDA", pytrace=False)
     reports = _torchrun(2, tmp_path, "tcp", "--device", "cuda")
     _assert_all_passed(reports, "tcp")
     assert all(rep["checks"]["device"].startswith("cuda:") for rep in reports), reports
+    assert all(rep["checks"]["gpu paths"] == with_cupy for rep in reports), reports
     assert len(reports[0]["checks"]) > 30
     _assert_workloads_ran(reports)
 

@@ -16,10 +16,11 @@ around on overflow as C does, divided by n and truncated toward zero, as NCCL). 
 uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arrays, or
 ``dtype="bfloat16"`` with uint16 arrays holding the bits). Buffers: numpy arrays, anything with
 the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
-than ranks). CUDA arrays (CuPy, DLPack CUDA tensors, bfloat16 ones too) go to the blocking
-collectives of pyrdma.cuda.collectives: in place in GPU memory with CUDA-kernel reductions
-(``gpu_path="direct"``: allreduce, broadcast) or staged through pinned host memory (gather,
-scatter, alltoall and point-to-point: staged_call); the non-blocking forms raise UsageError for them.
+than ranks). CUDA arrays (CuPy, DLPack CUDA tensors such as torch's, bfloat16 ones too) go to
+pyrdma.cuda.collectives: the blocking allreduce and broadcast in place in GPU memory with
+CUDA-kernel reductions (``gpu_path="direct"``), or pipelined through pinned host memory; every
+other call, and every non-blocking one, staged through pinned host memory (cuda.collectives.stage:
+copied down at the call, in stream order, uploaded when the call has run).
 
 How it runs: the input is copied into the transport's registered work buffer (registered once,
 reused; grown when needed), the algorithm runs there, the result is copied out. One collective
@@ -57,6 +58,7 @@ OPS = ("sum", "prod", "min", "max", "avg")
 ALGORITHMS = ("auto",) + ALLREDUCE_ALGORITHMS + tuple(ALIASES)
 TRANSPORTS = ("auto", "rdma", "tcp")
 GPU_PATHS = ("auto", "staged", "direct")
+_NO_DTYPE = object()        # _call of a call that does not reduce
 DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
@@ -146,7 +148,10 @@ class Communicator:
     ``zero_copy_bytes``: allreduce, broadcast and allgather (with ``out`` given) of at least this
     many bytes work in place on the result's own memory instead of copying it into and out of the
     transport's buffer; over RDMA that memory is registered on first use and kept registered, and
-    alive, among the transport's USER_MR_CACHE most recent buffers (0 turns this off). ``gpu_path``:
+    alive, among the transport's USER_MR_CACHE most recent buffers (0 turns this off). Over RDMA a
+    point-to-point message of that size or more goes by rendezvous: the sender writes it straight
+    into the receiver's buffer (the size given here; ``transport.rendezvous_bytes`` changes it
+    later). ``gpu_path``:
     how allreduce and broadcast move CUDA arrays: "direct" (the transport sends straight from GPU
     memory, over RDMA registered by GPUDirect; reductions run as CUDA kernels), "staged" (through
     pinned host memory, reductions on the CPU), or "auto" (direct when every rank's RDMA device and
@@ -213,7 +218,7 @@ class Communicator:
                 if qp_timeout is not None:
                     kwargs["qp_timeout"] = qp_timeout
                 self.transport = RdmaTransport(rank, size, exchange, self.timeout, device, port=port,
-                                               gid_index=gid_index, **kwargs)
+                                               gid_index=gid_index, rendezvous_bytes=self.zero_copy_bytes, **kwargs)
             else:
                 from pyrdma.collectives.transport import TcpTransport
                 self.transport = TcpTransport(rank, size, exchange, self.timeout, host=tcp_host, **kwargs)
@@ -340,11 +345,11 @@ class Communicator:
             with area:
                 self._allreduce_in_place(area, op, algorithm)
             return area.result
-        return self._call(self._allreduce, buf, out, op, algorithm, dtype, blocking=True)
+        return self._call(self._allreduce, buf, out, op, algorithm, blocking=True, dtype=dtype)
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done."""
-        return self._call(self._allreduce, buf, out, op, algorithm, dtype, blocking=False)
+        return self._call(self._allreduce, buf, out, op, algorithm, blocking=False, dtype=dtype)
 
     def _allreduce(self, buf, out, op, algorithm, dtype):
         _check_op(op)
@@ -598,10 +603,10 @@ class Communicator:
         if _is_cuda(buf, out):
             _check_op(op)
             return _cuda().reduce(self, buf, out, op, self._check_root(root), algorithm, dtype)
-        return self._call(self._reduce, buf, out, op, root, algorithm, dtype, blocking=True)
+        return self._call(self._reduce, buf, out, op, root, algorithm, blocking=True, dtype=dtype)
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
-        return self._call(self._reduce, buf, out, op, root, algorithm, dtype, blocking=False)
+        return self._call(self._reduce, buf, out, op, root, algorithm, blocking=False, dtype=dtype)
 
     def broadcast(self, buf, root=0, algorithm="auto"):
         """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
@@ -634,10 +639,10 @@ class Communicator:
         if _is_cuda(buf, out):
             _check_op(op)
             return _cuda().reduce_scatter(self, buf, out, op, dtype)
-        return self._call(self._reduce_scatter, buf, out, op, dtype, blocking=True)
+        return self._call(self._reduce_scatter, buf, out, op, blocking=True, dtype=dtype)
 
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
-        return self._call(self._reduce_scatter, buf, out, op, dtype, blocking=False)
+        return self._call(self._reduce_scatter, buf, out, op, blocking=False, dtype=dtype)
 
     def barrier(self):
         """Return once every rank has entered the barrier."""
@@ -840,6 +845,11 @@ class Communicator:
         gives one entry per op: None for a send, the elements received for a receive."""
         n, r = self.size, self.rank
         sends, recvs = {}, {}
+        upload = None
+        ops = list(ops)
+        if all(isinstance(op, (tuple, list)) and len(op) in (3, 4) for op in ops) and _is_cuda(*(op[1] for op in ops)):
+            host, upload, _ = _cuda().stage("batch", [op[1] for op in ops])
+            ops = [(op[0], h, *op[2:]) for op, h in zip(ops, host)]
         for i, op in enumerate(ops):
             if not isinstance(op, (tuple, list)) or len(op) not in (3, 4) or op[0] not in ("send", "recv"):
                 raise UsageError(f"batch: op {i} must be ('send'|'recv', buf, peer[, tag]), got {op!r}")
@@ -867,19 +877,26 @@ class Communicator:
                 for i, _ in step:
                     if ops[i][0] == "recv":
                         results[i] = got
-            return results
+            return results if upload is None else upload(results)
         return self._exec.submit(False, run, seq=False)
 
-    def _call(self, make_spec, *args, blocking):
+    def _call(self, make_spec, *args, blocking, dtype=_NO_DTYPE):
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run
-        the spec in order with the other collectives (inline, or on the communicator's thread)."""
+        the spec in order with the other collectives (inline, or on the communicator's thread).
+        ``dtype``: the reduction dtype of a reducing call (the spec's last argument). CUDA arrays
+        are staged through pinned host memory (cuda.collectives.stage): copied down now, in stream
+        order, and their results uploaded when the call has run."""
+        if dtype is not _NO_DTYPE:
+            args += (dtype,)
         if _is_cuda(*(x for a in args for x in (a if isinstance(a, tuple) else (a,)))):
-            if not blocking:
-                raise UsageError(f"i{make_spec.__name__.strip('_')}: non-blocking collectives on CUDA arrays are "
-                                 f"not supported; use the blocking form (it stages through the host)")
-            return _cuda().staged_call(lambda *host_args: self._call(make_spec, *host_args, blocking=True),
-                                       make_spec.__name__.strip("_"), *args)
-        spec = make_spec(*args)
+            name = make_spec.__name__.strip("_")
+            host_args, upload, reduced_as = _cuda().stage(name, args)
+            if reduced_as is not None and dtype is not _NO_DTYPE:
+                host_args[-1] = _cuda().host_dtype(dtype, reduced_as)
+            spec = make_spec(*host_args)
+            spec.then(upload)
+        else:
+            spec = make_spec(*args)
         handle = self._exec.submit(blocking, self._run_spec, spec, seq=spec.collective)
         return handle.wait() if blocking else handle
 
@@ -896,7 +913,8 @@ class Communicator:
             received = t.run(schedule, run.dtype, run.op, consume)
             if run.finish is not None:
                 value = run.finish(work, schedule, received)
-        return value if spec.result is None else spec.result()
+        value = value if spec.result is None else spec.result()
+        return value if spec.after is None else spec.after(value)
 
     def _copy_algorithm(self, kind, algorithm, block):
         if algorithm == "auto":
@@ -1096,10 +1114,15 @@ class _Spec:
     """One call as the one path runs it: its runs in order, then ``result()`` (default: what the
     last run's finish returned). ``collective``: it advances the call number (not point-to-point)."""
 
-    __slots__ = ("runs", "result", "collective")
+    __slots__ = ("runs", "result", "collective", "after")
 
     def __init__(self, runs, result=None, collective=True):
         self.runs, self.result, self.collective = runs, result, collective
+        self.after = None
+
+    def then(self, fn):
+        """``fn(result)`` runs after the call, on the thread that ran it, and gives its result."""
+        self.after = fn
 
 
 def _op_code(op):

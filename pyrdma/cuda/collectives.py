@@ -88,7 +88,7 @@ def allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, strea
     check_pair(buf, out, "allreduce")
     cp = import_cupy("allreduce of a CUDA array")
     _, _, twin = _describe(buf, "buf")
-    dtype = _host_dtype(dtype, twin)
+    dtype = host_dtype(dtype, twin)
     result = buf if out is None else out
     with _on(cp, stream):
         if out is not None:
@@ -101,7 +101,7 @@ def reduce(comm, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None, 
     check_pair(buf, out, "reduce")
     cp = import_cupy("reduce of a CUDA array")
     _, _, twin = _describe(buf, "buf")
-    dtype = _host_dtype(dtype, twin)
+    dtype = host_dtype(dtype, twin)
     is_root = comm.rank == root
     result = buf if out is None or not is_root else out
     with _on(cp, stream):
@@ -151,7 +151,7 @@ def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
     check_pair(buf, out, "reduce_scatter")
     cp = import_cupy("reduce_scatter of a CUDA array")
     sbuf, sdtype, twin = _describe(buf, "buf")
-    dtype = _host_dtype(dtype, twin)
+    dtype = host_dtype(dtype, twin)
     with _on(cp, stream):
         host_in = _pinned_copy(cp, _cupy_view(cp, buf, sbuf, sdtype))
         start, stop = comm.segment_bounds(host_in.size)[comm.rank]
@@ -178,28 +178,47 @@ def staged_call(host_call, name, *args, stream=None):
     ``host_call(*host_args)`` runs on the copies, and the copies the call wrote (its outputs) are
     uploaded back. A new result array comes back as a CuPy array. Returns what the host call
     returns."""
+    host_args, finish, _ = stage(name, args, stream)
+    return finish(host_call(*host_args))
+
+
+def stage(name, args, stream=None):
+    """The first half of staged_call, for a call that finishes later (a non-blocking one): the
+    CUDA arrays among ``args`` copied to pinned host memory now, on ``stream`` (default: the
+    current one), in stream order. Returns (host_args, finish, reduced_as): ``finish(result)``,
+    called on any thread once the host call has run, uploads what it wrote and synchronises, and
+    returns the result as staged_call does; ``reduced_as`` is "bfloat16" when a bfloat16 array was
+    staged (its copy holds the bits as uint16, so a reduction must be told), else None."""
     cp = import_cupy(f"{name} of a CUDA array")
     staged = []
+    twins = set()
 
     def down(obj):
         if obj is None or isinstance(obj, np.ndarray) or not is_cuda_array(obj):
             return obj
-        buf, dtype, _ = _describe(obj, name, allow_empty=True)
+        buf, dtype, twin = _describe(obj, name, allow_empty=True)
+        if twin is not None:
+            twins.add(twin)
         host = _pinned_copy(cp, _cupy_view(cp, obj, buf, dtype)) if buf.nbytes else np.empty(0, dtype)
-        before = host.copy()
-        staged.append((obj, buf, dtype, host, before))
+        staged.append((obj, buf, dtype, host, host.copy()))
         return host.reshape(buf.shape) if buf.shape else host
     with _on(cp, stream):
         host_args = [tuple(down(a) for a in x) if isinstance(x, tuple) else down(x) for x in args]
-        result = host_call(*host_args)
-        for obj, buf, dtype, host, before in staged:
-            if buf.nbytes and not np.array_equal(host.view(np.uint8), before.view(np.uint8)):
-                _upload(cp, _cupy_view(cp, obj, buf, dtype), host)
-            if result is not None and isinstance(result, np.ndarray) and np.shares_memory(result, host):
-                result = obj
-        if isinstance(result, np.ndarray):
-            result = cp.asarray(result)
-    return result
+
+    def finish(result):
+        with _on(cp, stream):
+            for obj, buf, dtype, host, before in staged:
+                if buf.nbytes and not np.array_equal(host.view(np.uint8), before.view(np.uint8)):
+                    with cp.cuda.Device(_device_id(cp, buf)):
+                        _upload(cp, _cupy_view(cp, obj, buf, dtype), host)
+                if result is not None and isinstance(result, np.ndarray) and np.shares_memory(result, host):
+                    result = obj
+            if isinstance(result, np.ndarray):
+                result = cp.asarray(result)
+        return result
+    if len(twins) > 1:
+        raise UsageError(f"{name}: arrays of {' and '.join(sorted(twins))} in one call")
+    return host_args, finish, (twins.pop() if twins else None)
 
 
 # ---- gpu_path "direct": the transport sends from GPU memory, CUDA kernels reduce ----------------
@@ -323,7 +342,7 @@ def direct_broadcast_area(buf, is_root, stream=None):
     return area
 
 
-def _host_dtype(dtype, twin):
+def host_dtype(dtype, twin):
     if dtype is not None and twin is not None and str(dtype) != twin:
         raise UsageError(f"dtype={dtype!r} does not match the array's {twin}")
     return dtype if dtype is not None else twin

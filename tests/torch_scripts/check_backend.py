@@ -189,6 +189,8 @@ def main():
         checks["gid indices"] = sorted({link.qp.gid_index for link in comm.transport.links.values()})
     if host is not None:
         checks["host"] = host.name
+    if DEVICE.type == "cuda":       # CUDA tensors go to the Communicator's GPU paths (with CuPy)
+        checks["gpu paths"] = pyrdma.torch._gpu_paths()
     if args.only == "all":
         collectives(gloo, rank, size, checks)
         t = phase("collectives", t)

@@ -37,6 +37,13 @@ Flow control is by credits: a sender starts with ``slots`` credits, spends one p
 waits when it has none; the receiver returns consumed slots as credits, so a slot is never
 overwritten before it was consumed. They ride on its next data message to that peer, or, once half
 the slots wait to be returned, go in a zero-byte WRITE_WITH_IMM of their own.
+Rendezvous (a point-to-point message of ``rendezvous_bytes``, the Communicator's zero_copy_bytes,
+or more): the sender's first message is a header alone whose description carries the length
+(RTS); the receiver writes its buffer's address and rkey into the sender's 64-byte mailbox for it
+(a WRITE_WITH_IMM whose immediate is a CONTROL of sub-kind CTS: after every peer's slots, out of the
+slot stream, so it never queues behind the receiver's own messages); the sender RDMA WRITEs the
+payload there and sends a second header (FIN), which RC delivers after the writes. A CTS nobody
+asked for fails the group as a malformed message.
 
 TcpTransport: the same contract over one TCP connection per pair of ranks, for machines without
 RDMA and for host tests; a reader thread per peer drains its socket so senders never block on a

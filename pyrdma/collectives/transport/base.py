@@ -167,6 +167,9 @@ class _Waits:
     # True while a collective runs behind the caller's back (a non-blocking one, on the
     # communicator's thread): its waits sleep rather than spin, leaving the CPU to the caller.
     background = False
+    # point-to-point messages of this many bytes or more go by rendezvous where the transport can
+    # write into the receiver's memory (RDMA); 0: never
+    rendezvous_bytes = 0
 
     def _init_waits(self, timeout):
         if self.size > MAX_RANKS:

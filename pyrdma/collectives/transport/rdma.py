@@ -11,6 +11,7 @@ from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, DEFAU
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
 _CTRL_QUERY, _CTRL_REPORT = 0, 1
+DEFAULT_RENDEZVOUS_BYTES = 1 << 20
 HEADER_ROOM = 64           # a slot: the header, then the payload (64-byte aligned)
 # A message this long (the header room and up to 192 payload bytes) goes inline: the NIC copies it
 # at the post, so the collective need not wait for its ACK before it returns.
@@ -38,12 +39,15 @@ class RdmaTransport(_OwnBuffer, _Waits):
     ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
     polling, yielding the CPU between polls, precede sleeping on the completion channel (a wake-up
     costs more than a short spin; the yields hand the CPU to other ranks where they outnumber the
-    cores); ``qp_timeout`` is the QPs' local ACK timeout exponent (1..31, as NCCL_IB_TIMEOUT)."""
+    cores); ``qp_timeout`` is the QPs' local ACK timeout exponent (1..31, as NCCL_IB_TIMEOUT);
+    point-to-point messages of ``rendezvous_bytes`` or more (0: none) go by rendezvous (the
+    package's docstring)."""
 
     name = "rdma"
 
     def __init__(self, rank, size, exchange, timeout=60.0, device=None, max_message=DEFAULT_RDMA_MESSAGE,
-                 slots=DEFAULT_SLOTS, spin=200e-6, port=1, gid_index=None, qp_timeout=DEFAULT_QP_TIMEOUT):
+                 slots=DEFAULT_SLOTS, spin=200e-6, port=1, gid_index=None, qp_timeout=DEFAULT_QP_TIMEOUT,
+                 rendezvous_bytes=DEFAULT_RENDEZVOUS_BYTES):
         import pyrdma as rd
         from pyrdma.endpoint import Endpoint, WIRE_SIZE
 
@@ -58,6 +62,7 @@ class RdmaTransport(_OwnBuffer, _Waits):
         self._init_waits(timeout)
         self.max_message, self.slots, self.spin = int(max_message), int(slots), spin
         self.qp_timeout = int(qp_timeout)
+        self._rendezvous_bytes = int(rendezvous_bytes or 0)
         self.slot_stride = (HEADER_ROOM + self.max_message + 63) & ~63
         self.peers = [p for p in range(size) if p != rank]
         self._closed = False
@@ -108,13 +113,15 @@ class RdmaTransport(_OwnBuffer, _Waits):
         # credits bound what is in flight; every free slot may take a message ahead
         self.send_window = self.slots
         # Receive slots of every peer in one registration; peer p owns [slot_base[p], + per_peer).
+        # After them a 64-byte mailbox per peer, where it answers our rendezvous (the Engine).
         per_peer = self.slots * self.slot_stride
-        self.slot_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * per_peer,
+        self.slot_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * (per_peer + HEADER_ROOM),
                                                 rd.ACCESS_LOCAL_WRITE | rd.ACCESS_REMOTE_WRITE)
         self.slot_array = self.slot_mr.array()
         # The headers of the messages in flight: one per credit and peer, reused slot by slot (a
-        # credit comes back only after its message, and so its header, has arrived).
-        self.header_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * self.slots * HEADER_ROOM,
+        # credit comes back only after its message, and so its header, has arrived); then one room
+        # per peer for our rendezvous answers.
+        self.header_mr = rd.MemoryRegion.allocate(self.pd, max(1, npeers) * (self.slots + 1) * HEADER_ROOM,
                                                   rd.ACCESS_LOCAL_WRITE)
         self.links = {}                      # peer -> _Link
         self.max_inline = MAX_INLINE
@@ -158,7 +165,7 @@ class RdmaTransport(_OwnBuffer, _Waits):
         self.engine = Engine(self.cq, [link.qp for link in links], self.slot_mr, self.header_mr,
                              [link.remote for link in links], self.rank, self.size,
                              self.slots, self.slot_stride, self.max_message, self.sq_depth, self.timeout, self.spin,
-                             self.max_inline)
+                             self.max_inline, self._rendezvous_bytes)
         exchange.allgather(b"rdma-connected")   # nobody writes before every QP is ready to receive
 
     def _queue_pair(self, rd, port, gid_index):
@@ -176,6 +183,14 @@ class RdmaTransport(_OwnBuffer, _Waits):
         return rd.QueuePair(self.pd, rd.QPT_RC, self.cq, **kwargs)
 
     # ---- the interface ------------------------------------------------------------------------
+
+    @property
+    def rendezvous_bytes(self):
+        return self.engine.rendezvous_bytes
+
+    @rendezvous_bytes.setter
+    def rendezvous_bytes(self, nbytes):
+        self.engine.rendezvous_bytes = nbytes
 
     def work_area(self, nbytes, lend=None, start=0, device=None):
         """The work area of the next collective: ``lend[start:start + nbytes]`` in place (a
@@ -208,7 +223,9 @@ class RdmaTransport(_OwnBuffer, _Waits):
         if self._own is None or self._own.nbytes < nbytes:
             if self._own_mr is not None:
                 self._own_mr.close()         # every schedule ends with its sends completed
-            self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE)
+            # remote write: a rendezvous message is written straight into it
+            self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes),
+                                                         self.rd.ACCESS_LOCAL_WRITE | self.rd.ACCESS_REMOTE_WRITE)
             self._own = self._own_mr.array()
         return self._own_mr
 
@@ -218,14 +235,19 @@ class RdmaTransport(_OwnBuffer, _Waits):
         on_gpu = not isinstance(lend, np.ndarray)
         addr = lend.data.ptr if on_gpu else lend.__array_interface__["data"][0]
         size = lend.nbytes
+        # writable host memory may receive a rendezvous message: the peer writes it
+        access = 0 if on_gpu or not lend.flags.writeable else self.rd.ACCESS_LOCAL_WRITE | self.rd.ACCESS_REMOTE_WRITE
         for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
-            if key_addr <= addr and addr + size <= key_addr + key_len:
+            if key_addr <= addr and addr + size <= key_addr + key_len and (not access or mr.access & access == access):
                 self._user_mrs.move_to_end((key_addr, key_len))
                 return mr, key_offset + addr - key_addr
         if on_gpu:
             mr, base = device.register(self.pd, lend)
         else:
-            mr, base = self.rd.MemoryRegion(self.pd, lend, 0), 0   # local read: only sent from
+            mr, base = self.rd.MemoryRegion(self.pd, lend, access), 0
+        stale = self._user_mrs.pop((addr, size), None)     # registered before without remote write
+        if stale is not None:
+            stale[0].close()
         self._user_mrs[(addr, size)] = (mr, base)
         while len(self._user_mrs) > USER_MR_CACHE:
             self._user_mrs.popitem(last=False)[1][0].close()
@@ -246,7 +268,7 @@ class RdmaTransport(_OwnBuffer, _Waits):
         if self.failure is None:
             failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,
                                      self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback,
-                                     self.background, self._rdesc)
+                                     self.background, self._rdesc, self._work_mr.rkey)
             if failed:
                 self.engine_failed()
         if self.failure is not None:
