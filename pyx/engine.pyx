@@ -20,6 +20,7 @@ cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
 from cpython.bytes cimport PyBytes_FromString
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.long cimport PyLong_AsLongAndOverflow
 from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock, PyThread_allocate_lock,
                                PyThread_free_lock, PyThread_release_lock, PyLockStatus, PY_LOCK_ACQUIRED)
 from libc.errno cimport errno
@@ -265,6 +266,8 @@ cdef class Engine:
     cdef uint32_t work_rkey
     cdef int rdv_peer                # the send waiting for its receiver's answer, -1: none
     cdef int64_t rdv_off, rdv_len
+    cdef readonly unsigned long long polls      # CQ polls, and sleeps on the completion channel, so far
+    cdef readonly unsigned long long sleeps
 
     def __cinit__(self):
         self.peers = NULL
@@ -931,6 +934,7 @@ cdef class Engine:
         cdef ibv_cq *ev_cq
         cdef void *ev_ctx
         n = ibv_poll_cq(self.cq, NWC, self.wcs)
+        self.polls += 1
         if n == 0 and seconds > 0:
             if self.spin_now > 0:
                 end = monotonic_now() + min(self.spin_now, seconds)
@@ -941,10 +945,12 @@ cdef class Engine:
                     sched_yield()
                     n = ibv_poll_cq(self.cq, NWC, self.wcs)
                     k += 1
+                self.polls += <unsigned long long>k
             if n == 0 and seconds > self.spin_now:
                 ibv_req_notify_cq(self.cq, 0)
                 n = ibv_poll_cq(self.cq, NWC, self.wcs)        # one that came before the arming
                 if n == 0:
+                    self.sleeps += 1
                     pfd.fd = self.channel.fd
                     pfd.events = POLLIN
                     pfd.revents = 0
@@ -1144,6 +1150,16 @@ cdef class ExecLock:
 
 
 @cython.final
+cdef class _LastMessage:
+    """The last point-to-point call of one direction (send or receive) and what it was prepared for."""
+    cdef HostCall call
+    cdef bytes format
+    cdef Py_ssize_t nbytes
+    cdef int peer
+    cdef object tag
+
+
+@cython.final
 cdef class HostCollectives:
     """Blocking collectives on host memory over RDMA as one C call each: ``allreduce(buf, op,
     algorithm)`` in place, and ``barrier()``. The buffer comes by the buffer protocol, the
@@ -1165,6 +1181,9 @@ cdef class HostCollectives:
     cdef Py_ssize_t last_len
     cdef object last_op, last_algorithm
     cdef MemoryRegion lent                                # the last registration of a buffer in place
+    cdef list sent, received                              # the communicator's messages per peer so far
+    # the last send's and the last receive's call and key (a ping-pong repeats one of each)
+    cdef _LastMessage last_send, last_recv
 
     def __init__(self, Engine engine not None, executor, comm, transport):
         """``executor``: the communicator's pyrdma.collectives.executor.Executor (the order of calls,
@@ -1172,6 +1191,8 @@ cdef class HostCollectives:
         self.engine, self.ex, self.comm, self.transport = engine, executor, comm, transport
         self.lock = executor.lock
         self.calls = {}
+        self.sent, self.received = comm._p2p_sent, comm._p2p_received
+        self.last_send, self.last_recv = _LastMessage(), _LastMessage()
 
     def allreduce(self, buf, op, algorithm):
         """``buf``, reduced in place; or None where the general path must run the call: not a
@@ -1189,8 +1210,7 @@ cdef class HostCollectives:
         try:
             if comm.cost_model is not self.model or comm.max_work_bytes != self.max_work_bytes \
                     or comm.zero_copy_bytes != self.zero_copy_bytes:
-                self.calls.clear()
-                self.last_call = None
+                self._forget()
                 self.model, self.max_work_bytes = comm.cost_model, comm.max_work_bytes
                 self.zero_copy_bytes = comm.zero_copy_bytes
             fmt = view.format
@@ -1203,8 +1223,7 @@ cdef class HostCollectives:
             call = self.calls.get(key, _MISSING)
             if call is _MISSING:
                 if len(self.calls) >= 256:
-                    self.calls.clear()
-                    self.last_call = None
+                    self._forget()
                 call = self.calls[key] = comm._prepare_host_allreduce(buf, op, algorithm)
             if call is None or (<HostCall>call).nbytes != view.len:
                 return None
@@ -1250,8 +1269,7 @@ cdef class HostCollectives:
                 call = self.calls.get(key, _MISSING)
                 if call is _MISSING:
                     if len(self.calls) >= 256:
-                        self.calls.clear()
-                        self.last_call = None
+                        self._forget()
                     call = self.calls[key] = comm._prepare_host_alltoall(buf)
                 if call is None:
                     return None
@@ -1341,34 +1359,40 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&oview)
 
-    def send(self, buf, int dst, tag):
-        """True once ``buf`` went to rank ``dst`` as the next message of that pair (copied, below
-        the zero-copy size); None where the general path must run it (as allreduce)."""
-        return self._message(buf, dst, tag, False)
-
-    def recv(self, buf, int src, tag):
-        """The elements of the next message of rank ``src``, received into ``buf``; None where the
-        general path must run it (as allreduce)."""
-        return self._message(buf, src, tag, True)
-
     cdef object _message(self, buf, int peer, tag, bint receive):
+        """A blocking send of ``buf`` to ``peer`` (True once sent: copied, below the zero-copy size),
+        or receive from it (the elements received) as the pair's next message; None where the
+        general path must run it (as allreduce)."""
         cdef Py_buffer view
         cdef Engine engine = self.engine
-        ex, comm = self.ex, self.comm
-        if ex.pending or ex.closed or ex.broken is not None or type(tag) is not int \
-                or not 0 <= peer < engine.size or peer == engine.rank:
+        cdef _LastMessage last = self.last_recv if receive else self.last_send
+        cdef const char *fmt
+        if type(tag) is not int or not 0 <= peer < engine.size or peer == engine.rank:
             return None
         try:
             PyObject_GetBuffer(buf, &view, (PyBUF_WRITABLE if receive else 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
         except Exception:
             return None
         try:
-            if comm.zero_copy_bytes and view.len >= comm.zero_copy_bytes:
+            zero_copy = self.comm.zero_copy_bytes
+            if zero_copy and view.len >= zero_copy:
                 return None
-            call = self._prepared(("recv" if receive else "send", _format(&view), view.len, peer, tag),
-                                  "_prepare_host_message", buf, peer, (tag, receive))
+            fmt = view.format
+            if fmt == NULL:
+                fmt = "B"
+            # the last call of this direction, compared in C: building and hashing the dict's key
+            # tuple is Python work that every message of a ping-pong would repeat
+            if last.call is not None and view.len == last.nbytes and peer == last.peer \
+                    and (tag is last.tag or tag == last.tag) and strcmp(fmt, <char *>last.format) == 0:
+                return self._run_message(last.call, &view, peer, receive)
+            ex = self.ex
+            if ex.pending or ex.closed or ex.broken is not None:
+                return None
+            key = ("recv" if receive else "send", PyBytes_FromString(fmt), view.len, peer, tag)
+            call = self._prepared(key, "_prepare_host_message", buf, peer, (tag, receive))
             if call is None:
                 return None
+            last.call, last.format, last.nbytes, last.peer, last.tag = call, key[1], view.len, peer, tag
             return self._run_message(<HostCall>call, &view, peer, receive)
         finally:
             PyBuffer_Release(&view)
@@ -1385,12 +1409,13 @@ cdef class HostCollectives:
         cdef uint64_t seq
         cdef int64_t got = 0
         cdef int rc, i
+        cdef list counters
         self.lock._take(-1.0)
         try:
             ex = self.ex
             if ex.pending or ex.closed or ex.broken is not None or engine.fail_kind != FAIL_NONE:
                 return None
-            counters = self.comm._p2p_received if receive else self.comm._p2p_sent
+            counters = self.received if receive else self.sent
             seq = counters[peer]
             counters[peer] = seq + 1
             try:
@@ -1430,10 +1455,15 @@ cdef class HostCollectives:
         call = self.calls.get(key, _MISSING)
         if call is _MISSING:
             if len(self.calls) >= 256:
-                self.calls.clear()
-                self.last_call = None
+                self._forget()
             call = self.calls[key] = getattr(self.comm, prepare)(buf, root, algorithm)
         return call
+
+    cdef void _forget(self):
+        """Drop the prepared calls (the dict is full, or what they were prepared under changed)."""
+        self.calls.clear()
+        self.last_call = None
+        self.last_send.call = self.last_recv.call = None
 
     def barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
@@ -1506,3 +1536,41 @@ cdef class HostCollectives:
             if addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
                 raise UsageError("the registration does not cover the buffer")
         return mr
+
+
+# Communicator.send and Communicator.recv (the class takes these functions as its methods): a warm
+# blocking message of host memory over RDMA is then one C call, without a Python frame of the
+# method's own (in the Soft-RoCE VM every Python-level step of a ping-pong costs about a microsecond)
+
+def communicator_send(self, buf, dst, tag=0):
+    """Send ``buf`` to rank ``dst``. Messages from one rank to another arrive in the order sent
+    (with the same tag, as MPI); the receiver's ``recv`` must name this rank and tag. Small
+    messages go eagerly into the receiver's slots; a message of zero_copy_bytes or more is sent
+    straight from ``buf``. Returns once ``buf`` may be reused."""
+    if _host_message(self, buf, dst, tag, False) is not None:
+        return None
+    return self._call(self._p2p, buf, dst, None, tag, blocking=True)
+
+
+def communicator_recv(self, buf, src, tag=0):
+    """Receive the next message of rank ``src`` with ``tag`` into ``buf``; returns the number of
+    elements received (the message may be shorter than buf; longer is an error naming both
+    sizes, never a truncation)."""
+    done = _host_message(self, buf, src, tag, True)
+    if done is not None:
+        return done
+    return self._call(self._p2p, buf, None, src, tag, blocking=True)
+
+
+cdef object _host_message(comm, buf, peer, tag, bint receive):
+    """The one-call path's result (HostCollectives._message), or None where the general path runs."""
+    cdef int overflow = 0
+    cdef long p
+    host = comm._host
+    if host is None or type(peer) is not int:
+        return None
+    p = PyLong_AsLongAndOverflow(peer, &overflow)
+    cdef HostCollectives h = <HostCollectives?>host
+    if overflow or not 0 <= p < h.engine.size:
+        return None
+    return h._message(buf, <int>p, tag, receive)

@@ -42,6 +42,7 @@ import threading
 import numpy as np
 
 from pyrdma import _reduce
+from pyrdma._engine import communicator_recv, communicator_send
 from pyrdma.collectives import algorithms, ring, tree
 from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
@@ -803,27 +804,14 @@ class Communicator:
     def ialltoall(self, buf, out=None, send_counts=None, recv_counts=None):
         return self._call(self._alltoall, buf, out, send_counts, recv_counts, blocking=False)
 
-    def send(self, buf, dst, tag=0):
-        """Send ``buf`` to rank ``dst``. Messages from one rank to another arrive in the order sent
-        (with the same tag, as MPI); the receiver's ``recv`` must name this rank and tag. Small
-        messages go eagerly into the receiver's slots; a message of zero_copy_bytes or more is sent
-        straight from ``buf``. Returns once ``buf`` may be reused."""
-        if self._host is not None and type(dst) is int and self._host.send(buf, dst, tag) is not None:
-            return None
-        return self._call(self._p2p, buf, dst, None, tag, blocking=True)
+    # send(buf, dst, tag=0) and recv(buf, src, tag=0) are C functions (pyrdma._engine's; their
+    # docstrings say what they do): a warm blocking message of host memory over RDMA is one C call,
+    # without a Python frame of the method's own; elsewhere they run _call(_p2p, ...) as isend does
+    send = communicator_send
+    recv = communicator_recv
 
     def isend(self, buf, dst, tag=0):
         return self._call(self._p2p, buf, dst, None, tag, blocking=False)
-
-    def recv(self, buf, src, tag=0):
-        """Receive the next message of rank ``src`` with ``tag`` into ``buf``; returns the number of
-        elements received (the message may be shorter than buf; longer is an error naming both
-        sizes, never a truncation)."""
-        if self._host is not None and type(src) is int:
-            done = self._host.recv(buf, src, tag)
-            if done is not None:
-                return done
-        return self._call(self._p2p, buf, None, src, tag, blocking=True)
 
     def irecv(self, buf, src, tag=0):
         return self._call(self._p2p, buf, None, src, tag, blocking=False)

@@ -550,17 +550,18 @@ def pingpong(comm, nbytes, iters, send, recv):
     on rank 0 (None elsewhere). ``send(buf, peer)`` and ``recv(buf, peer)`` are the library's."""
     buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
     times = []
+    rank = comm.rank                            # a local, as mpi_collectives.py's loop has it
     for i in range(iters + 10):                 # 10 warm-up round trips
-        if comm.rank == 0:
+        if rank == 0:
             t0 = time.perf_counter()
             send(buf, 1)
             recv(buf, 1)
             if i >= 10:
                 times.append((time.perf_counter() - t0) / 2)
-        elif comm.rank == 1:
+        elif rank == 1:
             recv(buf, 0)
             send(buf, 0)
-    return times if comm.rank == 0 else None
+    return times if rank == 0 else None
 
 
 def stream(comm, nbytes, messages, send, recv, barrier):
