@@ -113,6 +113,11 @@ FAILURES = {FAIL_LINK: "link", FAIL_ABORT: "abort", FAIL_MISMATCH: "mismatch", F
 cdef extern from "pythread.h":
     PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds, int intr_flag) nogil
 
+cdef extern from "Python.h":
+    ctypedef struct PyThreadState
+    PyThreadState *PyEval_SaveThread() nogil
+    void PyEval_RestoreThread(PyThreadState *state) nogil
+
 cdef double CLOSE_POLL = 0.2        # the longest one sleep lasts before looking at close() and signals
 cdef double SIGNAL_CHECK = 0.05     # how often a wait runs the signal handlers
 # A spinning wait rations its clock reads: where the clock source has no vDSO path (the Soft-RoCE
@@ -120,6 +125,11 @@ cdef double SIGNAL_CHECK = 0.05     # how often a wait runs the signal handlers
 # the small collectives 3-6% slower (A/B in one boot: 2 and 4 ranks, 8 B and 4 KiB).
 cdef int FIRST_POLLS = 64           # polls a wait makes before it first reads the clock
 cdef int CLOCK_EVERY = 32           # polls of a spin between two clock reads
+# A blocking point-to-point message of at most this many bytes runs holding the GIL until it has to
+# wait (Engine._execute_holding_gil): an inline send that posts and returns never releases it. A
+# GIL release and retake cost about as much as a Python call, which in the VM is ~1 us of a 30 us
+# ping-pong; larger copies leave the GIL to other threads, as every run did before.
+cdef int64_t HOLD_GIL_BYTES = 65536
 
 
 cdef struct peer_t:
@@ -266,11 +276,14 @@ cdef class Engine:
     cdef uint32_t work_rkey
     cdef int rdv_peer                # the send waiting for its receiver's answer, -1: none
     cdef int64_t rdv_off, rdv_len
+    cdef bint hold_gil               # the run holds the GIL until a wait (_execute_holding_gil)
+    cdef PyThreadState *released     # the thread state a wait of such a run saved, releasing the GIL
     cdef readonly unsigned long long polls      # CQ polls, and sleeps on the completion channel, so far
     cdef readonly unsigned long long sleeps
 
     def __cinit__(self):
         self.peers = NULL
+        self.released = NULL
         self.queried = NULL
         self.visited = NULL
 
@@ -515,6 +528,19 @@ cdef class Engine:
                               <int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6], <int>st[7]) < 0:
                 return -1
         return 0
+
+    cdef int _execute_holding_gil(self, Program prog) noexcept:
+        """_execute, called with the GIL, which the first wait releases (nothing else in a run
+        touches Python objects: signal handlers and callbacks take the GIL as they would anyway);
+        the GIL is held again on return."""
+        cdef int rc
+        self.hold_gil = True
+        rc = self._execute(prog.steps, prog.nsteps, prog.chunks)
+        self.hold_gil = False
+        if self.released != NULL:
+            PyEval_RestoreThread(self.released)
+            self.released = NULL
+        return rc
 
     cdef int _exchange(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch, int nr,
                        int ck) noexcept nogil:
@@ -879,6 +905,8 @@ cdef class Engine:
         cdef int suspect, q, i, handled
         if self._ready(what, peer):
             return 0
+        if self.hold_gil and self.released == NULL:
+            self.released = PyEval_SaveThread()     # taken back at the run's end
         self.epoch = (self.epoch + 1) & 0xFFF
         for q in range(self.size):
             self.peers[q].report = -1
@@ -1429,14 +1457,23 @@ cdef class HostCollectives:
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc, 0, 0, None,
                               False, region.rkey)
                 try:
-                    with nogil:
+                    if call.work_bytes <= HOLD_GIL_BYTES:
                         if call.nbytes:
                             memcpy(work, data, <size_t>call.nbytes)
-                        rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                        rc = engine._execute_holding_gil(prog)
                         if rc == 0 and receive:
                             got = engine.received
                             if got:
                                 memcpy(data, work, <size_t>got)
+                    else:
+                        with nogil:
+                            if call.nbytes:
+                                memcpy(work, data, <size_t>call.nbytes)
+                            rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                            if rc == 0 and receive:
+                                got = engine.received
+                                if got:
+                                    memcpy(data, work, <size_t>got)
                 finally:
                     engine._end()
                 if rc < 0:

@@ -588,6 +588,35 @@ def test_close_from_another_thread_ends_a_blocked_collective(transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_from_another_thread_ends_a_blocked_recv(transport):
+    """A blocking recv (over RDMA the one-call path, which holds the GIL until it has to wait)
+    lets the other threads run while it waits, and leaves at close()."""
+    comms = make_world(transport)
+    try:
+        outcome = {}
+
+        def blocked():
+            start = time.monotonic()
+            try:
+                comms[0].recv(np.zeros(8, np.uint8), 1)            # rank 1 never sends
+                outcome["result"] = "returned"
+            except BaseException as exc:
+                outcome["result"] = f"{type(exc).__name__}: {exc}"
+            outcome["at"] = time.monotonic() - start
+
+        t = threading.Thread(target=blocked, daemon=True)
+        t.start()
+        time.sleep(0.5)
+        comms[0].close()
+        t.join(TIMEOUT)
+        assert not t.is_alive()
+        assert outcome["result"].startswith("UsageError") and "closed" in outcome["result"], outcome
+        assert outcome["at"] - 0.5 < 1.2, outcome
+    finally:
+        close_all(comms)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_close_from_another_thread_ends_a_waiting_handle(transport):
     comms = make_world(transport)
     try:
