@@ -1229,7 +1229,7 @@ cdef class HostCollectives:
         cdef Py_buffer view
         cdef const char *fmt
         comm = self.comm
-        if self.ex.pending or self.ex.closed or self.ex.broken is not None:
+        if not self.ex.idle:
             return None
         try:
             PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
@@ -1269,7 +1269,7 @@ cdef class HostCollectives:
         cdef const char *fmt
         cdef const char *ofmt
         comm = self.comm
-        if self.ex.pending or self.ex.closed or self.ex.broken is not None:
+        if not self.ex.idle:
             return None
         if out is None:
             if type(buf) is not _ndarray:
@@ -1314,7 +1314,7 @@ cdef class HostCollectives:
         cdef Py_buffer *outp = NULL
         cdef int n = self.engine.size
         ex = self.ex
-        if ex.pending or ex.closed or ex.broken is not None or type(root) is not int \
+        if not ex.idle or type(root) is not int \
                 or not 0 <= <long>root < n:
             return None
         is_root = root == self.engine.rank
@@ -1354,7 +1354,7 @@ cdef class HostCollectives:
         cdef Py_buffer *inp = NULL
         cdef int n = self.engine.size
         ex = self.ex
-        if ex.pending or ex.closed or ex.broken is not None or type(root) is not int \
+        if not ex.idle or type(root) is not int \
                 or not 0 <= <long>root < n:
             return None
         is_root = root == self.engine.rank
@@ -1414,7 +1414,7 @@ cdef class HostCollectives:
                     and (tag is last.tag or tag == last.tag) and strcmp(fmt, <char *>last.format) == 0:
                 return self._run_message(last.call, &view, peer, receive)
             ex = self.ex
-            if ex.pending or ex.closed or ex.broken is not None:
+            if not ex.idle:
                 return None
             key = ("recv" if receive else "send", PyBytes_FromString(fmt), view.len, peer, tag)
             call = self._prepared(key, "_prepare_host_message", buf, peer, (tag, receive))
@@ -1441,7 +1441,7 @@ cdef class HostCollectives:
         self.lock._take(-1.0)
         try:
             ex = self.ex
-            if ex.pending or ex.closed or ex.broken is not None or engine.fail_kind != FAIL_NONE:
+            if not ex.idle or engine.fail_kind != FAIL_NONE:
                 return None
             counters = self.received if receive else self.sent
             seq = counters[peer]
@@ -1505,7 +1505,7 @@ cdef class HostCollectives:
     def barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
         comm = self.comm
-        if self.ex.pending or self.ex.closed or self.ex.broken is not None:
+        if not self.ex.idle:
             return None
         if self.barrier_call is None:
             self.barrier_call = comm._prepare_barrier()
@@ -1526,7 +1526,7 @@ cdef class HostCollectives:
         self.lock._take(-1.0)
         try:
             ex = self.ex
-            if ex.pending or ex.closed or ex.broken is not None or engine.fail_kind != FAIL_NONE:
+            if not ex.idle or engine.fail_kind != FAIL_NONE:
                 return None
             seq = ex.seq
             ex.seq = seq + 1                # the call is accepted: its number is taken, as in submit

@@ -63,7 +63,9 @@ class Executor:
     """Runs a communicator's calls (see the module's docstring). ``lock`` is held while a call runs
     (reentrant: close() from inside a call's own thread, a signal handler, must not deadlock; over
     RDMA an ExecLock, which pyrdma._engine.HostCollectives takes without a Python call, and which
-    reads ``pending``, ``closed``, ``broken`` and ``seq`` and calls ``fail``)."""
+    reads ``idle`` and ``seq`` and calls ``fail``). ``idle``: no call is queued and the executor is
+    neither closed nor broken (the one-call path's one check, instead of three attribute reads);
+    it changes under ``_count_lock``, after the state it sums up."""
 
     def __init__(self, rank, size, transport, lock):
         self.rank, self.size, self.transport, self.lock = rank, size, transport, lock
@@ -71,6 +73,7 @@ class Executor:
         self.pending = 0
         self.broken = None
         self.closed = False
+        self.idle = True
         self._count_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pyrdma-comm-rank{rank}")
 
@@ -87,6 +90,7 @@ class Executor:
             inline = blocking and self.pending == 0
             if not inline:
                 self.pending += 1
+                self.idle = False
         if inline:
             with self.lock:
                 return _Done(self._guarded(fn, *args))
@@ -107,6 +111,7 @@ class Executor:
         finally:
             with self._count_lock:
                 self.pending -= 1
+                self._update_idle()
 
     def _guarded(self, fn, *args):
         try:
@@ -121,6 +126,8 @@ class Executor:
         if self.broken is not None:
             return
         self.broken = exc
+        with self._count_lock:
+            self.idle = False
         culprit = getattr(exc, "peer", None)
         if not isinstance(culprit, int) or not 0 <= culprit < self.size:
             culprit = self.rank if not isinstance(exc, RDMAError) else NO_CULPRIT
@@ -132,6 +139,9 @@ class Executor:
             self.transport.abort(culprit, reason)
         except Exception:
             pass
+
+    def _update_idle(self):
+        self.idle = self.pending == 0 and not self.closed and self.broken is None
 
     def raise_if_broken(self):
         exc = self.broken
@@ -148,6 +158,8 @@ class Executor:
         if self.closed:
             return
         self.closed = True
+        with self._count_lock:
+            self.idle = False
         self.transport.interrupt()
         self._pool.shutdown(wait=True)
         # a blocking call of another thread leaves at its next wait (CLOSE_POLL), or at its timeout
