@@ -13,7 +13,8 @@ The wire protocol is the one the transport module documents (RdmaTransport).
 
 The GIL is taken only to run signal handlers while waiting (Ctrl-C raises KeyboardInterrupt, as in
 pyzmq) and, for GPU work areas, to call the Python ``consume`` callback that runs CUDA copies and
-reductions. Errors are recorded in C (``failure()`` describes them) and raised by the transport
+reductions; a blocking point-to-point message of at most HOLD_GIL_BYTES keeps it until its first
+wait (Engine._execute_holding_gil). Errors are recorded in C (``failure()`` describes them) and raised by the transport
 in the one exception hierarchy.
 """
 cimport cython
