@@ -18,14 +18,17 @@ SPAWN = multiprocessing.get_context("spawn")
 def _rank_main(conn, rank, size, transport, timeout, comm_kwargs):
     try:
         from pyrdma.collectives import Communicator, TCPStore
+        # the bootstrap waits for ranks still starting (imports take seconds in the VM), whatever
+        # short timeout the collectives get (the dead-rank tests use a few seconds)
+        store_timeout = max(timeout, 60.0)
         if rank == 0:
-            store = TCPStore("127.0.0.1", 0, 0, size, timeout)
+            store = TCPStore("127.0.0.1", 0, 0, size, store_timeout)
             conn.send(("port", store.port))
         else:
             if not conn.poll(timeout):
                 raise TimeoutError("the parent never sent the rendezvous port")
             _, port = conn.recv()
-            store = TCPStore("127.0.0.1", port, rank, size, timeout)
+            store = TCPStore("127.0.0.1", port, rank, size, store_timeout)
         try:
             comm = Communicator(exchange=store, transport=transport, timeout=timeout, **comm_kwargs)
         finally:
