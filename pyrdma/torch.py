@@ -21,6 +21,7 @@ Communicator's GPU paths (with CuPy installed: staged through pinned host memory
 through a host copy made here). Non-contiguous ones go through a contiguous copy that is written
 back when the collective completes.
 """
+import functools
 import ipaddress
 import math
 import os
@@ -117,19 +118,15 @@ def _host_array(t):
     return t.numpy(), None
 
 
-_CUPY = []
-
-
+@functools.lru_cache(maxsize=None)
 def _gpu_paths():
     """Whether CUDA tensors can go to the Communicator's GPU paths (they stage through CuPy's
     pinned memory); without CuPy they go through a host copy made here."""
-    if not _CUPY:
-        try:
-            import cupy  # noqa: F401
-            _CUPY.append(True)
-        except Exception:   # noqa: BLE001 -- absent, or present without a usable CUDA
-            _CUPY.append(False)
-    return _CUPY[0]
+    try:
+        import cupy  # noqa: F401
+        return True
+    except Exception:   # noqa: BLE001 -- absent, or present without a usable CUDA
+        return False
 
 
 class _Staged:

@@ -546,24 +546,32 @@ def test_invalid_gid_index_or_port_is_a_clear_error():
 
 # ---- 6. close from another thread, Ctrl-C ------------------------------------------------------------
 
+def _blocked_in_thread(call):
+    """Start ``call()`` (one that blocks) on a thread and give it 0.5 s to get there: (thread,
+    outcome), outcome filled with its "result" (what it raised) and "at" (seconds it took)."""
+    outcome = {}
+
+    def blocked():
+        start = time.monotonic()
+        try:
+            call()
+            outcome["result"] = "returned"
+        except BaseException as exc:
+            outcome["result"] = f"{type(exc).__name__}: {exc}"
+        outcome["at"] = time.monotonic() - start
+
+    t = threading.Thread(target=blocked, daemon=True)
+    t.start()
+    time.sleep(0.5)
+    return t, outcome
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_close_from_another_thread_ends_a_blocked_collective(transport):
     comms = make_world(transport)
     try:
-        outcome = {}
-
-        def blocked():
-            start = time.monotonic()
-            try:
-                comms[0].allreduce(np.ones(1000, np.float32))      # rank 1 never joins
-                outcome["result"] = "returned"
-            except BaseException as exc:
-                outcome["result"] = f"{type(exc).__name__}: {exc}"
-            outcome["at"] = time.monotonic() - start
-
-        t = threading.Thread(target=blocked, daemon=True)
-        t.start()
-        time.sleep(0.5)
+        # rank 1 never joins
+        t, outcome = _blocked_in_thread(lambda: comms[0].allreduce(np.ones(1000, np.float32)))
         handle = comms[0].ibarrier()            # queued behind it: must not run after close either
         closing = time.monotonic()
         comms[0].close()                        # (over TCP it lingers up to 2 s for the peer's goodbye)
@@ -593,20 +601,7 @@ def test_close_from_another_thread_ends_a_blocked_recv(transport):
     lets the other threads run while it waits, and leaves at close()."""
     comms = make_world(transport)
     try:
-        outcome = {}
-
-        def blocked():
-            start = time.monotonic()
-            try:
-                comms[0].recv(np.zeros(8, np.uint8), 1)            # rank 1 never sends
-                outcome["result"] = "returned"
-            except BaseException as exc:
-                outcome["result"] = f"{type(exc).__name__}: {exc}"
-            outcome["at"] = time.monotonic() - start
-
-        t = threading.Thread(target=blocked, daemon=True)
-        t.start()
-        time.sleep(0.5)
+        t, outcome = _blocked_in_thread(lambda: comms[0].recv(np.zeros(8, np.uint8), 1))   # rank 1 never sends
         comms[0].close()
         t.join(TIMEOUT)
         assert not t.is_alive()
