@@ -251,6 +251,7 @@ _HOSTILE = {
     "credits it was never owed": lambda rng, slots: [(1 << 30) | 0xFFFF],
     "credits it was never owed, riding on data": lambda rng, slots: [(0 << 30) | (0x7F << 23) | 4096],
     "more messages than credits": lambda rng, slots: [(0 << 30) | 4096] * (slots + 1),
+    "a rendezvous answer (CTS) to no RTS": lambda rng, slots: [(3 << 30) | (2 << 28)],
     "random immediates": lambda rng, slots: [int(v) for v in rng.integers(0, 1 << 32, 4, dtype=np.uint64)],
 }
 
@@ -303,7 +304,7 @@ def test_garbage_from_a_peer_fails_the_collective_and_names_it(case):
     if case == "a header of another collective":
         assert outcome.startswith("UsageError") and "different collective" in outcome, outcome
     elif case in ("a length over max_message", "credits it was never owed",
-                  "credits it was never owed, riding on data"):
+                  "credits it was never owed, riding on data", "a rendezvous answer (CTS) to no RTS"):
         assert outcome.startswith("PeerError") and "malformed" in outcome, outcome
     elif case == "more messages than credits":      # the first one's header, or the count, whichever is seen first
         assert ("malformed" in outcome and outcome.startswith("PeerError")) or "different collective" in outcome, \
