@@ -19,7 +19,7 @@ HEADER_DIRS = ["/usr/include", "/usr/local/include"]
 # pyx/<name>.pyx -> pyrdma._verbs.<name>
 VERBS_MODULES = ["base", "loader", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp", "cm"]
 # Other compiled modules: pyx/<name>.pyx -> pyrdma.<name>
-OTHER_MODULES = {"reduce": "pyrdma._reduce", "engine": "pyrdma._engine"}
+OTHER_MODULES = {"reduce": "pyrdma._reduce", "engine": "pyrdma._engine", "hostcalls": "pyrdma._hostcalls"}
 # Linked into every module: the entry points of libibverbs and librdmacm, opened at run time (a module
 # that calls none takes nothing from it). A static library, compiled once: as a source of each
 # extension, the parallel build (-j) would write its one object file from several threads.
@@ -55,15 +55,19 @@ def _loader_libraries():
 
 
 def _pxd_include_path():
-    # Cython resolves `from pyrdma._verbs.x cimport ...` as pyrdma/_verbs/x.pxd on its include path;
-    # the sources live flat in pyx/, so point a package-shaped link at them.
+    # Cython resolves `from pyrdma._verbs.x cimport ...` as pyrdma/_verbs/x.pxd on its include path
+    # (and `from pyrdma._engine cimport ...` as pyrdma/_engine.pxd); the sources live flat in pyx/,
+    # so point package-shaped links at them.
     root = os.path.join(HERE, "build", "pxd")
-    link = os.path.join(root, "pyrdma", "_verbs")
-    os.makedirs(os.path.dirname(link), exist_ok=True)
-    if not os.path.islink(link):
-        if os.path.exists(link):
+    links = {os.path.join(root, "pyrdma", "_verbs"): os.path.join(HERE, "pyx"),
+             os.path.join(root, "pyrdma", "_engine.pxd"): os.path.join(HERE, "pyx", "engine.pxd")}
+    for link, target in links.items():
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        if os.path.islink(link) and os.readlink(link) == target:
+            continue
+        if os.path.lexists(link):
             os.remove(link)
-        os.symlink(os.path.join(HERE, "pyx"), link)
+        os.symlink(target, link)
     return root
 
 

@@ -183,7 +183,7 @@ def test_a_malformed_schedule_is_refused_before_anything_is_posted():
 
 
 def _fast_and_general(rank, size, port):
-    """Every blocking host allreduce(buf) runs as one C call (pyrdma._engine.HostCollectives); the
+    """Every blocking host allreduce(buf) runs as one C call (pyrdma._hostcalls.HostCollectives); the
     same call with out= takes the general path. Both must give the same bits."""
     rng = np.random.default_rng(1234 + rank)
     mismatches, frames = [], []
@@ -317,7 +317,7 @@ def test_the_exec_lock_behaves_as_an_rlock():
     """The Communicator's lock on RDMA (HostCollectives takes it by C calls): reentrant, owned by
     one thread, and a timed acquire gives up while another thread holds it."""
     import threading
-    from pyrdma._engine import ExecLock
+    from pyrdma._hostcalls import ExecLock
     lock = ExecLock()
     assert lock.acquire() and lock.acquire(timeout=0.01)       # reentrant
     lock.release()

@@ -343,6 +343,8 @@ def _dead(comm, victim, kind):
             comm.scatter(np.zeros(n * 100), root=victim)
         elif kind == "recv":
             comm.recv(np.zeros(100), victim)
+        elif kind == "rendezvous send":       # 2 MiB, over the rendezvous size: it waits for the CTS
+            comm.send(np.zeros(1 << 18), victim)
     except pyrdma.PeerError as exc:
         return ("PeerError", exc.peer, time.monotonic() - start)
     return ("no error", None, None)
@@ -351,6 +353,18 @@ def _dead(comm, victim, kind):
 @pytest.mark.parametrize("kind", ["alltoall", "gather", "scatter", "recv"])
 @pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
 def test_dead_rank_is_named(transport, kind):
+    _check_dead_rank_is_named(transport, kind)
+
+
+@pytest.mark.device
+def test_dead_rank_during_a_rendezvous_send_is_named():
+    """The sender of a rendezvous message waits for the receiver's buffer address (CTS); a receiver
+    that died is named within the timeout, as in an eager exchange. (RDMA only: TCP sends eagerly,
+    and a send may end in the socket's buffer before the peer's death is known.)"""
+    _check_dead_rank_is_named("rdma", "rendezvous send")
+
+
+def _check_dead_rank_is_named(transport, kind):
     timeout, victim, size = 4.0, 2, 3
     w = World(size, transport, timeout=timeout, start_timeout=START_TIMEOUT, max_message=MAX_MESSAGE)
     try:

@@ -1,4 +1,4 @@
-"""The type stubs of the compiled modules (pyrdma/_verbs/*.pyi, _engine.pyi, _reduce.pyi).
+"""The type stubs of the compiled modules (pyrdma/_verbs/*.pyi, _engine.pyi, _hostcalls.pyi, _reduce.pyi).
 
 mypy.stubtest compares them with the built modules (every public name present on both sides, the
 same parameters); mypy then checks the README's verbs examples against them and finds the errors in
@@ -15,7 +15,7 @@ pytest.importorskip("mypy", reason="mypy is not installed (scripts/setup.sh inst
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = ["pyrdma._verbs." + m for m in ("base", "loader", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp", "cm")]
-MODULES += ["pyrdma._engine", "pyrdma._reduce"]
+MODULES += ["pyrdma._engine", "pyrdma._hostcalls", "pyrdma._reduce"]
 TIMEOUT = 300
 
 

@@ -62,7 +62,7 @@ class _Done:
 class Executor:
     """Runs a communicator's calls (see the module's docstring). ``lock`` is held while a call runs
     (reentrant: close() from inside a call's own thread, a signal handler, must not deadlock; over
-    RDMA an ExecLock, which pyrdma._engine.HostCollectives takes without a Python call, and which
+    RDMA an ExecLock, which pyrdma._hostcalls.HostCollectives takes without a Python call, and which
     reads ``idle`` and ``seq`` and calls ``fail``). ``idle``: no call is queued and the executor is
     neither closed nor broken (the one-call path's one check, instead of three attribute reads);
     it changes under ``_count_lock``, after the state it sums up."""

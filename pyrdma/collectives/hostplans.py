@@ -1,0 +1,119 @@
+"""The one-call path's plans: the HostCalls that pyrdma._hostcalls.HostCollectives runs.
+
+Each function prepares one blocking call of host memory over RDMA for a buffer's format and size
+(HostCollectives caches the result per shape) with the same plan, description and work area as the
+general path's spec (pyrdma.collectives.specs), so both paths interoperate message for message; it
+returns None where the general path must run the call (and raise the errors of bad arguments).
+"""
+import numpy as np
+
+from pyrdma import _reduce
+from pyrdma._hostcalls import HostCall
+from pyrdma.buffers import host_array
+from pyrdma.collectives import algorithms, specs, tree
+from pyrdma.collectives.algorithms import exchange
+from pyrdma.collectives.specs import ALGORITHMS, OPS
+from pyrdma.collectives.transport import NO_ROOT, describe_message
+from pyrdma.collectives.work import Operand, plain_bytes
+from pyrdma.errors import UsageError
+
+
+def allreduce(comm, buf, op, algorithm):
+    """What HostCollectives needs to run ``allreduce(buf, op=op, algorithm=algorithm)`` as one C
+    call, again for every buffer of the same format and size (its cache key): a HostCall, with the
+    same plan, description and work area as the general path (specs.allreduce); or None where the
+    general path must run it (avg, one piece too many, arguments it rejects with their error)."""
+    if op not in OPS or op == "avg" or algorithm not in ALGORITHMS:
+        return None
+    try:
+        src = Operand(buf, "buf", writable=True)
+    except UsageError:
+        return None
+    if src.count == 0 or src.code == _reduce.BFLOAT16 or src.nbytes > comm.max_work_bytes:
+        return None
+    plan = specs.allreduce_plan(comm, src, op, specs.check_algorithm(algorithm))
+    if len(plan) != 1:
+        return None
+    (lo, hi, algo, tag), = plan
+    t = comm.transport
+    schedule = algorithms.planner("allreduce", algo)(comm.size, comm.rank, src.count, src.itemsize, t.max_message)
+    in_place, work_bytes = specs.allreduce_work(comm, algo, src.nbytes)
+    return HostCall(t.engine.program(schedule), tag, src.code, specs.op_code(op), src.nbytes, schedule.result_offset,
+                    work_bytes, None if in_place else t.own_region(work_bytes))
+
+
+def alltoall(comm, buf):
+    """The HostCall of a blocking all-to-all of equal pieces (see allreduce): the
+    same plan and description as the general path's (specs.alltoall), or None where that one must
+    run it."""
+    try:
+        arr, data = plain_bytes(buf, "buf")
+    except UsageError:
+        return None
+    n, r = comm.size, comm.rank
+    if arr.size % n or not data.nbytes:
+        return None
+    piece = data.nbytes // n
+    bounds = tuple(i * piece for i in range(n + 1))
+    t = comm.transport
+    schedule = algorithms.planner("alltoall", "pairwise")(n, r, bounds, bounds, data.nbytes, t.max_message)
+    tag = specs.describe_call(comm, "alltoall", dtype=arr.dtype, count=arr.size, algorithm="pairwise")
+    return HostCall(t.engine.program(schedule), tag, 0, 0, data.nbytes, data.nbytes, 2 * data.nbytes,
+                    t.own_region(2 * data.nbytes), own=(r * piece, data.nbytes + r * piece, piece))
+
+
+def rooted_copy(comm, kind, piece, root, algorithm):
+    """A gather's or scatter's (``kind``) HostCall for this rank's ``piece`` (gather: its input,
+    scatter: its output): the same plan, description and work area as the general path's
+    (specs.rooted_copy); or None."""
+    try:
+        arr, data = plain_bytes(piece, "buf")
+        algo = specs.copy_algorithm(comm, kind, algorithm, data.nbytes)
+    except UsageError:
+        return None
+    n, r, block = comm.size, comm.rank, data.nbytes
+    entry = algorithms.ALGORITHMS[kind][algo]
+    full = entry.full_area or r == root
+    at = r * block if full else 0
+    t = comm.transport
+    schedule = entry.planner(n, r, root, block, t.max_message)
+    tag = specs.describe_call(comm, kind, dtype=arr.dtype, count=arr.size, root=root, algorithm=algo)
+    area = n * block if full else block
+    if kind == "gather":          # in: this rank's block; out: all of them, on the root
+        return HostCall(t.engine.program(schedule), tag, 0, 0, block, 0, area, t.own_region(area), in_offset=at,
+                        out_bytes=n * block if r == root else 0)
+    return HostCall(t.engine.program(schedule), tag, 0, 0, n * block if r == root else 0, at, area,
+                    t.own_region(area), out_bytes=block)
+
+
+def message(comm, buf, peer, tag, receive):
+    """The HostCall of a blocking send to or receive from ``peer`` with ``tag``,
+    copied through the transport's buffer: the same plan and description as the general path's
+    (specs.p2p), whose message number HostCollectives fills in per call; or None."""
+    if not 0 <= tag < NO_ROOT:
+        return None
+    try:
+        arr, data = plain_bytes(buf, "buf", writable=receive)
+    except UsageError:
+        return None
+    t, nbytes = comm.transport, data.nbytes
+    if receive:
+        schedule = exchange.message(None, 0, peer, nbytes, 0, t.max_message)
+        desc = describe_message(0, 0, arr.dtype, tag)
+        return HostCall(t.engine.program(schedule), desc, 0, 0, 0, 0, nbytes, t.own_region(nbytes), out_bytes=0)
+    schedule = exchange.message(peer, nbytes, None, 0, nbytes, t.max_message)
+    desc = describe_message(0, nbytes, arr.dtype, tag)
+    return HostCall(t.engine.program(schedule), desc, 0, 0, nbytes, 0, nbytes, t.own_region(nbytes), out_bytes=0)
+
+
+def barrier(comm):
+    """The HostCall of barrier() (see allreduce): the same plan and description
+    as the general path's."""
+    t = comm.transport
+    return HostCall(t.engine.program(tree.dissemination_barrier(comm.size, comm.rank)),
+                    specs.describe_call(comm, "barrier", algorithm="dissemination"), 0, 0, 0, 0, 0, t.own_region(0))
+
+
+def registration(comm, buf):
+    """The MemoryRegion of a host buffer that an allreduce works on in place."""
+    return comm.transport.registration(host_array(buf, "buf").reshape(-1).view(np.uint8))[0]

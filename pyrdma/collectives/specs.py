@@ -1,0 +1,518 @@
+"""One spec per collective: what a call of the Communicator runs, described once.
+
+A spec function ``name(comm, *args)`` validates the call's arguments on the caller's thread, plans
+its pieces (one Run each: the schedule's planner, the description every message carries, the work
+area, what to copy in before and out after) and says what the call returns, as a Spec. The
+Communicator runs every spec by one path (Communicator._call: blocking, or non-blocking on its
+thread), so a collective's blocking and ``i*`` forms are the same spec; the one-call path of
+pyrdma._hostcalls prepares its calls with the same plans and descriptions (hostplans). Adding a
+collective is one planner (algorithms/), one spec here and its tests.
+"""
+import functools
+
+import numpy as np
+
+from pyrdma import _reduce
+from pyrdma.collectives import algorithms, ring, tree
+from pyrdma.collectives.algorithms import exchange
+from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS
+from pyrdma.collectives.pieces import segment_bounds
+from pyrdma.collectives.transport import NO_ROOT, describe, describe_message
+from pyrdma.collectives.work import Avg, Operand, byte_bounds, in_and_out, plain_bytes
+from pyrdma.errors import UsageError
+
+OPS = ("sum", "prod", "min", "max", "avg")
+ALGORITHMS = ("auto",) + ALLREDUCE_ALGORITHMS + tuple(ALIASES)
+
+
+class Run:
+    """One run of the engine in a call (a piece of a large reduction, or the whole call):
+    ``plan(max_message)`` its Schedule, ``tag`` the description its messages carry (``recv_tag``
+    the one they are received with, point-to-point), ``area`` the bytes of its work area (the
+    transport's buffer, or ``lend[start:start + area]`` in place), ``fill(work)`` before it,
+    ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes. Lent
+    memory other than numpy's (GPU memory) comes with its ``device`` (transport.work_area); where
+    ``reduce`` is given, received chunks are consumed in Python (schedule.consumer: CUDA copies and
+    reductions) instead of in C."""
+
+    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "device",
+                 "reduce")
+
+    def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None,
+                 device=None, reduce=None):
+        self.plan, self.tag, self.area, self.fill, self.finish = plan, tag, area, fill, finish
+        self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
+        self.device, self.reduce = device, reduce
+
+
+COPY_ONLY = object()       # Run.reduce of a run that consumes in Python but only copies
+
+
+class Spec:
+    """One call as the one path runs it: its runs in order, then ``result()`` (default: what the
+    last run's finish returned). ``collective``: it advances the call number (not point-to-point)."""
+
+    __slots__ = ("runs", "result", "collective", "after")
+
+    def __init__(self, runs, result=None, collective=True):
+        self.runs, self.result, self.collective = runs, result, collective
+        self.after = None
+
+    def then(self, fn):
+        """``fn(result)`` runs after the call, on the thread that ran it, and gives its result."""
+        self.after = fn
+
+
+def op_code(op):
+    """pyrdma._reduce's code of the element-wise op of a collective's op (avg sums)."""
+    return _reduce.op_code("sum" if op == "avg" else op)
+
+
+def dtype_field(name):
+    """describe()'s dtype of a CUDA broadcast: pyrdma._reduce's code, else numpy's type."""
+    if name in _reduce.DTYPE_NAMES:
+        return _reduce.DTYPE_NAMES.index(name)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        return 0xFFFF
+
+
+def check_op(op):
+    if op not in OPS:
+        raise UsageError(f"unsupported op {op!r}; supported: {', '.join(OPS)}")
+
+
+# ---- the Communicator's choices, shared by the specs and the one-call path (hostplans) ----
+
+
+def describe_call(comm, kind, **fields):
+    """The description of a collective about to be submitted (transport.describe): every rank
+    computes the same one for the same call, and every message carries it (the sequence
+    number advances in Executor.submit, once the call was accepted)."""
+    return describe(comm._exec.seq, kind, **fields)
+
+
+def work_pieces(comm, count, itemsize, factor=1):
+    """Element ranges of at most max_work_bytes / factor bytes each (at least one range)."""
+    per = max(1, comm.max_work_bytes // (itemsize * factor))
+    if count <= per:
+        return [(0, count)]
+    return [(s, min(count, s + per)) for s in range(0, count, per)]
+
+
+def check_algorithm(algorithm):
+    if algorithm not in ALGORITHMS:
+        raise UsageError(f"unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+    return ALIASES.get(algorithm, algorithm)
+
+
+def rooted_algorithm(comm, algorithm, nbytes):
+    if algorithm == "auto":
+        return comm.cost_model.choose_rooted(nbytes, comm.size, comm.transport.max_message)
+    if algorithm not in ROOTED_ALGORITHMS:
+        raise UsageError(f"unknown algorithm {algorithm!r} for reduce/broadcast; use auto, "
+                         f"{', '.join(ROOTED_ALGORITHMS)}")
+    return algorithm
+
+
+def copy_algorithm(comm, kind, algorithm, block):
+    if algorithm == "auto":
+        return comm.cost_model.choose_copy(kind, block, comm.size, comm.transport.max_message)
+    if algorithm not in algorithms.names(kind):
+        raise UsageError(f"unknown algorithm {algorithm!r} for {kind}; use auto, "
+                         f"{', '.join(algorithms.names(kind))}")
+    return algorithm
+
+
+def check_root(comm, root):
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < comm.size:
+        raise UsageError(f"root {root!r} is not a rank of this communicator (0..{comm.size - 1})")
+    return int(root)
+
+
+def zero_copy(comm, nbytes):
+    """Whether a collective works on ``nbytes`` of the caller's memory itself (registered, no
+    copies) rather than on the transport's buffer."""
+    return bool(comm.zero_copy_bytes) and nbytes >= comm.zero_copy_bytes
+
+
+def allreduce_work(comm, algo, nbytes):
+    """(in place?, work bytes) of an allreduce of ``nbytes`` by ``algo``, for the general path and
+    the one-call path alike: in place when zero_copy, except recursive doubling, which needs
+    room for a second copy."""
+    if algo == "recursive_doubling":
+        return False, 2 * nbytes
+    return zero_copy(comm, nbytes), nbytes
+
+
+def allreduce_plan(comm, src, op, algorithm):
+    """[(lo, hi, algorithm, description)] of the pieces of an allreduce of ``src``."""
+    plan = []
+    for lo, hi in work_pieces(comm, src.count, src.itemsize):
+        nbytes = (hi - lo) * src.itemsize
+        algo = algorithm
+        if algo == "auto":
+            algo = comm.cost_model.choose_allreduce(nbytes, comm.size, comm.transport.max_message)
+            algo = ALIASES.get(algo, algo)
+            if algo not in ALLREDUCE_ALGORITHMS:
+                raise UsageError(f"the cost model chose an unknown algorithm {algo!r}")
+        tag = describe_call(comm, "allreduce", op=op, dtype=src.code, count=src.count, lo=lo, hi=hi, algorithm=algo)
+        plan.append((lo, hi, algo, tag))
+    return plan
+
+
+# ---- the specs ------------------------------------------------------------------------------
+
+
+def allreduce(comm, buf, out, op, algorithm, dtype):
+    check_op(op)
+    algorithm = check_algorithm(algorithm)
+    src, dst = in_and_out(buf, out, dtype, writes=True)
+    avg = Avg(op, src.code, comm.size)
+    runs = []
+    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm):
+        a, b = lo * src.itemsize, hi * src.itemsize
+        in_place, work_bytes = allreduce_work(comm, algo, b - a)
+
+        def fill(work, a=a, b=b, in_place=in_place):
+            if not in_place or src is not dst:
+                work[:b - a] = src.bytes[a:b]
+            avg.before(work[:b - a])
+
+        def finish(work, schedule, received, a=a, b=b, in_place=in_place):
+            at = schedule.result_offset              # where in work the result lies
+            avg.after(work[at:at + b - a])
+            if not in_place:
+                dst.bytes[a:b] = work[at:at + b - a]
+        plan = functools.partial(algorithms.planner("allreduce", algo), comm.size, comm.rank, hi - lo,
+                                 src.itemsize)
+        runs.append(Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, op_code(op),
+                        lend=dst.bytes if in_place else None, start=a))
+    return Spec(runs, lambda: dst.obj)
+
+
+def reduce(comm, buf, out, op, root, algorithm, dtype):
+    check_op(op)
+    root = check_root(comm, root)
+    src, dst = in_and_out(buf, out, dtype, writes=comm.rank == root)
+    avg = Avg(op, src.code, comm.size)
+    runs = []
+    for lo, hi in work_pieces(comm, src.count, src.itemsize):
+        algo = rooted_algorithm(comm, algorithm, (hi - lo) * src.itemsize)
+        a, b = lo * src.itemsize, hi * src.itemsize
+
+        def fill(work, a=a, b=b):
+            work[:b - a] = src.bytes[a:b]
+            avg.before(work[:b - a])
+
+        def finish(work, schedule, received, a=a, b=b):
+            if comm.rank == root:
+                avg.after(work[:b - a])
+                dst.bytes[a:b] = work[:b - a]
+        plan = functools.partial(algorithms.planner("reduce", algo), comm.size, comm.rank, hi - lo, src.itemsize,
+                                 root=root)
+        tag = describe_call(comm, "reduce", op=op, dtype=src.code, count=src.count, root=root, lo=lo, hi=hi,
+                            algorithm=algo)
+        runs.append(Run(plan, tag, b - a, fill, finish, src.code, op_code(op)))
+    return Spec(runs, lambda: dst.obj if comm.rank == root else None)
+
+
+def broadcast(comm, buf, root, algorithm):
+    root = check_root(comm, root)
+    arr, data = plain_bytes(buf, "buf", writable=comm.rank != root)    # any dtype: broadcast copies bytes
+    runs = []
+    for lo, hi in work_pieces(comm, data.nbytes, 1):
+        algo = rooted_algorithm(comm, algorithm, hi - lo)
+        # in place the root only sends from its buffer (which may be read-only)
+        lend = data if zero_copy(comm, hi - lo) else None
+
+        def fill(work, lo=lo, hi=hi, lend=lend):
+            if comm.rank == root and lend is None:
+                work[:hi - lo] = data[lo:hi]
+
+        def finish(work, schedule, received, lo=lo, hi=hi, lend=lend):
+            if comm.rank != root and lend is None:
+                data[lo:hi] = work[:hi - lo]
+        plan = functools.partial(algorithms.planner("broadcast", algo), comm.size, comm.rank, hi - lo, 1,
+                                 root=root)
+        tag = describe_call(comm, "broadcast", dtype=arr.dtype, count=data.nbytes, root=root, lo=lo, hi=hi,
+                            algorithm=algo)
+        runs.append(Run(plan, tag, hi - lo, fill, finish, lend=lend, start=lo))
+    return Spec(runs, lambda: buf)
+
+
+def allgather(comm, buf, out):
+    arr, src = plain_bytes(buf, "buf")
+    users_out = out is not None
+    if out is None:
+        shape = (comm.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (comm.size,)
+        out = np.empty(shape, arr.dtype)
+    dst_arr, dst = plain_bytes(out, "out", writable=True)
+    if dst_arr.dtype != arr.dtype or dst_arr.size != arr.size * comm.size:
+        raise UsageError(f"out must hold {comm.size} x {arr.size} elements of {arr.dtype}; "
+                         f"it has {dst_arr.size} of {dst_arr.dtype}")
+    block = src.nbytes
+    total = block * comm.size
+    # a fresh out= of ours would be registered (and kept) once per call: copy instead
+    lend = dst if users_out and zero_copy(comm, total) else None
+
+    def fill(work):
+        work[comm.rank * block:(comm.rank + 1) * block] = src
+
+    def finish(work, schedule, received):
+        if lend is None:
+            dst[:] = work[:total]
+        return out
+    # blocks as "elements" of one byte: boundaries at multiples of the block size
+    plan = functools.partial(ring.allgather, comm.size, comm.rank, total, 1,
+                             bounds=tuple(i * block for i in range(comm.size + 1)))
+    tag = describe_call(comm, "allgather", dtype=arr.dtype, count=arr.size)
+    return Spec([Run(plan, tag, total, fill, finish, lend=lend)])
+
+
+def reduce_scatter(comm, buf, out, op, dtype):
+    check_op(op)
+    src = Operand(buf, "buf", writable=False, dtype=dtype)
+    bounds = segment_bounds(src.count, comm.size)
+    start, stop = bounds[comm.rank], bounds[comm.rank + 1]
+    if out is None:
+        out = np.empty(stop - start, src.array.dtype)
+    dst = Operand(out, "out", writable=True, dtype=dtype)
+    src.same_type(dst, "out")
+    if dst.count != stop - start:
+        raise UsageError(f"out must hold this rank's {stop - start} elements (segment_bounds), it has {dst.count}")
+    avg = Avg(op, src.code, comm.size)
+    a, b = start * src.itemsize, stop * src.itemsize
+
+    def fill(work):
+        work[:src.nbytes] = src.bytes
+        avg.before(work[:src.nbytes])
+
+    def finish(work, schedule, received):
+        avg.after(work[a:b])
+        dst.bytes[:] = work[a:b]
+        return dst.obj
+    plan = functools.partial(ring.reduce_scatter, comm.size, comm.rank, src.count, src.itemsize,
+                             bounds=tuple(bounds))
+    tag = describe_call(comm, "reduce_scatter", op=op, dtype=src.code, count=src.count)
+    return Spec([Run(plan, tag, src.nbytes, fill, finish, src.code, op_code(op))])
+
+
+def barrier(comm):
+    plan = lambda max_message: tree.dissemination_barrier(comm.size, comm.rank)    # noqa: E731
+    return Spec([Run(plan, describe_call(comm, "barrier", algorithm="dissemination"), 0)])
+
+
+def gather(comm, buf, out, root, algorithm):
+    root = check_root(comm, root)
+    arr, data = plain_bytes(buf, "buf")
+    block, n, r = data.nbytes, comm.size, comm.rank
+    if r == root:
+        if out is None:
+            out = np.empty((n * arr.shape[0],) + arr.shape[1:] if arr.ndim else (n,), arr.dtype)
+        dst_arr, dst = plain_bytes(out, "out", writable=True)
+        if dst_arr.dtype != arr.dtype or dst.nbytes != n * block:
+            raise UsageError(f"out must hold {n} x {arr.size} elements of {arr.dtype}; it has {dst_arr.size} "
+                             f"of {dst_arr.dtype}")
+
+    def fill(work, at):
+        work[at:at + block] = data
+
+    def finish(work, at):
+        if r != root:
+            return None
+        dst[:] = work[:n * block]
+        return out
+    return rooted_copy(comm, "gather", root, algorithm, arr.dtype, arr.size, block, fill, finish)
+
+
+def scatter(comm, buf, out, root, algorithm):
+    root = check_root(comm, root)
+    n, r = comm.size, comm.rank
+    src = None
+    if buf is not None:
+        arr, src = plain_bytes(buf, "buf")
+        if arr.ndim == 0 or arr.shape[0] % n:
+            raise UsageError(f"buf's first dimension ({arr.shape[0] if arr.ndim else 'a scalar'}) must split "
+                             f"into {n} equal pieces")
+        if out is None:
+            out = np.empty((arr.shape[0] // n,) + arr.shape[1:], arr.dtype)
+    elif r == root:
+        raise UsageError(f"scatter: buf is None on the root (rank {root}), which sends it")
+    elif out is None:
+        raise UsageError(f"scatter: rank {r} is not the root; pass out= (the piece it receives) or buf")
+    out_arr, dst = plain_bytes(out, "out", writable=True)
+    block = dst.nbytes
+    if src is not None and (arr.dtype != out_arr.dtype or src.nbytes != n * block):
+        raise UsageError(f"buf must hold {n} pieces like out ({out_arr.size} elements of {out_arr.dtype}); it "
+                         f"has {arr.size} of {arr.dtype}")
+
+    def fill(work, at):
+        if r == root:
+            work[:n * block] = src
+
+    def finish(work, at):
+        dst[:] = work[at:at + block]
+        return out
+    return rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish)
+
+
+def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish):
+    """The spec of a gather or scatter of ``block`` bytes per rank. The work area holds every
+    rank's block in rank order where the root or the algorithm needs them all, else this rank's
+    at 0; ``fill(work, at)`` and ``finish(work, at)`` get where this rank's block lies."""
+    n, r = comm.size, comm.rank
+    algo = copy_algorithm(comm, kind, algorithm, block)
+    entry = algorithms.ALGORITHMS[kind][algo]
+    full = entry.full_area or r == root
+    at = r * block if full else 0
+    return Spec([Run(functools.partial(entry.planner, n, r, root, block),
+                     describe_call(comm, kind, dtype=dtype, count=count, root=root, algorithm=algo),
+                     n * block if full else block, lambda work: fill(work, at),
+                     lambda work, schedule, received: finish(work, at))])
+
+
+def alltoall(comm, buf, out, send_counts, recv_counts):
+    n, r = comm.size, comm.rank
+    arr, src = plain_bytes(buf, "buf")
+    item = arr.dtype.itemsize
+    if send_counts is None:
+        if recv_counts is not None:
+            raise UsageError("recv_counts without send_counts: give both, or send_counts alone")
+        if arr.size % n:
+            raise UsageError(f"buf has {arr.size} elements, which do not split into {n} equal pieces; pass "
+                             f"send_counts")
+        piece = src.nbytes // n
+        sb = rb = tuple(i * piece for i in range(n + 1))
+    else:
+        sb = byte_bounds(send_counts, "send_counts", n, item)
+        if sb[-1] != src.nbytes:
+            raise UsageError(f"send_counts add up to {sb[-1] // item} elements; buf has {arr.size}")
+        if recv_counts is None:
+            mine = np.diff(np.array(sb, np.int64)) // item
+            recv_counts = comm.alltoall(mine)
+        rb = byte_bounds(recv_counts, "recv_counts", n, item)
+    if out is None:
+        if send_counts is None:
+            out = np.empty_like(arr)
+        else:
+            out = np.empty((rb[-1] // item,) + arr.shape[1:], arr.dtype) if arr.ndim > 1 and \
+                rb[-1] % (item * int(np.prod(arr.shape[1:]))) == 0 else np.empty(rb[-1] // item, arr.dtype)
+    out_arr, dst = plain_bytes(out, "out", writable=True)
+    if out_arr.dtype != arr.dtype or dst.nbytes != rb[-1]:
+        raise UsageError(f"out must hold {rb[-1] // item} elements of {arr.dtype}; it has {out_arr.size} of "
+                         f"{out_arr.dtype}")
+    base = sb[-1]
+    count = arr.size if send_counts is None else 0     # uneven counts: each message's length is checked
+    tag = describe_call(comm, "alltoall", dtype=arr.dtype, count=count, algorithm="pairwise")
+
+    def fill(work):
+        work[:base] = src
+
+    def finish(work, schedule, received):
+        dst[:] = work[base:base + rb[-1]]
+        dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
+        return out
+    plan = functools.partial(algorithms.planner("alltoall", "pairwise"), n, r, sb, rb, base)
+    return Spec([Run(plan, tag, base + rb[-1], fill, finish)])
+
+
+def p2p(comm, buf, dst, src, tag):
+    """A send (dst), a receive (src) or both (buf and tag pairs: send's, receive's): one message
+    each way."""
+    send_tag, recv_tag = tag if isinstance(tag, tuple) else (tag, tag)
+    for t in (send_tag, recv_tag):
+        if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < NO_ROOT:
+            raise UsageError(f"tag must be an integer in [0, {NO_ROOT}), got {t!r}")
+    sendbuf, recvbuf = buf if isinstance(buf, tuple) else ((buf, None) if dst is not None else (None, buf))
+    for peer, what in ((dst, "dst"), (src, "src")):
+        if peer is not None and (not isinstance(peer, (int, np.integer)) or not 0 <= peer < comm.size):
+            raise UsageError(f"{what} {peer!r} is not a rank of this communicator (0..{comm.size - 1})")
+    s_arr = r_arr = s_data = r_data = None
+    if sendbuf is not None:
+        s_arr, s_data = plain_bytes(sendbuf, "buf" if recvbuf is None else "sendbuf")
+    if recvbuf is not None:
+        r_arr, r_data = plain_bytes(recvbuf, "buf" if sendbuf is None else "recvbuf", writable=True)
+    if dst == comm.rank or src == comm.rank:
+        raise UsageError(f"rank {comm.rank} sends or receives a message to itself; copy the array instead")
+    item = r_arr.dtype.itemsize if r_arr is not None else 1
+    send_desc = recv_desc = describe(0, "")
+    if dst is not None:
+        send_desc = describe_message(comm._p2p_sent[dst], s_data.nbytes, s_arr.dtype, send_tag)
+        comm._p2p_sent[dst] += 1
+    if src is not None:
+        recv_desc = describe_message(comm._p2p_received[src], 0, r_arr.dtype, recv_tag)
+        comm._p2p_received[src] += 1
+    nbytes = s_data.nbytes if s_data is not None else 0
+    capacity = r_data.nbytes if r_data is not None else 0
+    # a lone send or receive works on the caller's memory itself when zero-copy pays
+    lend = None
+    if recvbuf is None and zero_copy(comm, nbytes):
+        lend = s_data
+    elif sendbuf is None and zero_copy(comm, capacity):
+        lend = r_data
+
+    def fill(work):
+        if s_data is not None and lend is None:
+            work[:nbytes] = s_data
+
+    def finish(work, schedule, received):
+        if src is None:
+            return None
+        if received % item:
+            raise UsageError(f"rank {src} sent {received} bytes, not whole {item}-byte elements of "
+                             f"{r_arr.dtype}")
+        if lend is None and received:
+            r_data[:received] = work[nbytes:nbytes + received]
+        return received // item
+    plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if lend is not None else nbytes)
+    area = nbytes + capacity if lend is None else (nbytes or capacity)
+    return Spec([Run(plan, send_desc, area, fill, finish, lend=lend, recv_tag=recv_desc)], collective=False)
+
+
+def allreduce_direct(comm, area, op, algorithm):
+    """allreduce in place on a work area that is not the transport's: ``area`` has the memory
+    (``work``, a flat uint8 array that the transport sends from directly: GPU memory through
+    pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code`` and the reductions ``reduce``,
+    ``divide``, ``prescale`` (floating-point avg: work /= n before the sum; else divide after it)
+    and, for memory other than numpy's, ``register(pd, array)`` and ``sync()``."""
+    device = None if isinstance(area.work, np.ndarray) else area
+    runs = []
+    for lo, hi in work_pieces(comm, area.count, area.itemsize):
+        algo = algorithm
+        if algo == "auto":
+            algo = comm.cost_model.choose_allreduce((hi - lo) * area.itemsize, comm.size,
+                                                    comm.transport.max_message)
+            algo = ALIASES.get(algo, algo)
+        if algo == "recursive_doubling":      # needs a second copy of the buffer: not in place
+            algo = "halving_doubling"
+
+        def fill(work):
+            if op == "avg" and area.prescale is not None:
+                area.prescale(work, comm.size)
+
+        def finish(work, schedule, received):
+            if op == "avg" and area.prescale is None:
+                area.divide(work, comm.size)
+        plan = functools.partial(algorithms.planner("allreduce", algo), comm.size, comm.rank, hi - lo,
+                                 area.itemsize)
+        tag = describe_call(comm, "allreduce-direct", op=op, dtype=area.code, count=area.count, lo=lo, hi=hi,
+                            algorithm=algo)
+        runs.append(Run(plan, tag, (hi - lo) * area.itemsize, fill, finish, area.code, op_code(op), area.work,
+                        lo * area.itemsize, device=device, reduce=area.reduce))
+    return Spec(runs)
+
+
+def broadcast_direct(comm, area, root, algorithm):
+    """broadcast of ``area.work`` (flat uint8, GPU memory included) from root, sent from directly."""
+    device = None if isinstance(area.work, np.ndarray) else area
+    runs = []
+    for lo, hi in work_pieces(comm, area.work.nbytes, 1):
+        algo = rooted_algorithm(comm, algorithm, hi - lo)
+        plan = functools.partial(algorithms.planner("broadcast", algo), comm.size, comm.rank, hi - lo, 1,
+                                 root=root)
+        tag = describe_call(comm, "broadcast-direct", dtype=dtype_field(area.dtype_name), count=area.work.nbytes,
+                        root=root, lo=lo, hi=hi, algorithm=algo)
+        runs.append(Run(plan, tag, hi - lo, lend=area.work, start=lo, device=device, reduce=COPY_ONLY))
+    return Spec(runs)

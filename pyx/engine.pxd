@@ -1,0 +1,175 @@
+# The collective engine's C types (pyx/engine.pyx -> pyrdma._engine), for the modules that drive it
+# (pyx/hostcalls.pyx: the one-call host collectives).
+cimport cython
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
+from pyrdma._verbs.libibverbs cimport ibv_qp, ibv_cq, ibv_comp_channel, ibv_wc
+
+# schedule layout (pyrdma.collectives.schedule mirrors these; LAYOUT lets a test compare)
+cdef enum:
+    STEP_COLUMNS = 8
+    CHUNK_COLUMNS = 3
+    EXCHANGE = 0
+    WAIT_SENDS = 1
+    CONSUME_NONE = 0
+    CONSUME_COPY = 1
+    CONSUME_REDUCE = 2
+    CONSUME_REDUCE_LOWER = 3
+    CONSUME_REDUCE_UPPER = 4
+    CONSUME_COPY_UPTO = 5            # a point-to-point message of at most the chunks' length
+
+# the wire (transport.py documents it)
+cdef enum:
+    KIND_DATA = 0
+    KIND_CREDIT = 1
+    KIND_ABORT = 2
+    KIND_CONTROL = 3
+    CTRL_QUERY = 0
+    CTRL_REPORT = 1
+    CTRL_CTS = 2                     # rendezvous: the receiver's buffer is in the sender's mailbox
+    LEN_MASK = 0x7FFFFF
+    CREDIT_SHIFT = 23                # a data message's immediate returns up to CREDIT_MASK credits
+    CREDIT_MASK = 0x7F
+    DESC_SIZE = 44
+    HEADER_SIZE = 48
+    C_HEADER_ROOM = 64
+    NWC = 64
+    RDV_MAX_WRITE = 1 << 30          # the longest RDMA WRITE of a rendezvous (larger ones are split)
+
+# what a wait waits for, and the kinds of failure (failure())
+cdef enum:
+    WAIT_CREDIT = 0
+    WAIT_ARRIVAL = 1
+    WAIT_SEND_QUEUE = 2
+    WAIT_SENDS_DONE = 3
+    WAIT_CTS = 4
+    FAIL_NONE = 0
+    FAIL_LINK = 1
+    FAIL_ABORT = 2
+    FAIL_MISMATCH = 3
+    FAIL_TIMEOUT = 4
+    FAIL_CLOSED = 5
+    FAIL_POST = 6
+    FAIL_POLL = 7
+    FAIL_MALFORMED = 8
+    FAIL_PYTHON = 9
+
+cdef extern from "Python.h":
+    ctypedef struct PyThreadState
+    PyThreadState *PyEval_SaveThread() nogil
+    void PyEval_RestoreThread(PyThreadState *state) nogil
+
+
+cdef struct peer_t:
+    ibv_qp *qp
+    uint64_t remote          # our receive slots in the peer's memory
+    uint32_t rkey
+    uint8_t *slots           # the peer's receive slots here
+    uint8_t *headers         # our header staging for messages to the peer (one per slot)
+    int credits
+    int unreturned
+    uint64_t send_seq
+    uint64_t recv_seq
+    int outstanding          # posted send WRs not completed yet
+    int data_outstanding     # payloads among them
+    uint32_t *arrivals       # lengths of arrived messages, a ring of ``slots`` entries
+    int arr_head
+    int arr_count
+    int report               # the rank this peer says it waits for (this wait's epoch), -1: none
+    uint8_t *mailbox         # where the peer writes its rendezvous answer (CTS) to us
+    uint64_t remote_mailbox  # where we write ours in the peer's memory
+    uint8_t *cts_staging     # our answer's source (registered with the headers)
+    int cts                  # answers arrived and not yet acted on (0 or 1)
+
+
+@cython.final
+cdef class Program:
+    cdef object arrays                # the schedule's arrays, kept alive for the pointers below
+    cdef const int64_t *steps
+    cdef const int64_t *chunks
+    cdef Py_ssize_t nsteps
+    cdef int rank, size, max_message
+    cdef readonly int64_t extent
+    cdef readonly int64_t reduce_align
+
+    cdef int _peer(self, int64_t peer, Py_ssize_t s) except -1
+    cdef int _check(self, int rank, int size, int max_message, const int64_t[:, ::1] steps,
+                    const int64_t[:, ::1] chunks) except -1
+
+
+@cython.final
+cdef class Engine:
+    cdef peer_t *peers
+    cdef int rank, size, slots, slot_stride, max_message, sq_depth, credit_batch
+    cdef double timeout, probe_lead, spin
+    cdef double spin_now             # this run's spin: ``spin``, or 0 in the background
+    cdef int max_inline              # a message this long (header room included) is posted inline
+    cdef ibv_cq *cq
+    cdef ibv_comp_channel *channel
+    cdef uint32_t header_lkey
+    cdef uint8_t *slot_base
+    cdef ibv_wc wcs[NWC]
+    cdef uint8_t *queried
+    cdef uint8_t *visited
+    cdef int closing
+    cdef bint signals
+    cdef int epoch
+    cdef int waiting_on
+    # the collective now running
+    cdef uint8_t desc[DESC_SIZE]     # what its messages carry
+    cdef uint8_t rdesc[DESC_SIZE]    # what the messages it receives must carry (point-to-point: the
+                                     # sender's own sequence and count; else the same as desc)
+    cdef readonly int64_t received   # bytes of the last point-to-point message (CONSUME_COPY_UPTO)
+    cdef uint32_t last_length        # of the message _recv returned
+    cdef uint64_t last_count         # the count field of its description
+    cdef uint8_t *work
+    cdef int64_t work_len
+    cdef uint32_t work_lkey
+    cdef int dtype, op, itemsize
+    cdef object consume              # None, or the Python callback of GPU work areas
+    cdef object py_error             # an exception raised in a callback or a signal handler
+    # the failure (sticky: the message streams are out of step after one)
+    cdef int fail_kind, fail_peer, fail_what
+    cdef int64_t fail_a, fail_b
+    cdef uint8_t fail_desc[DESC_SIZE]
+    cdef list keep                   # the verbs objects whose handles the engine uses
+    cdef readonly unsigned long long runs
+    # rendezvous: a point-to-point message of at least this many bytes (0: none) is written straight
+    # into the receiver's buffer, whose address the receiver sends when the header (RTS) arrives
+    cdef public int64_t rendezvous_bytes
+    cdef bint mailboxes              # the regions have them (else rendezvous stays off)
+    cdef uint32_t work_rkey
+    cdef int rdv_peer                # the send waiting for its receiver's answer, -1: none
+    cdef int64_t rdv_off, rdv_len
+    cdef bint hold_gil               # the run holds the GIL until a wait (_execute_holding_gil)
+    cdef PyThreadState *released     # the thread state a wait of such a run saved, releasing the GIL
+    cdef readonly unsigned long long polls      # CQ polls, and sleeps on the completion channel, so far
+    cdef readonly unsigned long long sleeps
+
+    cdef int _check_peer(self, int peer) except -1
+    cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
+                    const uint8_t *desc, int dtype, int op, object consume, bint background=*,
+                    uint32_t work_rkey=*) except -1
+    cdef void _end(self) noexcept
+    cdef int _fail(self, int kind, int peer, int64_t a, int64_t b) noexcept nogil
+    cdef int _execute(self, const int64_t *steps, Py_ssize_t nsteps, const int64_t *chunks) noexcept nogil
+    cdef int _execute_holding_gil(self, Program prog) noexcept
+    cdef int _exchange(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch, int nr,
+                       int ck) noexcept nogil
+    cdef int _exchange_message(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch,
+                               int nr) noexcept nogil
+    cdef int _rendezvous_receive(self, int peer, int64_t off, int64_t total) noexcept nogil
+    cdef int _rendezvous_write(self) noexcept nogil
+    cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil
+    cdef bint _can_send(self, int peer) noexcept nogil
+    cdef int _send(self, int peer, int64_t off, int64_t n) noexcept nogil
+    cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
+    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*) noexcept nogil
+    cdef int _release(self, int peer) noexcept nogil
+    cdef int _consume(self, int kind, const int64_t *chunk, uint8_t *data) noexcept nogil
+    cdef int _callback(self, int kind, int64_t off, int64_t n, int64_t aux, uint8_t *data) noexcept nogil
+    cdef int _check_signals(self) noexcept nogil
+    cdef bint _ready(self, int what, int peer) noexcept nogil
+    cdef int _chain_end(self, int peer) noexcept nogil
+    cdef int _wait(self, int what, int peer, int64_t n) noexcept nogil
+    cdef int _progress(self, double seconds) noexcept nogil
+    cdef int _handle(self, int n) noexcept nogil

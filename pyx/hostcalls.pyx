@@ -1,0 +1,624 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+"""The one-call path of the blocking collectives on host memory over RDMA (pyrdma._hostcalls).
+
+A warm blocking allreduce, all-to-all, gather, scatter, barrier, send or recv of host memory is one C
+call: HostCollectives takes the buffer by the buffer protocol, finds the call prepared for its shape
+(pyrdma.collectives.hostplans makes HostCalls with the same plans and descriptions as the general
+path), and runs the copy in, the engine's schedule (pyx/engine.pyx) and the copy out without the GIL,
+under the executor's ExecLock. Python runs only to prepare a new shape, register new memory and
+raise errors; what a method does not take (it returns None) goes the Communicator's general way.
+"""
+cimport cython
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
+from cpython.bytes cimport PyBytes_FromString
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.long cimport PyLong_AsLongAndOverflow
+from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock, PyThread_allocate_lock,
+                               PyThread_free_lock, PyThread_release_lock, PyLockStatus, PY_LOCK_ACQUIRED)
+from libc.stdint cimport uint8_t, uint64_t, int64_t, uintptr_t
+from libc.string cimport memcpy, strcmp
+from pyrdma._verbs.base cimport monotonic_now
+from pyrdma._verbs.mr cimport MemoryRegion
+from pyrdma._engine cimport Engine, Program, DESC_SIZE, FAIL_NONE
+
+from numpy import ndarray as _ndarray, empty as _empty, empty_like as _empty_like
+
+from pyrdma.errors import UsageError
+
+cdef extern from "pythread.h":
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds, int intr_flag) nogil
+
+cdef double SIGNAL_CHECK = 0.05     # how often a wait for the lock runs the signal handlers
+# A blocking point-to-point message of at most this many bytes runs holding the GIL until it has to
+# wait (Engine._execute_holding_gil): an inline send that posts and returns never releases it. A
+# GIL release and retake cost about as much as a Python call, which in the VM is ~1 us of a 30 us
+# ping-pong; larger copies leave the GIL to other threads, as every run did before.
+cdef int64_t HOLD_GIL_BYTES = 65536
+
+
+@cython.final
+cdef class HostCall:
+    """A blocking collective on host memory, prepared once by the Communicator (for an allreduce,
+    per buffer format, size, op and algorithm: hostplans.allreduce): the Program, the description
+    (whose call number HostCollectives patches per call), the reduction codes, and the work area:
+    the caller's buffer itself (``work_region`` None) or the transport's own buffer, with a copy
+    in (``nbytes`` at ``in_offset``) and a copy out (``out_bytes``, default nbytes, from
+    ``result_offset``). ``own``: (from, to, length) of a copy within the work area after the copy
+    in (an all-to-all's own block, which no message carries)."""
+    cdef Program program
+    cdef uint8_t desc[DESC_SIZE]
+    cdef int dtype, op
+    cdef int64_t nbytes, result_offset, work_bytes, in_offset, out_bytes
+    cdef int64_t own_from, own_to, own_len
+    cdef MemoryRegion work_region
+
+    def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
+                 int64_t result_offset, int64_t work_bytes, MemoryRegion work_region=None, own=(0, 0, 0),
+                 int64_t in_offset=0, int64_t out_bytes=-1):
+        if len(desc) != DESC_SIZE:
+            raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
+        if not 0 <= dtype < 8 or not 0 <= op < 4:
+            raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
+        if out_bytes < 0:
+            out_bytes = nbytes
+        if nbytes < 0 or result_offset < 0 or in_offset < 0 or result_offset + out_bytes > work_bytes \
+                or in_offset + nbytes > work_bytes or program.extent > work_bytes \
+                or (work_region is None and (result_offset or in_offset or work_bytes != nbytes or out_bytes != nbytes)):
+            raise UsageError("HostCall: the result or the schedule is outside the work area")
+        self.own_from, self.own_to, self.own_len = own
+        if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or work_region is None and self.own_len \
+                or max(self.own_from, self.own_to) + self.own_len > work_bytes:
+            raise UsageError("HostCall: the own block's copy is outside the work area")
+        self.program = program
+        memcpy(self.desc, <char *>desc, DESC_SIZE)
+        self.dtype, self.op = dtype, op
+        self.nbytes, self.result_offset, self.work_bytes = nbytes, result_offset, work_bytes
+        self.in_offset, self.out_bytes = in_offset, out_bytes
+        self.work_region = work_region
+
+
+cdef object _MISSING = object()
+
+
+cdef bytes _format(Py_buffer *view):
+    if view.format == NULL:
+        return b"B"
+    return PyBytes_FromString(view.format)
+
+
+cdef bint _same_format(Py_buffer *a, Py_buffer *b):
+    cdef const char *fa = a.format
+    cdef const char *fb = b.format
+    if fa == NULL:
+        fa = "B"
+    if fb == NULL:
+        fb = "B"
+    return strcmp(fa, fb) == 0
+
+
+@cython.final
+cdef class ExecLock:
+    """The Communicator's lock around a running collective: reentrant like threading.RLock
+    (acquire, release, ``with``), and HostCollectives takes it by C calls. Taken as a Python method
+    call, an RLock cost a tenth of an 8 B allreduce in the VM (about 5 of 50 us)."""
+    cdef PyThread_type_lock lock
+    cdef unsigned long owner
+    cdef int count
+
+    def __cinit__(self):
+        self.lock = PyThread_allocate_lock()
+        if self.lock == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        if self.lock != NULL:
+            PyThread_free_lock(self.lock)
+
+    cdef int _take(self, double timeout) except -1:
+        """1 once held, 0 after ``timeout`` seconds (< 0: no limit). The wait runs without the GIL
+        and runs the signal handlers every SIGNAL_CHECK, so Ctrl-C ends it."""
+        cdef unsigned long me = <unsigned long>PyThread_get_thread_ident()
+        cdef PyLockStatus got
+        cdef double deadline = monotonic_now() + timeout if timeout > 0 else 0.0
+        cdef double step
+        if self.count and self.owner == me:
+            self.count += 1
+            return 1
+        got = PyThread_acquire_lock_timed(self.lock, 0, 0)
+        while got != PY_LOCK_ACQUIRED:
+            step = SIGNAL_CHECK
+            if timeout >= 0:
+                step = min(step, deadline - monotonic_now())
+                if step <= 0:
+                    return 0
+            with nogil:
+                got = PyThread_acquire_lock_timed(self.lock, <long long>(step * 1e6) + 1, 0)
+            if got != PY_LOCK_ACQUIRED:
+                PyErr_CheckSignals()
+        self.owner, self.count = me, 1
+        return 1
+
+    cdef int _give(self) except -1:
+        if self.count == 0 or self.owner != <unsigned long>PyThread_get_thread_ident():
+            raise RuntimeError("cannot release un-acquired lock")
+        self.count -= 1
+        if self.count == 0:
+            self.owner = 0
+            PyThread_release_lock(self.lock)
+        return 0
+
+    def acquire(self, blocking=True, timeout=-1):
+        """As threading.RLock.acquire: True once held, False if ``timeout`` seconds passed."""
+        return bool(self._take(float(timeout) if blocking else 0.0))
+
+    def release(self):
+        self._give()
+
+    def __enter__(self):
+        self._take(-1.0)
+        return self
+
+    def __exit__(self, *exc):
+        self._give()
+
+
+@cython.final
+cdef class _LastCall:
+    """The last call of one kind (gather, scatter, all-to-all, send, receive) and the key it was
+    prepared for, compared in C before the dict: building and hashing the key tuple is Python work
+    that every call of a loop of one shape would repeat (in the VM, a ping-pong's messages and the
+    small gathers and scatters pay for it)."""
+    cdef HostCall call
+    cdef bytes format
+    cdef Py_ssize_t nbytes
+    cdef int peer                    # the root, or the peer of a message
+    cdef object how                  # the algorithm, or the tag of a message
+
+    cdef bint matches(self, Py_buffer *view, int peer, how):
+        cdef const char *fmt = view.format
+        if fmt == NULL:
+            fmt = "B"
+        return self.call is not None and view.len == self.nbytes and peer == self.peer \
+            and (how is self.how or how == self.how) and strcmp(fmt, <char *>self.format) == 0
+
+    cdef void remember(self, HostCall call, bytes format, Py_ssize_t nbytes, int peer, how):
+        self.call, self.format, self.nbytes, self.peer, self.how = call, format, nbytes, peer, how
+
+
+@cython.final
+cdef class HostCollectives:
+    """Blocking collectives on host memory over RDMA as one C call each: ``allreduce(buf, op,
+    algorithm)`` in place, ``alltoall``, ``gather``, ``scatter``, ``barrier()`` and the messages of
+    Communicator.send/recv. The buffer comes by the buffer protocol, the prepared HostCall
+    (pyrdma.collectives.hostplans) from the last call of its kind or a dict keyed by (kind, format,
+    bytes, ...), and the copy in, the schedule and the copy out run without the GIL. Python runs
+    only to prepare a new shape, register new memory in place, and raise errors, so a call costs
+    about as much as a Python function call whatever its size. What a method does not take (it
+    returns None) goes the Communicator's general way."""
+    cdef Engine engine
+    cdef ExecLock lock                                    # the executor's lock
+    cdef object ex, comm, transport, plans                # the executor, the communicator, hostplans
+    cdef dict calls
+    cdef HostCall barrier_call
+    cdef object model, max_work_bytes, zero_copy_bytes   # what the calls were prepared under
+    # the last allreduce's key, looked at before the dict (a training loop repeats one shape):
+    # making and hashing the key tuple cost about 5% of an 8 B allreduce in the VM
+    cdef HostCall last_call
+    cdef bytes last_format
+    cdef Py_ssize_t last_len
+    cdef object last_op, last_algorithm
+    cdef _LastCall last_gather, last_scatter, last_alltoall, last_send, last_recv
+    cdef MemoryRegion lent                                # the last registration of a buffer in place
+    cdef list sent, received                              # the communicator's messages per peer so far
+
+    def __init__(self, Engine engine not None, executor, comm, transport):
+        """``executor``: the communicator's pyrdma.collectives.executor.Executor (the order of calls,
+        their numbers, the failure state, the lock); ``comm``: the Communicator, whose calls
+        pyrdma.collectives.hostplans prepares."""
+        from pyrdma.collectives import hostplans
+        self.engine, self.ex, self.comm, self.transport, self.plans = engine, executor, comm, transport, hostplans
+        self.lock = executor.lock
+        self.calls = {}
+        self.sent, self.received = comm._p2p_sent, comm._p2p_received
+        self.last_gather, self.last_scatter, self.last_alltoall = _LastCall(), _LastCall(), _LastCall()
+        self.last_send, self.last_recv = _LastCall(), _LastCall()
+
+    cdef void _check_prepared_under(self):
+        """Forget the prepared calls when what they were prepared under has changed."""
+        comm = self.comm
+        if comm.cost_model is not self.model or comm.max_work_bytes != self.max_work_bytes \
+                or comm.zero_copy_bytes != self.zero_copy_bytes:
+            self._forget()
+            self.model, self.max_work_bytes = comm.cost_model, comm.max_work_bytes
+            self.zero_copy_bytes = comm.zero_copy_bytes
+
+    def allreduce(self, buf, op, algorithm):
+        """``buf``, reduced in place; or None where the general path must run the call: not a
+        writable C-contiguous buffer, a collective still queued, a failed or closed group, or a
+        call that the Communicator does not prepare (it raises the errors of bad arguments)."""
+        cdef Py_buffer view
+        cdef const char *fmt
+        comm = self.comm
+        if not self.ex.idle:
+            return None
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            self._check_prepared_under()
+            fmt = view.format
+            if fmt == NULL:
+                fmt = "B"
+            if self.last_call is not None and view.len == self.last_len and op is self.last_op \
+                    and algorithm is self.last_algorithm and strcmp(fmt, <char *>self.last_format) == 0:
+                return self._run(self.last_call, buf, &view)
+            key = (PyBytes_FromString(fmt), view.len, op, algorithm)
+            call = self.calls.get(key, _MISSING)
+            if call is _MISSING:
+                if len(self.calls) >= 256:
+                    self._forget()
+                call = self.calls[key] = self.plans.allreduce(comm, buf, op, algorithm)
+            if call is None or (<HostCall>call).nbytes != view.len:
+                return None
+            self.last_call, self.last_format, self.last_len = call, key[0], view.len
+            self.last_op, self.last_algorithm = op, algorithm
+            return self._run(<HostCall>call, buf, &view)
+        finally:
+            PyBuffer_Release(&view)
+
+    def alltoall(self, buf, out):
+        """``out`` (a new array like ``buf`` when None and buf is a numpy array) holding the equal
+        pieces of every rank's all-to-all; or None where the general path must run it (as
+        allreduce)."""
+        cdef Py_buffer view, oview
+        if not self.ex.idle:
+            return None
+        if out is None:
+            if type(buf) is not _ndarray:
+                return None
+            out = _empty_like(buf)
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            try:
+                PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            except Exception:
+                return None
+            try:
+                if oview.len != view.len or not _same_format(&view, &oview) or view.buf == oview.buf:
+                    return None
+                self._check_prepared_under()
+                call = self._last_or_prepared(self.last_alltoall, &view, -1, None, "alltoall",
+                                              self.plans.alltoall, (self.comm, buf))
+                if call is None:
+                    return None
+                return self._run(<HostCall>call, out, &view, &oview)
+            finally:
+                PyBuffer_Release(&oview)
+        finally:
+            PyBuffer_Release(&view)
+
+    def gather(self, buf, out, root, algorithm):
+        """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
+        and buf is a numpy array); None where the general path must run it (as allreduce)."""
+        cdef Py_buffer view, oview
+        cdef Py_buffer *outp = NULL
+        cdef int n = self.engine.size
+        ex = self.ex
+        if not ex.idle or type(root) is not int \
+                or not 0 <= <long>root < n:
+            return None
+        is_root = root == self.engine.rank
+        if is_root and out is None:
+            if type(buf) is not _ndarray or buf.ndim == 0:
+                return None
+            out = _empty((n * buf.shape[0],) + buf.shape[1:], buf.dtype)
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            if is_root:
+                try:
+                    PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+                except Exception:
+                    return None
+                outp = &oview
+            try:
+                if outp != NULL and (oview.len != n * view.len or not _same_format(&view, &oview)):
+                    return None
+                self._check_prepared_under()
+                call = self._last_or_prepared(self.last_gather, &view, <int>root, algorithm, "gather",
+                                              self.plans.rooted_copy, (self.comm, "gather", buf, root, algorithm))
+                if call is None:
+                    return None
+                return (self._run(<HostCall>call, out if is_root else None, &view, outp),)
+            finally:
+                if outp != NULL:
+                    PyBuffer_Release(&oview)
+        finally:
+            PyBuffer_Release(&view)
+
+    def scatter(self, buf, out, root, algorithm):
+        """(out,) of a scatter from ``root`` (out: a new array when None and buf is a numpy
+        array); None where the general path must run it (as allreduce)."""
+        cdef Py_buffer view, oview
+        cdef Py_buffer *inp = NULL
+        cdef int n = self.engine.size
+        ex = self.ex
+        if not ex.idle or type(root) is not int \
+                or not 0 <= <long>root < n:
+            return None
+        is_root = root == self.engine.rank
+        if out is None:
+            if type(buf) is not _ndarray or buf.ndim == 0 or buf.shape[0] % n:
+                return None
+            out = _empty((buf.shape[0] // n,) + buf.shape[1:], buf.dtype)
+        try:
+            PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            if is_root:
+                try:
+                    PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+                except Exception:
+                    return None
+                inp = &view
+            try:
+                if inp != NULL and (view.len != n * oview.len or not _same_format(&view, &oview)):
+                    return None
+                self._check_prepared_under()
+                call = self._last_or_prepared(self.last_scatter, &oview, <int>root, algorithm, "scatter",
+                                              self.plans.rooted_copy, (self.comm, "scatter", out, root, algorithm))
+                if call is None:
+                    return None
+                return (self._run(<HostCall>call, out, inp, &oview),)
+            finally:
+                if inp != NULL:
+                    PyBuffer_Release(&view)
+        finally:
+            PyBuffer_Release(&oview)
+
+    cdef object _message(self, buf, int peer, tag, bint receive):
+        """A blocking send of ``buf`` to ``peer`` (True once sent: copied, below the zero-copy size),
+        or receive from it (the elements received) as the pair's next message; None where the
+        general path must run it (as allreduce)."""
+        cdef Py_buffer view
+        cdef Engine engine = self.engine
+        cdef _LastCall last = self.last_recv if receive else self.last_send
+        if type(tag) is not int or not 0 <= peer < engine.size or peer == engine.rank:
+            return None
+        try:
+            PyObject_GetBuffer(buf, &view, (PyBUF_WRITABLE if receive else 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            zero_copy = self.comm.zero_copy_bytes
+            if zero_copy and view.len >= zero_copy:
+                return None
+            # the last call of this direction first: a ping-pong repeats one of each (_run_message
+            # looks at the executor's state under its lock)
+            if last.matches(&view, peer, tag):
+                return self._run_message(last.call, &view, peer, receive)
+            if not self.ex.idle:
+                return None
+            call = self._last_or_prepared(last, &view, peer, tag, "recv" if receive else "send",
+                                          self.plans.message, (self.comm, buf, peer, tag, receive))
+            if call is None:
+                return None
+            return self._run_message(<HostCall>call, &view, peer, receive)
+        finally:
+            PyBuffer_Release(&view)
+
+    cdef object _run_message(self, HostCall call, Py_buffer *view, int peer, bint receive):
+        """Run a prepared point-to-point call: its description takes the pair's next message number
+        (not the collectives' call number), a receive copies out what arrived and returns its
+        element count."""
+        cdef Engine engine = self.engine
+        cdef Program prog = call.program
+        cdef MemoryRegion region
+        cdef uint8_t *data = <uint8_t *>view.buf
+        cdef uint8_t *work
+        cdef uint64_t seq
+        cdef int64_t got = 0
+        cdef int rc, i
+        cdef list counters
+        self.lock._take(-1.0)
+        try:
+            ex = self.ex
+            if not ex.idle or engine.fail_kind != FAIL_NONE:
+                return None
+            counters = self.received if receive else self.sent
+            seq = counters[peer]
+            counters[peer] = seq + 1
+            try:
+                region = call.work_region
+                if region._closed:
+                    region = call.work_region = self.transport.own_region(call.work_bytes)
+                work = <uint8_t *><uintptr_t>region.addr
+                for i in range(8):
+                    call.desc[i] = (seq >> (8 * i)) & 0xFF
+                memcpy(engine.rdesc, call.desc, DESC_SIZE)
+                engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc, 0, 0, None,
+                              False, region.rkey)
+                try:
+                    if call.work_bytes <= HOLD_GIL_BYTES:
+                        if call.nbytes:
+                            memcpy(work, data, <size_t>call.nbytes)
+                        rc = engine._execute_holding_gil(prog)
+                        if rc == 0 and receive:
+                            got = engine.received
+                            if got:
+                                memcpy(data, work, <size_t>got)
+                    else:
+                        with nogil:
+                            if call.nbytes:
+                                memcpy(work, data, <size_t>call.nbytes)
+                            rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                            if rc == 0 and receive:
+                                got = engine.received
+                                if got:
+                                    memcpy(data, work, <size_t>got)
+                finally:
+                    engine._end()
+                if rc < 0:
+                    raise self.transport.engine_failed()
+                if receive and got % view.itemsize:
+                    raise UsageError(f"rank {peer} sent {got} bytes, not whole {view.itemsize}-byte elements")
+            except BaseException as exc:
+                ex.fail(exc)
+                raise
+            return got // view.itemsize if receive else True
+        finally:
+            self.lock._give()
+
+    cdef object _last_or_prepared(self, _LastCall last, Py_buffer *view, int peer, how, str kind, prepare,
+                                  tuple args):
+        """The HostCall of a ``kind`` call on ``view``: the last one of its kind when its key is the
+        same, else the one prepared for the key (``prepare(*args)``, a function of hostplans, the
+        first time); None where the general path must run it."""
+        if last.matches(view, peer, how):
+            return last.call
+        key = (kind, _format(view), view.len, peer, how)
+        call = self.calls.get(key, _MISSING)
+        if call is _MISSING:
+            if len(self.calls) >= 256:
+                self._forget()
+            call = self.calls[key] = prepare(*args)
+        if call is not None:
+            last.remember(<HostCall>call, key[1], view.len, peer, how)
+        return call
+
+    cdef void _forget(self):
+        """Drop the prepared calls (the dict is full, or what they were prepared under changed)."""
+        self.calls.clear()
+        self.last_call = None
+        for last in (self.last_gather, self.last_scatter, self.last_alltoall, self.last_send, self.last_recv):
+            (<_LastCall>last).call = None
+
+    def barrier(self):
+        """True once every rank has entered the barrier; None where the general path must run it."""
+        comm = self.comm
+        if not self.ex.idle:
+            return None
+        if self.barrier_call is None:
+            self.barrier_call = self.plans.barrier(comm)
+        return self._run(self.barrier_call, True, NULL)
+
+    cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL):
+        """Run a prepared call on ``view`` (NULL: no data, as a barrier's), its result copied into
+        ``out_view`` (NULL: into view), and return ``result``."""
+        cdef Engine engine = self.engine
+        cdef Program prog = call.program
+        cdef MemoryRegion region
+        cdef uint8_t *data = <uint8_t *>view.buf if view != NULL else NULL
+        cdef uint8_t *out_data = <uint8_t *>out_view.buf if out_view != NULL else data
+        cdef uint8_t *work
+        cdef uint64_t seq
+        cdef int rc, i
+        cdef bint copy = call.work_region is not None
+        self.lock._take(-1.0)
+        try:
+            ex = self.ex
+            if not ex.idle or engine.fail_kind != FAIL_NONE:
+                return None
+            seq = ex.seq
+            ex.seq = seq + 1                # the call is accepted: its number is taken, as in submit
+            try:
+                if copy:
+                    region = call.work_region
+                    if region._closed:          # the transport's own buffer has grown since
+                        region = call.work_region = self.transport.own_region(call.work_bytes)
+                    work = <uint8_t *><uintptr_t>region.addr
+                else:
+                    region = self._registration(result, view)
+                    work = data
+                for i in range(8):
+                    call.desc[i] = (seq >> (8 * i)) & 0xFF
+                memcpy(engine.rdesc, call.desc, DESC_SIZE)
+                engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
+                              call.dtype, call.op, None)
+                try:
+                    with nogil:
+                        if copy and call.nbytes:
+                            memcpy(work + call.in_offset, data, <size_t>call.nbytes)
+                        if call.own_len:
+                            memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
+                        rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                        if rc == 0 and copy and call.out_bytes:
+                            memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
+                finally:
+                    engine._end()
+                if rc < 0:
+                    raise self.transport.engine_failed()
+            except BaseException as exc:
+                ex.fail(exc)
+                raise
+            return result
+        finally:
+            self.lock._give()
+
+    cdef MemoryRegion _registration(self, buf, Py_buffer *view):
+        """The registration that covers the buffer (the last one, else the transport's cache)."""
+        cdef MemoryRegion mr = self.lent
+        cdef uint64_t addr = <uint64_t><uintptr_t>view.buf
+        if mr is None or mr._closed or addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
+            mr = self.lent = self.plans.registration(self.comm, buf)
+            if addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
+                raise UsageError("the registration does not cover the buffer")
+        return mr
+
+
+# Communicator.send and Communicator.recv (the class takes these functions as its methods): a warm
+# blocking message of host memory over RDMA is then one C call, without a Python frame of the
+# method's own (in the Soft-RoCE VM every Python-level step of a ping-pong costs about a microsecond)
+
+def communicator_send(self, buf, dst, tag=0):
+    """Send ``buf`` to rank ``dst``. Messages from one rank to another arrive in the order sent
+    (with the same tag, as MPI); the receiver's ``recv`` must name this rank and tag. Small
+    messages go eagerly into the receiver's slots; a message of zero_copy_bytes or more is sent
+    straight from ``buf``. Returns once ``buf`` may be reused."""
+    if _host_message(self, buf, dst, tag, False) is not None:
+        return None
+    return self._call(_p2p_spec(), buf, dst, None, tag, blocking=True)
+
+
+def communicator_recv(self, buf, src, tag=0):
+    """Receive the next message of rank ``src`` with ``tag`` into ``buf``; returns the number of
+    elements received (the message may be shorter than buf; longer is an error naming both
+    sizes, never a truncation)."""
+    done = _host_message(self, buf, src, tag, True)
+    if done is not None:
+        return done
+    return self._call(_p2p_spec(), buf, None, src, tag, blocking=True)
+
+
+cdef object _specs = None
+
+
+cdef object _p2p_spec():
+    """pyrdma.collectives.specs.p2p, the general path of send and recv (imported on first use:
+    the collectives package imports this module)."""
+    global _specs
+    if _specs is None:
+        from pyrdma.collectives import specs
+        _specs = specs
+    return _specs.p2p
+
+
+cdef object _host_message(comm, buf, peer, tag, bint receive):
+    """The one-call path's result (HostCollectives._message), or None where the general path runs."""
+    cdef int overflow = 0
+    cdef long p
+    host = comm._host
+    if host is None or type(peer) is not int:
+        return None
+    p = PyLong_AsLongAndOverflow(peer, &overflow)
+    cdef HostCollectives h = <HostCollectives?>host
+    if overflow or not 0 <= p < h.engine.size:
+        return None
+    return h._message(buf, <int>p, tag, receive)
