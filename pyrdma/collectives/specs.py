@@ -139,9 +139,9 @@ def zero_copy(comm, nbytes):
 
 def allreduce_work(comm, algo, nbytes):
     """(in place?, work bytes) of an allreduce of ``nbytes`` by ``algo``, for the general path and
-    the one-call path alike: in place when zero_copy, except recursive doubling, which needs
-    room for a second copy."""
-    if algo == "recursive_doubling":
+    the one-call path alike: in place when zero_copy, except by an algorithm that needs room for a
+    second copy (recursive doubling: the registry's double_area)."""
+    if algorithms.ALGORITHMS["allreduce"][algo].double_area:
         return False, 2 * nbytes
     return zero_copy(comm, nbytes), nbytes
 
@@ -485,7 +485,7 @@ def allreduce_direct(comm, area, op, algorithm):
             algo = comm.cost_model.choose_allreduce((hi - lo) * area.itemsize, comm.size,
                                                     comm.transport.max_message)
             algo = ALIASES.get(algo, algo)
-        if algo == "recursive_doubling":      # needs a second copy of the buffer: not in place
+        if algorithms.ALGORITHMS["allreduce"][algo].double_area:    # a second copy: not in place
             algo = "halving_doubling"
 
         def fill(work):
