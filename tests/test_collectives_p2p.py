@@ -405,8 +405,9 @@ def _own_root(comm, ports, kinds):
 
 @pytest.mark.parametrize("transport, size", _params([2], [2]))
 def test_ranks_that_each_name_themselves_root_fail_at_that_call(worlds, transport, size):
-    """Nobody would receive anything in a broadcast or scatter: the root's confirmation makes every
-    rank receive, so both find the mismatch at the call, not at the next one."""
+    """Nobody would receive anything in a broadcast or scatter: the zero-byte message from the rank
+    after the root (Builder.greet_root) makes every rank receive, so both find the mismatch at the
+    call, not at the next one."""
     kinds = ["broadcast", "scatter", "gather", "reduce"]
     for outcomes in worlds(transport, size).run(_own_root, [free_port() for _ in kinds], kinds, timeout=120):
         for kind, result in zip(kinds, outcomes):

@@ -81,12 +81,13 @@ def chain_broadcast(n, r, count, itemsize, max_message, root):
     if n > 1:
         pos = (r - root) % n
         right, left = (r + 1) % n, (r - 1) % n
+        b.greet_root(n, r, root)
         for chunk in whole_chunks(count, itemsize, max_message):
             if pos > 0:
                 b.recv(left, (chunk,), COPY)
             if pos < n - 1:
                 b.send(right, (chunk,))
-        b.confirm_root(n, r, root)
+        b.root_greeted(n, r, root)
         b.wait_sends()
     return b.build()
 

@@ -87,13 +87,16 @@ class Builder:
     # root both sends and receives, and ranks that each name themselves root (which would otherwise
     # all only send, or all wait) compare a description with one another and fail at that call.
 
-    def confirm_root(self, n, r, root):
-        """At the end of a collective whose root only sends: the rank after the root, once it has
-        all it receives, tells the root."""
+    def greet_root(self, n, r, root):
+        """At the start of a collective whose root only sends: the rank after the root tells it
+        (which takes the message at its end: root_greeted). Sent at the start, not once the data
+        is in, so that the root's wait for it overlaps its sends instead of adding a round trip."""
+        if n > 1 and r == (root + 1) % n:
+            self.send(root, ((0, 0, 0),))
+
+    def root_greeted(self, n, r, root):
         if n > 1 and r == root:
             self.recv((root + 1) % n, ((0, 0, 0),), NONE)
-        elif n > 1 and r == (root + 1) % n:
-            self.send(root, ((0, 0, 0),))
 
     def announce_root(self, n, r, root):
         """At the start of a collective whose root only receives: the root tells the rank after it

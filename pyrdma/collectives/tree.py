@@ -146,12 +146,13 @@ def binomial_broadcast(n, r, count, itemsize, max_message, root):
     b = Builder()
     if n > 1:
         parent, children = _tree(n, r, root)
+        b.greet_root(n, r, root)
         for chunk in whole_chunks(count, itemsize, max_message):
             if parent is not None:
                 b.recv(parent, (chunk,), COPY)
             for c in children:
                 b.send(c, (chunk,))
-        b.confirm_root(n, r, root)
+        b.root_greeted(n, r, root)
         b.wait_sends()
     return b.build()
 

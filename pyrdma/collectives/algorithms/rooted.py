@@ -52,13 +52,14 @@ def direct_gather(n, r, root, block, max_message):
 @_cached
 def direct_scatter(n, r, root, block, max_message):
     b = Builder()
+    b.greet_root(n, r, root)
     if r == root:
         for k in range(1, n):
             p = (root + k) % n
             b.send(p, message_chunks(p * block, block, max_message))
     else:
         b.recv(root, message_chunks(0, block, max_message), COPY)
-    b.confirm_root(n, r, root)
+    b.root_greeted(n, r, root)
     b.wait_sends()
     return b.build()
 
@@ -89,6 +90,7 @@ def binomial_scatter(n, r, root, block, max_message):
     v = (r - root) % n
     top = 1 << max(0, (n - 1).bit_length())       # the root's subtree: every tree rank
     low = v & -v if v else top
+    b.greet_root(n, r, root)
     if v:
         b.recv((v - low + root) % n, _subtree_chunks(n, root, v, min(v + low, n), block, max_message), COPY)
     mask = low >> 1
@@ -97,6 +99,6 @@ def binomial_scatter(n, r, root, block, max_message):
         if child < n:
             b.send((child + root) % n, _subtree_chunks(n, root, child, min(child + mask, n), block, max_message))
         mask >>= 1
-    b.confirm_root(n, r, root)
+    b.root_greeted(n, r, root)
     b.wait_sends()
     return b.build(result_offset=r * block)
