@@ -766,8 +766,6 @@ cdef class Engine:
         cdef int suspect, q, i, handled
         if self._ready(what, peer):
             return 0
-        if self.hold_gil and self.released == NULL:
-            self.released = PyEval_SaveThread()     # taken back at the run's end
         self.epoch = (self.epoch + 1) & 0xFFF
         for q in range(self.size):
             self.peers[q].report = -1
@@ -781,6 +779,10 @@ cdef class Engine:
                 elif handled < 0 or self._ready(what, peer):
                     self.waiting_on = -1
                     return 0 if handled > 0 else -1
+        # a run holding the GIL keeps it through the short spin above (a wait of a ping-pong ends
+        # there: the release and retake cost ~1 us in the VM) and lets it go before it may sleep
+        if self.hold_gil and self.released == NULL:
+            self.released = PyEval_SaveThread()     # taken back at the run's end
         start = monotonic_now()
         deadline = start + self.timeout
         probe_at = deadline - self.probe_lead
