@@ -144,6 +144,10 @@ cdef class Engine:
     cdef PyThreadState *released     # the thread state a wait of such a run saved, releasing the GIL
     cdef readonly unsigned long long polls      # CQ polls, and sleeps on the completion channel, so far
     cdef readonly unsigned long long sleeps
+    # A spin yields the CPU between polls only where the ranks may outnumber this machine's CPUs
+    # (size > online CPUs): there the peer waited for gets the CPU now. Elsewhere each yield is just
+    # a system call (~2 us in the Soft-RoCE VM) between two polls, on the path of every wake-up.
+    cdef public bint spin_yields
 
     cdef int _check_peer(self, int peer) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
