@@ -70,6 +70,7 @@ cdef struct peer_t:
     uint64_t send_seq
     uint64_t recv_seq
     int outstanding          # posted send WRs not completed yet
+    int unsignaled           # inline sends posted unsignaled since the last signaled one
     int data_outstanding     # payloads among them
     uint32_t *arrivals       # lengths of arrived messages, a ring of ``slots`` entries
     int arr_head
@@ -100,6 +101,7 @@ cdef class Program:
 cdef class Engine:
     cdef peer_t *peers
     cdef int rank, size, slots, slot_stride, max_message, sq_depth, credit_batch
+    cdef int signal_every            # an inline send asks for a completion once in this many
     cdef double timeout, probe_lead, spin
     cdef double spin_now             # this run's spin: ``spin``, or 0 in the background
     cdef int max_inline              # a message this long (header room included) is posted inline
