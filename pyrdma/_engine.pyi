@@ -28,6 +28,7 @@ class Engine:
                  sq_depth: int, timeout: float, spin: float, max_inline: int = ...,
                  rendezvous_bytes: int = ...) -> None: ...
     rendezvous_bytes: int
+    spin_yields: bool
     @property
     def runs(self) -> int: ...
     @property

@@ -103,7 +103,10 @@ cdef class Engine:
     cdef int rank, size, slots, slot_stride, max_message, sq_depth, credit_batch
     cdef int signal_every            # an inline send asks for a completion once in this many
     cdef double timeout, probe_lead, spin
-    cdef double spin_now             # this run's spin: ``spin``, or 0 in the background
+    cdef double spin_now             # this run's spin: ``spin_adaptive``, or 0 in the background
+    # the spin of a foreground wait: ``spin`` at first, doubled (up to SPIN_MAX) after a sleep that
+    # a completion ended soon, halved back toward ``spin`` after one that lasted
+    cdef double spin_adaptive
     cdef int max_inline              # a message this long (header room included) is posted inline
     cdef ibv_cq *cq
     cdef ibv_comp_channel *channel

@@ -68,6 +68,13 @@ cdef double SIGNAL_CHECK = 0.05     # how often a wait runs the signal handlers
 # A spinning wait rations its clock reads: where the clock source has no vDSO path (the Soft-RoCE
 # VM's hpet) each is a system call and an emulated device access. Reading it once per poll made
 # the small collectives 3-6% slower (A/B in one boot: 2 and 4 ranks, 8 B and 4 KiB).
+# A wait spins before it sleeps on the completion channel, and the spin adapts: where a sleeping
+# rank's wake-up takes longer than its peer's spin (the emulated VM: ~0.7 ms), one sleep makes the
+# peer's next wait outlast its spin and sleep too, and a ping-pong can stay that way at 25x its
+# latency (seen in 2 of 3 rounds of bench/collectives_bench.py). Doubling the spin after a sleep that
+# a completion ended within SPIN_MAX brings the pair back to spinning; a sleep that lasts (a peer
+# busy computing) halves it back toward the configured spin.
+cdef double SPIN_MAX = 0.005
 cdef int FIRST_POLLS = 64           # polls a wait makes before it first reads the clock
 cdef int CLOCK_EVERY = 32           # polls of a spin between two clock reads
 # the same where the spin does not yield (Engine.spin_yields): a poll alone is an order of magnitude
@@ -177,6 +184,7 @@ cdef class Engine:
         self.credit_batch = max(1, slots // 2)
         self.signal_every = max(1, sq_depth // 4)
         self.timeout, self.spin = timeout, spin
+        self.spin_adaptive = spin
         self.max_inline = max_inline
         self.probe_lead = min(1.0, timeout / 4)
         self.cq = cq.cq
@@ -354,7 +362,7 @@ cdef class Engine:
         self.rdv_peer = -1
         self.consume = consume
         self.py_error = None
-        self.spin_now = 0.0 if background else self.spin
+        self.spin_now = 0.0 if background else self.spin_adaptive
         # only the main thread runs signal handlers: elsewhere a wait never takes the GIL for them
         self.signals = PyThread_get_thread_ident() == _main_thread
         try:
@@ -840,7 +848,7 @@ cdef class Engine:
         """Handle the completions there are; if none, wait up to ``seconds`` for one: spin first,
         then sleep on the completion channel. The number handled, or -1 on failure."""
         cdef int n, rc, k = 0
-        cdef double end
+        cdef double end, slept
         cdef pollfd pfd
         cdef ibv_cq *ev_cq
         cdef void *ev_ctx
@@ -866,10 +874,17 @@ cdef class Engine:
                     pfd.fd = self.channel.fd
                     pfd.events = POLLIN
                     pfd.revents = 0
+                    slept = monotonic_now()
                     rc = poll(&pfd, 1, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1)
                     if rc > 0 and ibv_get_cq_event(self.channel, &ev_cq, &ev_ctx) == 0:
                         ibv_ack_cq_events(ev_cq, 1)
                     n = ibv_poll_cq(self.cq, NWC, self.wcs)
+                    if self.spin_now > 0:
+                        if n > 0 and monotonic_now() - slept < SPIN_MAX:
+                            self.spin_adaptive = min(2 * self.spin_adaptive, SPIN_MAX)
+                        else:
+                            self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)
+                        self.spin_now = self.spin_adaptive
         if n < 0:
             return self._fail(FAIL_POLL, -1, errno, 0)
         n = self._handle(n)
