@@ -62,8 +62,8 @@ cdef class HostCall:
         if out_bytes < 0:
             out_bytes = nbytes
         if nbytes < 0 or result_offset < 0 or in_offset < 0 or result_offset + out_bytes > work_bytes \
-                or in_offset + nbytes > work_bytes or program.extent > work_bytes \
-                or (work_region is None and (result_offset or in_offset or work_bytes != nbytes or out_bytes != nbytes)):
+                or in_offset + nbytes > work_bytes or program.extent > work_bytes or (work_region is None and (
+                    result_offset or in_offset or work_bytes != nbytes or out_bytes != nbytes)):
             raise UsageError("HostCall: the result or the schedule is outside the work area")
         self.own_from, self.own_to, self.own_len = own
         if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or work_region is None and self.own_len \
@@ -304,84 +304,64 @@ cdef class HostCollectives:
     def gather(self, buf, out, root, algorithm):
         """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
         and buf is a numpy array); None where the general path must run it (as allreduce)."""
-        cdef Py_buffer view, oview
-        cdef Py_buffer *outp = NULL
         cdef int n = self.engine.size
-        ex = self.ex
-        if not ex.idle or type(root) is not int \
-                or not 0 <= <long>root < n:
+        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < n:
             return None
         is_root = root == self.engine.rank
         if is_root and out is None:
             if type(buf) is not _ndarray or buf.ndim == 0:
                 return None
             out = _empty((n * buf.shape[0],) + buf.shape[1:], buf.dtype)
-        try:
-            PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
-        except Exception:
-            return None
-        try:
-            if is_root:
-                try:
-                    PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
-                except Exception:
-                    return None
-                outp = &oview
-            try:
-                if outp != NULL and (oview.len != n * view.len or not _same_format(&view, &oview)):
-                    return None
-                self._check_prepared_under()
-                call = self._last_or_prepared(self.last_gather, &view, <int>root, algorithm, "gather",
-                                              self.plans.rooted_copy, (self.comm, "gather", buf, root, algorithm))
-                if call is None:
-                    return None
-                return (self._run(<HostCall>call, out if is_root else None, &view, outp),)
-            finally:
-                if outp != NULL:
-                    PyBuffer_Release(&oview)
-        finally:
-            PyBuffer_Release(&view)
+        return self._rooted(self.last_gather, "gather", buf, False, out if is_root else None, root, algorithm)
 
     def scatter(self, buf, out, root, algorithm):
         """(out,) of a scatter from ``root`` (out: a new array when None and buf is a numpy
         array); None where the general path must run it (as allreduce)."""
-        cdef Py_buffer view, oview
-        cdef Py_buffer *inp = NULL
         cdef int n = self.engine.size
-        ex = self.ex
-        if not ex.idle or type(root) is not int \
-                or not 0 <= <long>root < n:
+        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < n:
             return None
-        is_root = root == self.engine.rank
         if out is None:
             if type(buf) is not _ndarray or buf.ndim == 0 or buf.shape[0] % n:
                 return None
             out = _empty((buf.shape[0] // n,) + buf.shape[1:], buf.dtype)
+        return self._rooted(self.last_scatter, "scatter", out, True, buf if root == self.engine.rank else None,
+                            root, algorithm)
+
+    cdef object _rooted(self, _LastCall last, str kind, piece, bint piece_out, full, root, algorithm):
+        """(result,) of a gather or scatter (``kind``) of this rank's ``piece`` (gather: read from it;
+        scatter: written into it, ``piece_out``) and, on the root, ``full``, every rank's pieces in
+        rank order (gather: written; scatter: read; None elsewhere); None where the general path
+        must run it."""
+        cdef Py_buffer pview, fview
+        cdef Py_buffer *fp = NULL
         try:
-            PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            PyObject_GetBuffer(piece, &pview, (PyBUF_WRITABLE if piece_out else 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
         except Exception:
             return None
         try:
-            if is_root:
+            if full is not None:
                 try:
-                    PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+                    PyObject_GetBuffer(full, &fview, (0 if piece_out else PyBUF_WRITABLE) | PyBUF_FORMAT
+                                       | PyBUF_C_CONTIGUOUS)
                 except Exception:
                     return None
-                inp = &view
+                fp = &fview
             try:
-                if inp != NULL and (view.len != n * oview.len or not _same_format(&view, &oview)):
+                if fp != NULL and (fview.len != self.engine.size * pview.len or not _same_format(&pview, fp)):
                     return None
                 self._check_prepared_under()
-                call = self._last_or_prepared(self.last_scatter, &oview, <int>root, algorithm, "scatter",
-                                              self.plans.rooted_copy, (self.comm, "scatter", out, root, algorithm))
+                call = self._last_or_prepared(last, &pview, <int>root, algorithm, kind, self.plans.rooted_copy,
+                                              (self.comm, kind, piece, root, algorithm))
                 if call is None:
                     return None
-                return (self._run(<HostCall>call, out, inp, &oview),)
+                if piece_out:                   # scatter: from the root's full array into the piece
+                    return (self._run(<HostCall>call, piece, fp, &pview),)
+                return (self._run(<HostCall>call, full, &pview, fp),)
             finally:
-                if inp != NULL:
-                    PyBuffer_Release(&view)
+                if fp != NULL:
+                    PyBuffer_Release(&fview)
         finally:
-            PyBuffer_Release(&oview)
+            PyBuffer_Release(&pview)
 
     cdef object _message(self, buf, int peer, tag, bint receive):
         """A blocking send of ``buf`` to ``peer`` (True once sent: copied, below the zero-copy size),
