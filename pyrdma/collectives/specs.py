@@ -146,17 +146,22 @@ def allreduce_work(comm, algo, nbytes):
     return zero_copy(comm, nbytes), nbytes
 
 
+def chosen_allreduce(comm, algorithm, nbytes):
+    """``algorithm`` (a checked name), or for "auto" the cost model's choice for ``nbytes``."""
+    if algorithm != "auto":
+        return algorithm
+    algo = comm.cost_model.choose_allreduce(nbytes, comm.size, comm.transport.max_message)
+    algo = ALIASES.get(algo, algo)
+    if algo not in ALLREDUCE_ALGORITHMS:
+        raise UsageError(f"the cost model chose an unknown algorithm {algo!r}")
+    return algo
+
+
 def allreduce_plan(comm, src, op, algorithm):
     """[(lo, hi, algorithm, description)] of the pieces of an allreduce of ``src``."""
     plan = []
     for lo, hi in work_pieces(comm, src.count, src.itemsize):
-        nbytes = (hi - lo) * src.itemsize
-        algo = algorithm
-        if algo == "auto":
-            algo = comm.cost_model.choose_allreduce(nbytes, comm.size, comm.transport.max_message)
-            algo = ALIASES.get(algo, algo)
-            if algo not in ALLREDUCE_ALGORITHMS:
-                raise UsageError(f"the cost model chose an unknown algorithm {algo!r}")
+        algo = chosen_allreduce(comm, algorithm, (hi - lo) * src.itemsize)
         tag = describe_call(comm, "allreduce", op=op, dtype=src.code, count=src.count, lo=lo, hi=hi, algorithm=algo)
         plan.append((lo, hi, algo, tag))
     return plan
@@ -480,11 +485,7 @@ def allreduce_direct(comm, area, op, algorithm):
     device = None if isinstance(area.work, np.ndarray) else area
     runs = []
     for lo, hi in work_pieces(comm, area.count, area.itemsize):
-        algo = algorithm
-        if algo == "auto":
-            algo = comm.cost_model.choose_allreduce((hi - lo) * area.itemsize, comm.size,
-                                                    comm.transport.max_message)
-            algo = ALIASES.get(algo, algo)
+        algo = chosen_allreduce(comm, algorithm, (hi - lo) * area.itemsize)
         if algorithms.ALGORITHMS["allreduce"][algo].double_area:    # a second copy: not in place
             algo = "halving_doubling"
 
