@@ -330,8 +330,15 @@ def test_cost_model_choices_and_overrides(monkeypatch):
     assert m.choose(64, 8, 256 * 1024) == "tree" and m.choose(64 << 20, 8, 256 * 1024) == "ring"
     assert m.choose_rooted(64, 8, 256 * 1024) == "binomial"
     assert m.choose_rooted(64 << 20, 8, 256 * 1024) == "chain"
+    # gather/scatter: the root's messages fly together, so direct up to many ranks; the tree's fewer
+    # rounds win for small blocks over 64 ranks, and lose again once forwarding copies count
+    assert all(CostModel().choose_copy(k, b, n, 1 << 20) == "direct"
+               for k in ("gather", "scatter") for b in (8, 4096, 1 << 20) for n in (3, 4, 8, 16))
+    assert CostModel().choose_copy("gather", 8, 64, 1 << 20) == "binomial"
+    assert CostModel().choose_copy("scatter", 1 << 20, 64, 1 << 20) == "direct"
+    assert CostModel(overhead=CostModel().alpha).choose_copy("gather", 8, 4, 1 << 20) == "binomial"
     # every estimate grows with the size
-    for algo in ("ring", "halving_doubling", "recursive_doubling", "chain", "binomial"):
+    for algo in ("ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "direct", "binomial_tree"):
         costs = [getattr(m, algo)(n, 5, 65536) for n in (1, 1 << 10, 1 << 20, 1 << 26)]
         assert costs == sorted(costs), algo
     monkeypatch.setenv("PYRDMA_ALLREDUCE_ALGORITHM", "tree")
