@@ -1,18 +1,19 @@
-"""Test helper (no tests here): a group of rank processes that stays up across tests (one spawn per world).
+"""Test helper (no tests here): a group of rank processes that stays up across tests (one start per world).
 
     with World(4, "tcp") as w:
         results = w.run(fn, arg, timeout=60)    # fn(comm, arg) on every rank, results by rank
 
-Each rank is a spawned process holding one Communicator. ``run`` sends the function to every rank
+Each rank is a process (mp.rank_context's: forked from a server) holding one Communicator. ``run`` sends the function to every rank
 and waits (with a timeout) for every result; a rank that raised, died or hung fails the call with
 an AssertionError naming it, and the world is then unusable (``broken``). ``close`` always
 terminates and joins the children. ``fn`` must be importable by the children (a module-level
 function of an importable module)."""
-import multiprocessing
 import time
 import traceback
 
-SPAWN = multiprocessing.get_context("spawn")
+from mp import rank_context
+
+RANKS = rank_context()
 
 
 def _rank_main(conn, rank, size, transport, timeout, comm_kwargs):
@@ -63,8 +64,8 @@ class World:
         self.conns, self.procs = [], []
         try:
             for rank in range(size):
-                parent, child = SPAWN.Pipe()
-                p = SPAWN.Process(target=_rank_main, args=(child, rank, size, transport, timeout, comm_kwargs),
+                parent, child = RANKS.Pipe()
+                p = RANKS.Process(target=_rank_main, args=(child, rank, size, transport, timeout, comm_kwargs),
                                   name=f"rank{rank}", daemon=True)
                 p.start()
                 child.close()
