@@ -1,12 +1,13 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 """The one-call path of the blocking collectives on host memory over RDMA (pyrdma._hostcalls).
 
-A warm blocking allreduce, all-to-all, gather, scatter, barrier, send or recv of host memory is one C
-call: HostCollectives takes the buffer by the buffer protocol, finds the call prepared for its shape
-(pyrdma.collectives.hostplans makes HostCalls with the same plans and descriptions as the general
-path), and runs the copy in, the engine's schedule (pyx/engine.pyx) and the copy out without the GIL,
-under the executor's ExecLock. Python runs only to prepare a new shape, register new memory and
-raise errors; what a method does not take (it returns None) goes the Communicator's general way.
+A warm blocking allreduce, reduce, broadcast, allgather, reduce-scatter, all-to-all, gather, scatter,
+barrier, send or recv of host memory is one C call: HostCollectives takes the buffer by the buffer
+protocol, finds the call prepared for its shape (pyrdma.collectives.hostplans makes HostCalls with
+the same plans and descriptions as the general path), and runs the copy in, the engine's schedule
+(pyx/engine.pyx) and the copy out without the GIL, under the executor's ExecLock. Python runs only
+to prepare a new shape, register new memory and raise errors; what a method does not take (it
+returns None) goes the Communicator's general way.
 """
 cimport cython
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_WRITABLE, PyBUF_FORMAT, PyBUF_C_CONTIGUOUS
@@ -164,36 +165,39 @@ cdef class ExecLock:
 
 @cython.final
 cdef class _LastCall:
-    """The last call of one kind (gather, scatter, all-to-all, send, receive) and the key it was
-    prepared for, compared in C before the dict: building and hashing the key tuple is Python work
-    that every call of a loop of one shape would repeat (in the VM, a ping-pong's messages and the
-    small gathers and scatters pay for it)."""
+    """The last call of one kind (allreduce, gather, send, ...) and the key it was prepared for,
+    compared in C before the dict: building and hashing the key tuple is Python work that every
+    call of a loop of one shape would repeat (about 5% of an 8 B allreduce in the VM; a
+    ping-pong's messages and the small gathers and scatters pay for it too)."""
     cdef HostCall call
     cdef bytes format
     cdef Py_ssize_t nbytes
-    cdef int peer                    # the root, or the peer of a message
+    cdef int peer                    # the root, or the peer of a message (-1: none)
     cdef object how                  # the algorithm, or the tag of a message
+    cdef object op                   # a reduction's op (None: none)
 
-    cdef bint matches(self, Py_buffer *view, int peer, how):
+    cdef bint matches(self, Py_buffer *view, int peer, how, op):
         cdef const char *fmt = view.format
         if fmt == NULL:
             fmt = "B"
         return self.call is not None and view.len == self.nbytes and peer == self.peer \
-            and (how is self.how or how == self.how) and strcmp(fmt, <char *>self.format) == 0
+            and (how is self.how or how == self.how) and (op is self.op or op == self.op) \
+            and strcmp(fmt, <char *>self.format) == 0
 
-    cdef void remember(self, HostCall call, bytes format, Py_ssize_t nbytes, int peer, how):
-        self.call, self.format, self.nbytes, self.peer, self.how = call, format, nbytes, peer, how
+    cdef void remember(self, HostCall call, bytes format, Py_ssize_t nbytes, int peer, how, op):
+        self.call, self.format, self.nbytes, self.peer, self.how, self.op = call, format, nbytes, peer, how, op
 
 
 @cython.final
 cdef class HostCollectives:
     """Blocking collectives on host memory over RDMA as one C call each: ``allreduce(buf, op,
-    algorithm)`` in place, ``alltoall``, ``gather``, ``scatter``, ``barrier()`` and the messages of
-    Communicator.send/recv. The buffer comes by the buffer protocol, the prepared HostCall
-    (pyrdma.collectives.hostplans) from the last call of its kind or a dict keyed by (kind, format,
-    bytes, ...), and the copy in, the schedule and the copy out run without the GIL. Python runs
-    only to prepare a new shape, register new memory in place, and raise errors, so a call costs
-    about as much as a Python function call whatever its size. What a method does not take (it
+    algorithm)`` and ``reduce`` in place, ``broadcast``, ``allgather``, ``reduce_scatter``,
+    ``alltoall``, ``gather``, ``scatter``, ``barrier()`` and the messages of Communicator.send/recv.
+    The buffer comes by the buffer protocol, the prepared HostCall (pyrdma.collectives.hostplans)
+    from the last call of its kind or a dict keyed by (kind, format, bytes, ...), and the copy in,
+    the schedule and the copy out run without the GIL. Python runs only to prepare a new shape,
+    register new memory in place, and raise errors, so a call costs about as much as a Python
+    function call whatever its size. What a method does not take (it
     returns None) goes the Communicator's general way."""
     cdef Engine engine
     cdef ExecLock lock                                    # the executor's lock
@@ -201,13 +205,9 @@ cdef class HostCollectives:
     cdef dict calls
     cdef HostCall barrier_call
     cdef object model, max_work_bytes, zero_copy_bytes   # what the calls were prepared under
-    # the last allreduce's key, looked at before the dict (a training loop repeats one shape):
-    # making and hashing the key tuple cost about 5% of an 8 B allreduce in the VM
-    cdef HostCall last_call
-    cdef bytes last_format
-    cdef Py_ssize_t last_len
-    cdef object last_op, last_algorithm
+    cdef _LastCall last_allreduce, last_reduce, last_broadcast, last_allgather, last_reduce_scatter
     cdef _LastCall last_gather, last_scatter, last_alltoall, last_send, last_recv
+    cdef tuple lasts                                      # all of them
     cdef MemoryRegion lent                                # the last registration of a buffer in place
     cdef list sent, received                              # the communicator's messages per peer so far
 
@@ -220,8 +220,9 @@ cdef class HostCollectives:
         self.lock = executor.lock
         self.calls = {}
         self.sent, self.received = comm._p2p_sent, comm._p2p_received
-        self.last_gather, self.last_scatter, self.last_alltoall = _LastCall(), _LastCall(), _LastCall()
-        self.last_send, self.last_recv = _LastCall(), _LastCall()
+        self.lasts = tuple(_LastCall() for _ in range(10))
+        (self.last_allreduce, self.last_reduce, self.last_broadcast, self.last_allgather, self.last_reduce_scatter,
+         self.last_gather, self.last_scatter, self.last_alltoall, self.last_send, self.last_recv) = self.lasts
 
     cdef void _check_prepared_under(self):
         """Forget the prepared calls when what they were prepared under has changed."""
@@ -237,8 +238,7 @@ cdef class HostCollectives:
         writable C-contiguous buffer, a collective still queued, a failed or closed group, or a
         call that the Communicator does not prepare (it raises the errors of bad arguments)."""
         cdef Py_buffer view
-        cdef const char *fmt
-        comm = self.comm
+        cdef _LastCall last
         if not self.ex.idle:
             return None
         try:
@@ -247,23 +247,132 @@ cdef class HostCollectives:
             return None
         try:
             self._check_prepared_under()
-            fmt = view.format
-            if fmt == NULL:
-                fmt = "B"
-            if self.last_call is not None and view.len == self.last_len and op is self.last_op \
-                    and algorithm is self.last_algorithm and strcmp(fmt, <char *>self.last_format) == 0:
-                return self._run(self.last_call, buf, &view)
-            key = (PyBytes_FromString(fmt), view.len, op, algorithm)
-            call = self.calls.get(key, _MISSING)
-            if call is _MISSING:
-                if len(self.calls) >= 256:
-                    self._forget()
-                call = self.calls[key] = self.plans.allreduce(comm, buf, op, algorithm)
+            last = self.last_allreduce
+            call = last.call if last.matches(&view, -1, algorithm, op) else self._last_or_prepared(
+                last, &view, -1, algorithm, op, "allreduce", self.plans.allreduce, (self.comm, buf, op, algorithm))
             if call is None or (<HostCall>call).nbytes != view.len:
                 return None
-            self.last_call, self.last_format, self.last_len = call, key[0], view.len
-            self.last_op, self.last_algorithm = op, algorithm
             return self._run(<HostCall>call, buf, &view)
+        finally:
+            PyBuffer_Release(&view)
+
+    def reduce(self, buf, op, root, algorithm):
+        """(buf,) on root, (None,) elsewhere, of a reduce of ``buf`` into itself on ``root`` (the
+        other ranks' buffers are only read); None where the general path must run it (as
+        allreduce)."""
+        cdef Py_buffer view
+        cdef _LastCall last
+        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < self.engine.size:
+            return None
+        is_root = root == self.engine.rank
+        try:
+            PyObject_GetBuffer(buf, &view, (PyBUF_WRITABLE if is_root else 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            self._check_prepared_under()
+            last = self.last_reduce
+            call = last.call if last.matches(&view, <int>root, algorithm, op) else self._last_or_prepared(
+                last, &view, <int>root, algorithm, op, "reduce", self.plans.reduce,
+                (self.comm, buf, op, root, algorithm))
+            if call is None or (<HostCall>call).nbytes != view.len:
+                return None
+            return (self._run(<HostCall>call, buf if is_root else None, &view),)
+        finally:
+            PyBuffer_Release(&view)
+
+    def broadcast(self, buf, root, algorithm):
+        """``buf``, holding the root's data on every rank; None where the general path must run it
+        (as allreduce; also from the zero-copy size on, where it works in ``buf`` itself)."""
+        cdef Py_buffer view
+        cdef _LastCall last
+        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < self.engine.size:
+            return None
+        try:
+            PyObject_GetBuffer(buf, &view, (0 if root == self.engine.rank else PyBUF_WRITABLE) | PyBUF_FORMAT
+                               | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            self._check_prepared_under()
+            last = self.last_broadcast
+            call = last.call if last.matches(&view, <int>root, algorithm, None) else self._last_or_prepared(
+                last, &view, <int>root, algorithm, None, "broadcast", self.plans.broadcast,
+                (self.comm, buf, root, algorithm))
+            if call is None:
+                return None
+            return self._run(<HostCall>call, buf, &view)
+        finally:
+            PyBuffer_Release(&view)
+
+    def allgather(self, buf, out):
+        """``out`` (a new array when None and buf is a numpy array, as the general path makes it)
+        holding every rank's ``buf`` in rank order; None where the general path must run it (as
+        allreduce)."""
+        cdef int n = self.engine.size
+        if not self.ex.idle:
+            return None
+        if out is None:
+            if type(buf) is not _ndarray:
+                return None
+            out = _empty((n * buf.shape[0],) + buf.shape[1:] if buf.ndim else (n,), buf.dtype)
+        return self._into(self.last_allgather, "allgather", buf, out, None, n, self.plans.allgather)
+
+    def reduce_scatter(self, buf, out, op):
+        """``out`` (a new 1-D array when None and buf is a numpy array) holding this rank's
+        segment of the reduction of ``buf``; None where the general path must run it (as
+        allreduce)."""
+        cdef Py_buffer view
+        cdef _LastCall last
+        cdef HostCall call
+        if not self.ex.idle:
+            return None
+        if out is None:
+            if type(buf) is not _ndarray:
+                return None
+            try:                      # the segment's length is the prepared call's
+                PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            except Exception:
+                return None
+            try:
+                self._check_prepared_under()
+                last = self.last_reduce_scatter
+                found = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
+                    last, &view, -1, None, op, "reduce_scatter", self.plans.reduce_scatter, (self.comm, buf, op))
+                if found is None:
+                    return None
+                call = <HostCall>found
+                out = _empty(call.out_bytes // view.itemsize, buf.dtype)
+            finally:
+                PyBuffer_Release(&view)
+        return self._into(self.last_reduce_scatter, "reduce_scatter", buf, out, op, 0, self.plans.reduce_scatter)
+
+    cdef object _into(self, _LastCall last, str kind, buf, out, op, Py_ssize_t times, prepare):
+        """``out`` of an allgather or a reduce-scatter (``kind``, prepared by ``prepare(comm, buf)``,
+        or ``prepare(comm, buf, op)`` for a reduction): ``buf`` read, the call's result written into
+        ``out``, which must have ``times`` x buf's bytes (0: the prepared call's out_bytes) and buf's
+        format; None where the general path must run it."""
+        cdef Py_buffer view, oview
+        try:
+            PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            try:
+                PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            except Exception:
+                return None
+            try:
+                if not _same_format(&view, &oview) or (times and oview.len != times * view.len):
+                    return None
+                self._check_prepared_under()
+                call = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
+                    last, &view, -1, None, op, kind, prepare, (self.comm, buf) if op is None else (self.comm, buf, op))
+                if call is None or (<HostCall>call).out_bytes != oview.len or (<HostCall>call).nbytes != view.len:
+                    return None
+                return self._run(<HostCall>call, out, &view, &oview)
+            finally:
+                PyBuffer_Release(&oview)
         finally:
             PyBuffer_Release(&view)
 
@@ -272,6 +381,7 @@ cdef class HostCollectives:
         pieces of every rank's all-to-all; or None where the general path must run it (as
         allreduce)."""
         cdef Py_buffer view, oview
+        cdef _LastCall last
         if not self.ex.idle:
             return None
         if out is None:
@@ -291,8 +401,9 @@ cdef class HostCollectives:
                 if oview.len != view.len or not _same_format(&view, &oview) or view.buf == oview.buf:
                     return None
                 self._check_prepared_under()
-                call = self._last_or_prepared(self.last_alltoall, &view, -1, None, "alltoall",
-                                              self.plans.alltoall, (self.comm, buf))
+                last = self.last_alltoall
+                call = last.call if last.matches(&view, -1, None, None) else self._last_or_prepared(
+                    last, &view, -1, None, None, "alltoall", self.plans.alltoall, (self.comm, buf))
                 if call is None:
                     return None
                 return self._run(<HostCall>call, out, &view, &oview)
@@ -350,8 +461,9 @@ cdef class HostCollectives:
                 if fp != NULL and (fview.len != self.engine.size * pview.len or not _same_format(&pview, fp)):
                     return None
                 self._check_prepared_under()
-                call = self._last_or_prepared(last, &pview, <int>root, algorithm, kind, self.plans.rooted_copy,
-                                              (self.comm, kind, piece, root, algorithm))
+                call = last.call if last.matches(&pview, <int>root, algorithm, None) else self._last_or_prepared(
+                    last, &pview, <int>root, algorithm, None, kind, self.plans.rooted_copy,
+                    (self.comm, kind, piece, root, algorithm))
                 if call is None:
                     return None
                 if piece_out:                   # scatter: from the root's full array into the piece
@@ -382,11 +494,11 @@ cdef class HostCollectives:
                 return None
             # the last call of this direction first: a ping-pong repeats one of each (_run_message
             # looks at the executor's state under its lock)
-            if last.matches(&view, peer, tag):
+            if last.matches(&view, peer, tag, None):
                 return self._run_message(last.call, &view, peer, receive)
             if not self.ex.idle:
                 return None
-            call = self._last_or_prepared(last, &view, peer, tag, "recv" if receive else "send",
+            call = self._last_or_prepared(last, &view, peer, tag, None, "recv" if receive else "send",
                                           self.plans.message, (self.comm, buf, peer, tag, receive))
             if call is None:
                 return None
@@ -456,28 +568,31 @@ cdef class HostCollectives:
         finally:
             self.lock._give()
 
-    cdef object _last_or_prepared(self, _LastCall last, Py_buffer *view, int peer, how, str kind, prepare,
+    cdef object _last_or_prepared(self, _LastCall last, Py_buffer *view, int peer, how, op, str kind, prepare,
                                   tuple args):
         """The HostCall of a ``kind`` call on ``view``: the last one of its kind when its key is the
         same, else the one prepared for the key (``prepare(*args)``, a function of hostplans, the
-        first time); None where the general path must run it."""
-        if last.matches(view, peer, how):
+        first time); None where the general path must run it (also for an unhashable op or
+        algorithm, which that path names in its error)."""
+        if last.matches(view, peer, how, op):
             return last.call
-        key = (kind, _format(view), view.len, peer, how)
-        call = self.calls.get(key, _MISSING)
+        key = (kind, _format(view), view.len, peer, how, op)
+        try:
+            call = self.calls.get(key, _MISSING)
+        except TypeError:
+            return None
         if call is _MISSING:
             if len(self.calls) >= 256:
                 self._forget()
             call = self.calls[key] = prepare(*args)
         if call is not None:
-            last.remember(<HostCall>call, key[1], view.len, peer, how)
+            last.remember(<HostCall>call, key[1], view.len, peer, how, op)
         return call
 
     cdef void _forget(self):
         """Drop the prepared calls (the dict is full, or what they were prepared under changed)."""
         self.calls.clear()
-        self.last_call = None
-        for last in (self.last_gather, self.last_scatter, self.last_alltoall, self.last_send, self.last_recv):
+        for last in self.lasts:
             (<_LastCall>last).call = None
 
     def barrier(self):

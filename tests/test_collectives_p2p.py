@@ -495,11 +495,65 @@ def _one_call_messages(comm):
     return frames
 
 
+def _one_call_reductions_and_rooted(comm):
+    """A warm blocking broadcast, reduce, allgather or reduce-scatter of host memory below the
+    zero-copy size is one Python frame and gives the general path's result; the paths mix (rank 0
+    takes the general one through the non-blocking forms), and an op or root that changes between
+    calls of one shape is not mistaken for the last call's."""
+    from pyrdma.testing import count_python_calls
+    n, r = comm.size, comm.rank
+    frames = {}
+    for count in (1, 1000, 40_000):       # 8 B to 320 kB, under the zero-copy size (1 MiB) allgathered
+        mine = piece(r, 0, count, "float64")
+        everyone = np.concatenate([piece(p, 0, count, "float64") for p in range(n)])
+        total = sum(piece(p, 0, count, "float64") for p in range(n))
+        lo, hi = comm.segment_bounds(count)[r]
+        for root in (1, 2):
+            for op, want in (("sum", total), ("max", np.maximum.reduce([piece(p, 0, count, "float64")
+                                                                        for p in range(n)]))):
+                cases = {
+                    "broadcast": (lambda: comm.broadcast(b, root=root), lambda: comm.ibroadcast(b, root=root),
+                                  lambda: piece(root, 0, count, "float64")),
+                    "reduce": (lambda: comm.reduce(b, op=op, root=root), lambda: comm.ireduce(b, op=op, root=root),
+                               lambda: want if r == root else mine),
+                    "allgather": (lambda: comm.allgather(mine, out=b), lambda: comm.iallgather(mine, out=b),
+                                  lambda: everyone),
+                    "reduce_scatter": (lambda: comm.reduce_scatter(mine, out=b, op=op),
+                                       lambda: comm.ireduce_scatter(mine, out=b, op=op), lambda: want[lo:hi]),
+                }
+                for name, (call, general, expect) in cases.items():
+                    def fresh():
+                        size = {"allgather": n * count, "reduce_scatter": hi - lo}.get(name, count)
+                        if name == "broadcast" and r != root:
+                            return np.zeros(size)
+                        return mine.copy() if size == count else np.zeros(size)
+                    for k in range(3):                     # prepares, then warm twice
+                        b = fresh()
+                        if r == 0 and k == 1:
+                            general().wait(60)
+                        elif k == 2:
+                            frames.setdefault(name, []).append(count_python_calls(call))
+                        else:
+                            call()
+                        assert np.array_equal(b, expect()), (name, count, root, op, k)
+        # the default out= of allgather and reduce_scatter, as the general path makes it
+        assert np.array_equal(comm.allgather(mine.reshape(-1, 1)), everyone.reshape(-1, 1)), count
+        assert np.array_equal(comm.reduce_scatter(mine), total[lo:hi]), count
+    import pyrdma
+    for bad in (lambda: comm.reduce(mine, op=["sum"]), lambda: comm.broadcast(mine, algorithm=["chain"])):
+        with pytest.raises(pyrdma.UsageError):          # unhashable: named by the general path
+            bad()
+    return {name: sorted(set(f)) for name, f in frames.items()}
+
+
 @pytest.mark.device
-def test_warm_blocking_alltoall_gather_scatter_send_and_recv_over_rdma_are_one_python_call_each():
+def test_warm_blocking_host_collectives_over_rdma_are_one_python_call_each():
     with World(3, "rdma", timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
         for frames in w.run(_one_call_copies, timeout=300):
             assert frames == {name: [2, 2, 2] for name in ("alltoall", "gather", "scatter")}, \
+                f"Python frames per call (the call and the lambda): {frames}"
+        for frames in w.run(_one_call_reductions_and_rooted, timeout=300):
+            assert frames == {name: [2] for name in ("broadcast", "reduce", "allgather", "reduce_scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"
         for rank, frames in enumerate(w.run(_one_call_messages, timeout=300)):
             assert frames == ([1] * 9 if rank < 2 else []), \

@@ -330,6 +330,10 @@ class Communicator:
     def reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
         """Element-wise ``op`` over all ranks, delivered to ``root`` only (into ``out``, default in
         place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
+        if out is None and dtype is None and self._host is not None:
+            done = self._host.reduce(buf, op, root, algorithm)
+            if done is not None:
+                return done[0]
         if _is_cuda(buf, out):
             check_op(op)
             return _cuda().reduce(self, buf, out, op, specs.check_root(self, root), algorithm, dtype)
@@ -340,6 +344,10 @@ class Communicator:
 
     def broadcast(self, buf, root=0, algorithm="auto"):
         """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
+        if self._host is not None:
+            done = self._host.broadcast(buf, root, algorithm)
+            if done is not None:
+                return done
         if _is_cuda(buf):
             root = specs.check_root(self, root)
             if self._gpu_direct(buf):
@@ -356,6 +364,10 @@ class Communicator:
         """Every rank's ``buf`` (the same size on all ranks), concatenated in rank order into ``out``
         (size * buf.size elements; default a new array concatenated along the first axis, shape
         (size * len(buf),) + buf.shape[1:], as torch's all_gather_into_tensor)."""
+        if self._host is not None:
+            done = self._host.allgather(buf, out)
+            if done is not None:
+                return done
         if _is_cuda(buf, out):
             return _cuda().allgather(self, buf, out)
         return self._call(specs.allgather, buf, out, blocking=True)
@@ -366,6 +378,10 @@ class Communicator:
     def reduce_scatter(self, buf, out=None, op="sum", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks; rank i receives segment i of
         ``segment_bounds(len(buf))`` into ``out`` (default a new 1-D array). Returns ``out``."""
+        if dtype is None and self._host is not None:
+            done = self._host.reduce_scatter(buf, out, op)
+            if done is not None:
+                return done
         if _is_cuda(buf, out):
             check_op(op)
             return _cuda().reduce_scatter(self, buf, out, op, dtype)

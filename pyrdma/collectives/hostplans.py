@@ -10,8 +10,9 @@ import numpy as np
 from pyrdma import _reduce
 from pyrdma._hostcalls import HostCall
 from pyrdma.buffers import host_array
-from pyrdma.collectives import algorithms, specs, tree
+from pyrdma.collectives import algorithms, ring, specs, tree
 from pyrdma.collectives.algorithms import exchange
+from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.specs import ALGORITHMS, OPS
 from pyrdma.collectives.transport import NO_ROOT, describe_message
 from pyrdma.collectives.work import Operand, plain_bytes
@@ -23,13 +24,10 @@ def allreduce(comm, buf, op, algorithm):
     call, again for every buffer of the same format and size (its cache key): a HostCall, with the
     same plan, description and work area as the general path (specs.allreduce); or None where the
     general path must run it (avg, one piece too many, arguments it rejects with their error)."""
-    if op not in OPS or op == "avg" or algorithm not in ALGORITHMS:
+    if algorithm not in ALGORITHMS:
         return None
-    try:
-        src = Operand(buf, "buf", writable=True)
-    except UsageError:
-        return None
-    if src.count == 0 or src.code == _reduce.BFLOAT16 or src.nbytes > comm.max_work_bytes:
+    src = _reduction(buf, op, True)
+    if src is None or src.nbytes > comm.max_work_bytes:
         return None
     plan = specs.allreduce_plan(comm, src, op, specs.check_algorithm(algorithm))
     if len(plan) != 1:
@@ -40,6 +38,95 @@ def allreduce(comm, buf, op, algorithm):
     in_place, work_bytes = specs.allreduce_work(comm, algo, src.nbytes)
     return HostCall(t.engine.program(schedule), tag, src.code, specs.op_code(op), src.nbytes, schedule.result_offset,
                     work_bytes, None if in_place else t.own_region(work_bytes))
+
+
+def _reduction(buf, op, writable):
+    """The Operand of a reduction's input that the one-call path runs, or None (avg, bfloat16, no
+    elements, or a buffer the general path refuses with its error)."""
+    if op not in OPS or op == "avg":
+        return None
+    try:
+        src = Operand(buf, "buf", writable=writable)
+    except UsageError:
+        return None
+    return None if src.count == 0 or src.code == _reduce.BFLOAT16 else src
+
+
+def reduce(comm, buf, op, root, algorithm):
+    """The HostCall of a blocking ``reduce(buf, op=op, root=root, algorithm=algorithm)`` in place
+    (the result into buf on the root; the other ranks' buffers are read): the same plan and
+    description as the general path's (specs.reduce); or None where that one must run it."""
+    src = _reduction(buf, op, comm.rank == root)
+    if src is None or src.nbytes > comm.max_work_bytes:
+        return None
+    try:
+        algo = specs.rooted_algorithm(comm, algorithm, src.nbytes)
+    except UsageError:
+        return None
+    t = comm.transport
+    schedule = algorithms.planner("reduce", algo)(comm.size, comm.rank, src.count, src.itemsize, t.max_message,
+                                                  root=root)
+    tag = specs.describe_call(comm, "reduce", op=op, dtype=src.code, count=src.count, root=root, lo=0,
+                              hi=src.count, algorithm=algo)
+    return HostCall(t.engine.program(schedule), tag, src.code, specs.op_code(op), src.nbytes, 0, src.nbytes,
+                    t.own_region(src.nbytes), out_bytes=src.nbytes if comm.rank == root else 0)
+
+
+def broadcast(comm, buf, root, algorithm):
+    """The HostCall of a blocking ``broadcast(buf, root=root, algorithm=algorithm)`` copied through the
+    transport's buffer (below the zero-copy size): the same plan and description as the general
+    path's (specs.broadcast); or None."""
+    is_root = comm.rank == root
+    try:
+        arr, data = plain_bytes(buf, "buf", writable=not is_root)
+        algo = specs.rooted_algorithm(comm, algorithm, data.nbytes)
+    except UsageError:
+        return None
+    nbytes = data.nbytes
+    if not nbytes or nbytes > comm.max_work_bytes or specs.zero_copy(comm, nbytes):
+        return None
+    t = comm.transport
+    schedule = algorithms.planner("broadcast", algo)(comm.size, comm.rank, nbytes, 1, t.max_message, root=root)
+    tag = specs.describe_call(comm, "broadcast", dtype=arr.dtype, count=nbytes, root=root, lo=0, hi=nbytes,
+                              algorithm=algo)
+    return HostCall(t.engine.program(schedule), tag, 0, 0, nbytes if is_root else 0, 0, nbytes,
+                    t.own_region(nbytes), out_bytes=0 if is_root else nbytes)
+
+
+def allgather(comm, buf):
+    """The HostCall of a blocking allgather of ``buf`` into a buffer of size x its bytes, copied
+    through the transport's buffer (below the zero-copy size): the same plan and description as the
+    general path's (specs.allgather); or None."""
+    try:
+        arr, data = plain_bytes(buf, "buf")
+    except UsageError:
+        return None
+    n, r, block = comm.size, comm.rank, data.nbytes
+    total = n * block
+    if not block or specs.zero_copy(comm, total):
+        return None
+    t = comm.transport
+    schedule = ring.allgather(n, r, total, 1, t.max_message, bounds=tuple(i * block for i in range(n + 1)))
+    tag = specs.describe_call(comm, "allgather", dtype=arr.dtype, count=arr.size)
+    return HostCall(t.engine.program(schedule), tag, 0, 0, block, 0, total, t.own_region(total),
+                    in_offset=r * block, out_bytes=total)
+
+
+def reduce_scatter(comm, buf, op):
+    """The HostCall of a blocking ``reduce_scatter(buf, op=op)``: the input copied into the
+    transport's buffer, this rank's segment (segment_bounds) out of it; the same plan and
+    description as the general path's (specs.reduce_scatter); or None."""
+    src = _reduction(buf, op, False)
+    if src is None:
+        return None
+    bounds = segment_bounds(src.count, comm.size)
+    a, b = bounds[comm.rank] * src.itemsize, bounds[comm.rank + 1] * src.itemsize
+    t = comm.transport
+    schedule = ring.reduce_scatter(comm.size, comm.rank, src.count, src.itemsize, t.max_message,
+                                   bounds=tuple(bounds))
+    tag = specs.describe_call(comm, "reduce_scatter", op=op, dtype=src.code, count=src.count)
+    return HostCall(t.engine.program(schedule), tag, src.code, specs.op_code(op), src.nbytes, a, src.nbytes,
+                    t.own_region(src.nbytes), out_bytes=b - a)
 
 
 def alltoall(comm, buf):
