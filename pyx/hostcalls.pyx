@@ -348,10 +348,10 @@ cdef class HostCollectives:
         return self._into(self.last_reduce_scatter, "reduce_scatter", buf, out, op, 0, self.plans.reduce_scatter)
 
     cdef object _into(self, _LastCall last, str kind, buf, out, op, Py_ssize_t times, prepare):
-        """``out`` of an allgather or a reduce-scatter (``kind``, prepared by ``prepare(comm, buf)``,
-        or ``prepare(comm, buf, op)`` for a reduction): ``buf`` read, the call's result written into
-        ``out``, which must have ``times`` x buf's bytes (0: the prepared call's out_bytes) and buf's
-        format; None where the general path must run it."""
+        """``out`` of an all-to-all, allgather or reduce-scatter (``kind``, prepared by
+        ``prepare(comm, buf)``, or ``prepare(comm, buf, op)`` for a reduction): ``buf`` read, the
+        call's result written into ``out``, other memory with ``times`` x buf's bytes (0: the
+        prepared call's out_bytes) and buf's format; None where the general path must run it."""
         cdef Py_buffer view, oview
         try:
             PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
@@ -363,7 +363,8 @@ cdef class HostCollectives:
             except Exception:
                 return None
             try:
-                if not _same_format(&view, &oview) or (times and oview.len != times * view.len):
+                if not _same_format(&view, &oview) or (times and oview.len != times * view.len) \
+                        or view.buf == oview.buf:
                     return None
                 self._check_prepared_under()
                 call = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
@@ -380,37 +381,13 @@ cdef class HostCollectives:
         """``out`` (a new array like ``buf`` when None and buf is a numpy array) holding the equal
         pieces of every rank's all-to-all; or None where the general path must run it (as
         allreduce)."""
-        cdef Py_buffer view, oview
-        cdef _LastCall last
         if not self.ex.idle:
             return None
         if out is None:
             if type(buf) is not _ndarray:
                 return None
             out = _empty_like(buf)
-        try:
-            PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
-        except Exception:
-            return None
-        try:
-            try:
-                PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
-            except Exception:
-                return None
-            try:
-                if oview.len != view.len or not _same_format(&view, &oview) or view.buf == oview.buf:
-                    return None
-                self._check_prepared_under()
-                last = self.last_alltoall
-                call = last.call if last.matches(&view, -1, None, None) else self._last_or_prepared(
-                    last, &view, -1, None, None, "alltoall", self.plans.alltoall, (self.comm, buf))
-                if call is None:
-                    return None
-                return self._run(<HostCall>call, out, &view, &oview)
-            finally:
-                PyBuffer_Release(&oview)
-        finally:
-            PyBuffer_Release(&view)
+        return self._into(self.last_alltoall, "alltoall", buf, out, None, 1, self.plans.alltoall)
 
     def gather(self, buf, out, root, algorithm):
         """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
