@@ -565,8 +565,10 @@ def _wait_for_text(proc, text, timeout=60.0):
 def _perf_pair(server_cmd, client_cmd, ready=None):
     """Server, then client (once the server printed ``ready``, if given); both must exit 0 within
     their deadlines. Both are killed on the way out. Returns (server output, client output). A
-    perftest that gave up on its clock runs again (rdma_cm ports do not linger)."""
-    return again_if_perftest_clock_failed(lambda srv, cli, _: _perf_pair_once(srv, cli, ready), server_cmd, client_cmd)
+    perftest that gave up on its clock runs again (rdma_cm ports do not linger), up to 5 times: an -a
+    sweep calibrates the clock at each of its 23 sizes, and one CI boot saw 3 sweeps in a row fail so."""
+    return again_if_perftest_clock_failed(lambda srv, cli, _: _perf_pair_once(srv, cli, ready), server_cmd, client_cmd,
+                                          attempts=5)
 
 
 def _perf_pair_once(server_cmd, client_cmd, ready):
