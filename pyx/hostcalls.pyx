@@ -547,12 +547,10 @@ cdef class HostCollectives:
 
     cdef object _last_or_prepared(self, _LastCall last, Py_buffer *view, int peer, how, op, str kind, prepare,
                                   tuple args):
-        """The HostCall of a ``kind`` call on ``view``: the last one of its kind when its key is the
-        same, else the one prepared for the key (``prepare(*args)``, a function of hostplans, the
-        first time); None where the general path must run it (also for an unhashable op or
-        algorithm, which that path names in its error)."""
-        if last.matches(view, peer, how, op):
-            return last.call
+        """The HostCall of a ``kind`` call on ``view`` whose key is not ``last``'s (the callers look
+        at that first, before they build ``args``): the one prepared for the key (``prepare(*args)``,
+        a function of hostplans, the first time), remembered as ``last``; None where the general path
+        must run it (also for an unhashable op or algorithm, which that path names in its error)."""
         key = (kind, _format(view), view.len, peer, how, op)
         try:
             call = self.calls.get(key, _MISSING)
