@@ -359,7 +359,8 @@ def test_vng_command(monkeypatch, tmp_path):
     argv = vm.vng_command("/boot/vmlinuz-x", "/tmp/s/guest.sh", ["/tmp/s", "/out"], memory="2G", cpus=3)
     assert argv[0] == str(fake)
     assert argv[1:] == ["--run", "/boot/vmlinuz-x", "--user", "root", "--memory", "2G", "--cpus", "3",
-                        "--disable-kvm", "--rwdir", "/tmp/s", "--rwdir", "/out", "--exec", "bash /tmp/s/guest.sh"]
+                        "--disable-kvm", "--append", "tsc=reliable clocksource=tsc",
+                        "--rwdir", "/tmp/s", "--rwdir", "/out", "--exec", "bash /tmp/s/guest.sh"]
     assert "--disable-kvm" not in vm.vng_command("/k", "/s.sh", [], kvm=True)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match="virtme-ng"):
