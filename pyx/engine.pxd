@@ -10,6 +10,8 @@ cdef enum:
     CHUNK_COLUMNS = 3
     EXCHANGE = 0
     WAIT_SENDS = 1
+    OFFER = 2                        # tell a peer where its chunks lie here, for it to read them
+    FETCH = 3                        # RDMA READ the chunks a peer offers
     CONSUME_NONE = 0
     CONSUME_COPY = 1
     CONSUME_REDUCE = 2
@@ -171,6 +173,9 @@ cdef class Engine:
     cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil
     cdef bint _can_send(self, int peer) noexcept nogil
     cdef int _send(self, int peer, int64_t off, int64_t n) noexcept nogil
+    cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n) noexcept nogil
+    cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil
+    cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
     cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*) noexcept nogil
     cdef int _release(self, int peer) noexcept nogil

@@ -54,6 +54,7 @@ cdef extern from "pyrdma_reduce.h" nogil:
     const size_t pyrdma_itemsize[8]
 
 LAYOUT = dict(STEP_COLUMNS=STEP_COLUMNS, CHUNK_COLUMNS=CHUNK_COLUMNS, EXCHANGE=EXCHANGE, WAIT_SENDS=WAIT_SENDS,
+              OFFER=OFFER, FETCH=FETCH,
               CONSUME_NONE=CONSUME_NONE, CONSUME_COPY=CONSUME_COPY, CONSUME_REDUCE=CONSUME_REDUCE,
               CONSUME_REDUCE_LOWER=CONSUME_REDUCE_LOWER, CONSUME_REDUCE_UPPER=CONSUME_REDUCE_UPPER,
               CONSUME_COPY_UPTO=CONSUME_COPY_UPTO, HEADER_ROOM=C_HEADER_ROOM)
@@ -88,6 +89,18 @@ cdef int64_t _gcd(int64_t a, int64_t b) noexcept nogil:
     return a
 
 
+cdef bint _contiguous(const int64_t[:, ::1] chunks, Py_ssize_t first, Py_ssize_t n):
+    """Whether chunks[first:first+n] follow one another: one span, which one RDMA READ moves
+    (of at most 4 GiB - 1, the offer's length field)."""
+    cdef Py_ssize_t c
+    cdef int64_t end = chunks[first, 0]
+    for c in range(first, first + n):
+        if chunks[c, 0] != end:
+            return False
+        end += chunks[c, 1]
+    return end - chunks[first, 0] <= <int64_t>0xFFFFFFFF
+
+
 @cython.final
 cdef class Program:
     """A schedule checked once for an engine's rank, size and max_message (Engine.program): every
@@ -118,8 +131,10 @@ cdef class Program:
                 if sp != -1:
                     self._peer(sp, s)
                 continue
-            if kind != EXCHANGE or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
-                    or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks:
+            if not EXCHANGE <= kind <= FETCH or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
+                    or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks \
+                    or (kind == OFFER and (nr or ns < 1 or not _contiguous(chunks, s0, ns))) \
+                    or (kind == FETCH and (ns or nr < 1 or ck != CONSUME_COPY or not _contiguous(chunks, r0, nr))):
                 raise UsageError(f"schedule step {s} is malformed")
             if ns:
                 self._peer(sp, s)
@@ -402,6 +417,14 @@ cdef class Engine:
                         if self._wait(WAIT_SENDS_DONE, p, 0) < 0:
                             return -1
                 continue
+            if st[0] == OFFER:
+                if self._offer(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4]) < 0:
+                    return -1
+                continue
+            if st[0] == FETCH:
+                if self._fetch(<int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6]) < 0:
+                    return -1
+                continue
             if self._exchange(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4],
                               <int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6], <int>st[7]) < 0:
                 return -1
@@ -595,6 +618,65 @@ cdef class Engine:
         self.rdv_peer = -1
         return self._send(peer, self.rdv_off, 0)            # the FIN, behind the writes (RC keeps order)
 
+    cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil:
+        """OFFER: a 16-byte message to ``peer`` saying where its chunks lie in our work area
+        (address, remote key, length) for it to READ them (FETCH). On Soft-RoCE the poster's CPU
+        does an RDMA operation's copying at both ends, so the reader, not the root, pays for it:
+        a scatter's n-1 blocks are copied by n-1 CPUs instead of one. A message through the slots,
+        not the mailbox, so that its header is checked against the reader's call like any other."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint64_t addr = <uint64_t><uintptr_t>(self.work + ch[0])
+        cdef uint32_t length = <uint32_t>(ch[(n - 1) * CHUNK_COLUMNS] + ch[(n - 1) * CHUNK_COLUMNS + 1] - ch[0])
+        if self.work_rkey == 0 or self.consume is not None or ch[0] + <int64_t>length > self.work_len:
+            return self._fail(FAIL_MALFORMED, peer, length, 2)     # no remote access here
+        # (the staging room is free: the last answer or offer from it was read before the peer's
+        # message that let this call begin)
+        memcpy(p.cts_staging, &addr, 8)
+        memcpy(p.cts_staging + 8, &self.work_rkey, 4)
+        memcpy(p.cts_staging + 12, &length, 4)
+        return self._send_from(peer, <uint64_t><uintptr_t>p.cts_staging, self.header_lkey, 16)
+
+    cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil:
+        """FETCH: take ``peer``'s offer of our chunks and RDMA READ them into the work area; returns
+        once they are in. The peer may reuse its memory only after our next message to it."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef int64_t total = ch[(n - 1) * CHUNK_COLUMNS] + ch[(n - 1) * CHUNK_COLUMNS + 1] - ch[0]
+        cdef uint64_t addr
+        cdef uint32_t rkey, length
+        cdef uint8_t *data
+        cdef ibv_sge sge
+        cdef ibv_send_wr wr
+        cdef ibv_send_wr *bad = NULL
+        if self.consume is not None or ch[0] + total > self.work_len:
+            return self._fail(FAIL_MALFORMED, peer, total, 3)      # a GPU work area is not read into
+        data = self._recv(peer, 16)
+        if data == NULL:
+            return -1
+        memcpy(&addr, data, 8)
+        memcpy(&rkey, data + 8, 4)
+        memcpy(&length, data + 12, 4)
+        if self._release(peer) < 0:
+            return -1
+        if <int64_t>length != total:
+            memcpy(self.fail_desc, self.rdesc, DESC_SIZE)
+            return self._fail(FAIL_MISMATCH, peer, length, total)
+        if total == 0:
+            return 0
+        if p.outstanding >= self.sq_depth and self._wait(WAIT_SEND_QUEUE, peer, 0) < 0:
+            return -1
+        memset(&wr, 0, sizeof(wr))
+        sge.addr, sge.length, sge.lkey = <uint64_t><uintptr_t>(self.work + ch[0]), length, self.work_lkey
+        wr.sg_list, wr.num_sge = &sge, 1
+        wr.wr_id = (<uint64_t>peer << 2) | 1          # counted with the payloads: WAIT_SENDS_DONE sees it
+        wr.opcode = IBV_WR_RDMA_READ
+        wr.send_flags = IBV_SEND_SIGNALED
+        wr.wr.rdma.remote_addr, wr.wr.rdma.rkey = addr, rkey
+        if ibv_post_send(p.qp, &wr, &bad):
+            return self._fail(FAIL_POST, peer, errno, 0)
+        p.outstanding += 1
+        p.data_outstanding += 1
+        return self._wait(WAIT_SENDS_DONE, peer, total)
+
     cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil:
         """Send the chunks after sent[0], up to k + slots, while sp takes them without a credit wait."""
         while sent[0] < ns and sent[0] <= k + self.slots and self._can_send(sp):
@@ -610,6 +692,10 @@ cdef class Engine:
         """One WRITE_WITH_IMM of two gather entries, the header's room and the payload, into the
         peer's next slot: one packet for a small message (a separate header WRITE doubled the
         packets, and rxe's work, of every small collective)."""
+        return self._send_from(peer, <uint64_t><uintptr_t>(self.work + off), self.work_lkey, n)
+
+    cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n) noexcept nogil:
+        """_send of the payload at ``addr`` (registered under ``lkey``)."""
         cdef peer_t *p = &self.peers[peer]
         cdef ibv_sge sge[2]
         cdef ibv_send_wr wr
@@ -627,7 +713,7 @@ cdef class Engine:
         memcpy(hdr + DESC_SIZE, &len32, 4)                # little-endian, as struct "<44sI"
         memset(&wr, 0, sizeof(wr))
         sge[0].addr, sge[0].length, sge[0].lkey = <uint64_t><uintptr_t>hdr, C_HEADER_ROOM, self.header_lkey
-        sge[1].addr, sge[1].length, sge[1].lkey = <uint64_t><uintptr_t>(self.work + off), len32, self.work_lkey
+        sge[1].addr, sge[1].length, sge[1].lkey = addr, len32, lkey
         wr.sg_list, wr.num_sge = sge, 2 if n else 1
         wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
         if C_HEADER_ROOM + n <= self.max_inline:

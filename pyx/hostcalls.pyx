@@ -610,8 +610,9 @@ cdef class HostCollectives:
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
                 memcpy(engine.rdesc, call.desc, DESC_SIZE)
+                # the own buffer may be read remotely (a scatter's OFFER), lent memory not
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
-                              call.dtype, call.op, None)
+                              call.dtype, call.op, None, False, region.rkey if copy else 0)
                 try:
                     with nogil:
                         if copy and call.nbytes:

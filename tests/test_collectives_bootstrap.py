@@ -337,8 +337,18 @@ def test_cost_model_choices_and_overrides(monkeypatch):
     assert CostModel().choose_copy("gather", 8, 64, 1 << 20) == "binomial"
     assert CostModel().choose_copy("scatter", 1 << 20, 64, 1 << 20) == "direct"
     assert CostModel(overhead=CostModel().alpha).choose_copy("gather", 8, 4, 1 << 20) == "binomial"
+    # where a NIC moves the bytes a scatter's reads only add a round trip; on a software device
+    # (Soft-RoCE) they share the copying among the readers, which pays from ~16 KiB at 4 ranks
+    assert "read" not in {CostModel().choose_copy("scatter", b, n, 1 << 20) for b in (8, 1 << 20) for n in (3, 4, 64)}
+    soft = CostModel(software=True)
+    assert soft.copy > 0 and CostModel().copy == 0 and CostModel(copy=1e-9).copy == 1e-9
+    assert [soft.choose_copy("scatter", b, 4, 1 << 20) for b in (8, 4096, 32768, 1 << 20)] == \
+        ["direct", "direct", "read", "read"]
+    assert soft.choose_copy("scatter", 1 << 20, 2, 1 << 20) == "direct"      # one block: nothing to share
+    assert {soft.choose_copy("gather", b, 4, 1 << 20) for b in (8, 32768, 1 << 20)} == {"direct"}
     # every estimate grows with the size
-    for algo in ("ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "direct", "binomial_tree"):
+    for algo in ("ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "direct", "binomial_tree",
+                 "read"):
         costs = [getattr(m, algo)(n, 5, 65536) for n in (1, 1 << 10, 1 << 20, 1 << 26)]
         assert costs == sorted(costs), algo
     monkeypatch.setenv("PYRDMA_ALLREDUCE_ALGORITHM", "tree")

@@ -20,7 +20,8 @@ ALLREDUCE = [ring.allreduce, tree.halving_doubling_allreduce, tree.recursive_dou
 def test_schedule_layout_matches_the_engine():
     from pyrdma import _engine
     ours = dict(STEP_COLUMNS=schedule.STEP_COLUMNS, CHUNK_COLUMNS=schedule.CHUNK_COLUMNS,
-                EXCHANGE=schedule.EXCHANGE, WAIT_SENDS=schedule.WAIT_SENDS, CONSUME_NONE=schedule.NONE,
+                EXCHANGE=schedule.EXCHANGE, WAIT_SENDS=schedule.WAIT_SENDS, OFFER=schedule.OFFER,
+                FETCH=schedule.FETCH, CONSUME_NONE=schedule.NONE,
                 CONSUME_COPY=schedule.COPY, CONSUME_REDUCE=schedule.REDUCE,
                 CONSUME_REDUCE_LOWER=schedule.REDUCE_LOWER, CONSUME_REDUCE_UPPER=schedule.REDUCE_UPPER,
                 CONSUME_COPY_UPTO=schedule.COPY_UPTO)
@@ -33,7 +34,7 @@ def _messages(plan):
     """{peer: [sizes sent]}, {peer: [sizes received]} of a schedule, in order."""
     sent, received = {}, {}
     for kind, sp, rp, s0, ns, r0, nr, _ in plan.steps.tolist():
-        if kind == schedule.EXCHANGE:
+        if kind in (schedule.EXCHANGE, schedule.OFFER, schedule.FETCH):     # an offer stands for its chunks
             sent.setdefault(sp, []).extend(int(n) for n in plan.chunks[s0:s0 + ns, 1])
             received.setdefault(rp, []).extend(int(n) for n in plan.chunks[r0:r0 + nr, 1])
     sent.pop(-1, None)
@@ -199,6 +200,9 @@ def _malformed(rank, size, port):
             schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 5, 0, 0, schedule.NONE)], [(0, 8, 0)]),  # past chunks
             schedule.Schedule([(7, peer, -1, 0, 0, 0, 0, 0)], []),                          # unknown step
             schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 1, 0, 0, 0)], [(0, t.max_message + 1, 0)]),
+            # an offer that also receives; a fetch of chunks with a gap (one READ moves one span)
+            schedule.Schedule([(schedule.OFFER, peer, peer, 0, 1, 1, 1, schedule.COPY)], [(0, 8, 0), (8, 8, 0)]),
+            schedule.Schedule([(schedule.FETCH, -1, peer, 0, 0, 0, 2, schedule.COPY)], [(0, 8, 0), (16, 8, 0)]),
         ]
         for plan in bad_plans:
             try:

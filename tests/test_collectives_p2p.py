@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from pyrdma.collectives import algorithms, costmodel
 from pyrdma.testing import free_port
 from test_collectives_comm import START_TIMEOUT, TIMEOUT, fresh_comm
 from test_collectives_world import World, cached_worlds, world_params
@@ -53,18 +54,24 @@ def _dtypes(transport):
 def _rooted(comm, counts, dtypes):
     out = []
     n, r = comm.size, comm.rank
+    # the ranks agree whether any of them moves RDMA data by CPU (Soft-RoCE), and cost it so
+    software = comm.transport.software
+    assert comm.cost_model.copy == (costmodel.SOFTWARE_COPY if software else 0.0)
+    if comm.transport_name == "rdma":
+        from pyrdma.collectives.transport.rdma import SOFTWARE_VENDORS
+        assert software or comm.transport.ctx.query_device().vendor_id not in SOFTWARE_VENDORS
     for count in counts:
         for dtype in dtypes:
             for root in range(n):
-                for algorithm in ("direct", "binomial", "auto"):
-                    mine = piece(r, root, count, dtype)
-                    got = comm.gather(mine, root=root, algorithm=algorithm)
+                for algorithm in algorithms.names("scatter") + ("auto",):      # gather's and "read"
                     want = np.concatenate([piece(p, root, count, dtype) for p in range(n)])
-                    if r == root:
-                        assert got is not None and got.dtype == np.dtype(dtype), (count, dtype, root, algorithm)
-                        assert np.array_equal(got, want), ("gather", count, dtype, root, algorithm)
-                    else:
-                        assert got is None
+                    if algorithm in algorithms.names("gather") + ("auto",):
+                        got = comm.gather(piece(r, root, count, dtype), root=root, algorithm=algorithm)
+                        if r == root:
+                            assert got is not None and got.dtype == np.dtype(dtype), (count, dtype, root, algorithm)
+                            assert np.array_equal(got, want), ("gather", count, dtype, root, algorithm)
+                        else:
+                            assert got is None
                     full = want if r == root else None
                     part = comm.scatter(full, out=np.full(count, 7, dtype), root=root, algorithm=algorithm)
                     assert np.array_equal(part, piece(r, root, count, dtype)), ("scatter", count, dtype, root,
@@ -281,6 +288,10 @@ def _mismatch(comm, ports, kinds):
                     c.gather(np.zeros(10 + (r == 2)), root=0)
                 elif kind == "scatter-count":
                     c.scatter(np.zeros(n * (4 + (r == 1))), root=0)
+                elif kind == "scatter-count-read":
+                    c.scatter(np.zeros(n * (4 + (r == 1))), root=0, algorithm="read")
+                elif kind == "scatter-algorithm":           # the root offers, the others await data
+                    c.scatter(np.zeros(n * 4), root=0, algorithm="read" if r == 0 else "direct")
                 elif kind == "alltoall-counts":
                     send = [1] * n
                     recv = [1] * n
@@ -309,10 +320,11 @@ def _mismatch(comm, ports, kinds):
 
 @pytest.mark.parametrize("transport, size", _params([3], [3]))
 def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
-    kinds = ["gather-count", "scatter-count", "alltoall-counts", "send-tag", "too-long", "too-long-lent"]
+    kinds = ["gather-count", "scatter-count", "scatter-count-read", "scatter-algorithm", "alltoall-counts",
+             "send-tag", "too-long", "too-long-lent"]
     results = worlds(transport, size).run(_mismatch, [free_port() for _ in kinds], kinds, timeout=300)
-    receivers = {"gather-count": {0}, "scatter-count": {1}, "alltoall-counts": {1}, "send-tag": {1},
-                 "too-long": {1}, "too-long-lent": {1}}
+    receivers = {"gather-count": {0}, "scatter-count": {1}, "scatter-count-read": {1}, "scatter-algorithm": {1, 2},
+                 "alltoall-counts": {1}, "send-tag": {1}, "too-long": {1}, "too-long-lent": {1}}
     for rank, outcomes in enumerate(results):
         for kind, (result, elapsed) in zip(kinds, outcomes):
             # every rank raises UsageError; a rank that receives the mismatched message, at that call
@@ -341,6 +353,8 @@ def _dead(comm, victim, kind):
             comm.gather(np.zeros(100), root=0)
         elif kind == "scatter":
             comm.scatter(np.zeros(n * 100), root=victim)
+        elif kind == "scatter read":           # the root waits for the dead reader's word
+            comm.scatter(np.zeros(n * 100), root=0, algorithm="read")
         elif kind == "recv":
             comm.recv(np.zeros(100), victim)
         elif kind == "rendezvous send":       # 2 MiB, over the rendezvous size: it waits for the CTS
@@ -350,7 +364,7 @@ def _dead(comm, victim, kind):
     return ("no error", None, None)
 
 
-@pytest.mark.parametrize("kind", ["alltoall", "gather", "scatter", "recv"])
+@pytest.mark.parametrize("kind", ["alltoall", "gather", "scatter", "scatter read", "recv"])
 @pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
 def test_dead_rank_is_named(transport, kind):
     _check_dead_rank_is_named(transport, kind)
@@ -376,8 +390,9 @@ def _check_dead_rank_is_named(transport, kind):
             continue
         assert status == "ok", value
         outcome, peer, elapsed = value
-        if kind == "gather" and rank != 0:
+        if kind in ("gather", "scatter read") and rank != 0:
             continue                 # a non-root of a gather only sends: its call may finish first
+                                     # (a reader, once it has its block from the live root)
         assert outcome == "PeerError" and peer == victim, (rank, value)
         assert elapsed < timeout + 3, (rank, elapsed)
 

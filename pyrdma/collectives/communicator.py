@@ -217,7 +217,7 @@ class Communicator:
             if own_exchange:
                 exchange.close()
         self.transport_name = chosen
-        self.cost_model = cost_model or CostModel(transport=chosen)
+        self.cost_model = cost_model or CostModel(transport=chosen, software=self.transport.software)
         self._host = None
         if chosen == "rdma" and size > 1:
             # blocking host allreduces, all-to-alls and barriers are one C call each, which takes

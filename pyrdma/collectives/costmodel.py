@@ -5,7 +5,9 @@
 ``alpha`` is the cost of one message (latency plus per-message software overhead), ``beta`` the
 inverse bandwidth, ``gamma`` the inverse reduction throughput, ``overhead`` the part of alpha a rank
 pays for each of several messages in flight at once (LogP's o: a direct gather's root handles
-n-1 messages whose latencies overlap), all in seconds. Messages larger
+n-1 messages whose latencies overlap), ``copy`` the CPU time per byte of the rank that starts
+an RDMA operation where its CPU moves the data (a software device: Soft-RoCE copies at both
+ends in the poster's context; 0 where a NIC does it), all in seconds. Messages larger
 than ``max_message`` are split, and each piece pays alpha. The estimates only need to rank the
 algorithms, not predict time exactly.
 
@@ -33,6 +35,10 @@ DEFAULTS = {
     "tcp": (40e-6, 1 / 2e9, 1 / 4e9),
 }
 OVERHEAD_SHARE = 1 / 8         # overhead's default, a share of alpha
+# copy's default on a software RDMA device: ~1.3 GB/s per core. It puts the switch of a scatter
+# to the receivers' reads at ~16 KiB per rank for 4 ranks, ~32 KiB for 3, where the A/B on rxe
+# found it (4 ranks: read 2.2 ms against direct 3.7-4.2 ms at 32 KiB, a tie at 4 KiB).
+SOFTWARE_COPY = 0.75e-9
 
 
 def _msgs(nbytes, max_message):
@@ -40,19 +46,21 @@ def _msgs(nbytes, max_message):
 
 
 class CostModel:
-    def __init__(self, alpha=None, beta=None, gamma=None, transport="rdma", overhead=None):
+    def __init__(self, alpha=None, beta=None, gamma=None, transport="rdma", overhead=None, copy=None,
+                 software=False):
         a, b, g = DEFAULTS.get(transport, DEFAULTS["rdma"])
         self.alpha = a if alpha is None else alpha
         self.beta = b if beta is None else beta
         self.gamma = g if gamma is None else gamma
         self.overhead = self.alpha * OVERHEAD_SHARE if overhead is None else overhead
+        self.copy = (SOFTWARE_COPY if software else 0.0) if copy is None else copy
         self._chosen = {}      # the allreduce choices made so far: the same sizes come back every step
         # read once: looking the environment up costs more than the choice itself
         self.forced_allreduce = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM") or None
 
     def __repr__(self):
         return (f"CostModel(alpha={self.alpha:g}, beta={self.beta:g}, gamma={self.gamma:g}, "
-                f"overhead={self.overhead:g})")
+                f"overhead={self.overhead:g}, copy={self.copy:g})")
 
     def _send(self, nbytes, max_message):
         return _msgs(nbytes, max_message) * self.alpha + nbytes * self.beta
@@ -141,11 +149,29 @@ class CostModel:
         rounds = range(max(1, (n - 1).bit_length()))
         return sum(self._send((1 << k) * block, max_message) + ((1 << k) - 1) * block * self.gamma for k in rounds)
 
+    def read(self, block, n, max_message):
+        """A scatter whose ranks read their blocks: the root's offers, then the reads (one more
+        round trip), then each rank's word that it has its block."""
+        return 3 * self.alpha + 2 * (n - 1) * self.overhead + (n - 1) * block * self.beta
+
+    def copy_costs(self, kind, block, n, max_message):
+        """{algorithm: estimate} of a gather or scatter of ``block`` bytes per rank, with the
+        copying of a software device: a direct scatter's root starts every transfer, a gather's
+        senders each their own; a tree's rounds of doubling data follow one another; readers copy
+        at once."""
+        c = block * self.copy
+        costs = {"direct": self.direct(block, n, max_message) + ((n - 1) * c if kind == "scatter" else c),
+                 "binomial": self.binomial_tree(block, n, max_message) + (n - 1) * c}
+        if kind == "scatter":
+            costs["read"] = self.read(block, n, max_message) + c
+        return costs
+
     def choose_copy(self, kind, block, n, max_message):
-        """The algorithm of a gather or scatter of ``block`` bytes per rank ("direct" or
-        "binomial"); all-to-all has one ("pairwise")."""
+        """The algorithm of a gather ("direct" or "binomial") or scatter (those or "read") of
+        ``block`` bytes per rank; all-to-all has one ("pairwise")."""
         if kind == "alltoall":
             return "pairwise"
         if n <= 2:
             return "direct"
-        return "binomial" if self.binomial_tree(block, n, max_message) < self.direct(block, n, max_message) else "direct"
+        costs = self.copy_costs(kind, block, n, max_message)
+        return min(costs, key=costs.get)          # a tie goes to the first, direct

@@ -14,7 +14,11 @@ COPY_UPTO receives one point-to-point message of at most the step's chunks (its 
 the same max_message, the last one shorter): the first header's count says how long it is, and
 the receive ends with its last chunk.
 Sends run ahead of the consumption (pipelined_step). WAIT_SENDS waits until every send to
-send_peer (-1: to every peer) has left local memory.
+send_peer (-1: to every peer) has left local memory. OFFER and FETCH move one span of chunks by
+the receiver's RDMA READ: OFFER tells send_peer where they lie (a small message), FETCH takes
+recv_peer's offer and reads them (COPY); the offering rank may reuse them once it has a later
+message from the reader. Over a transport that cannot read (TCP) they are a plain send and a
+COPY receive of the chunks.
 
 Two executors run the same schedules: the C engine (pyrdma._engine, RDMA: one call per collective,
 no GIL) and ``execute`` below, in Python over the transport contract (TCP, and the host tests
@@ -22,7 +26,7 @@ that model flow control).
 """
 import numpy as np
 
-EXCHANGE, WAIT_SENDS = 0, 1
+EXCHANGE, WAIT_SENDS, OFFER, FETCH = 0, 1, 2, 3
 NONE, COPY, REDUCE, REDUCE_LOWER, REDUCE_UPPER, COPY_UPTO = 0, 1, 2, 3, 4, 5
 STEP_COLUMNS, CHUNK_COLUMNS = 8, 3
 
@@ -79,6 +83,14 @@ class Builder:
     def send(self, peer, chunks):
         self.exchange(peer, chunks, None, (), NONE)
 
+    def offer(self, peer, chunks):
+        """Let ``peer`` read ``chunks`` (one span) from here (its fetch)."""
+        self.steps.append((OFFER, peer, -1, self._add_chunks(chunks), len(chunks), 0, 0, NONE))
+
+    def fetch(self, peer, chunks):
+        """Read ``chunks`` (one span) from ``peer``'s offer."""
+        self.steps.append((FETCH, -1, peer, 0, 0, self._add_chunks(chunks), len(chunks), COPY))
+
     def recv(self, peer, chunks, consume):
         self.exchange(None, (), peer, chunks, consume)
 
@@ -118,7 +130,8 @@ class Builder:
 def execute(t, schedule, consume):
     """Run ``schedule`` in Python over a transport's contract (send, recv, release, can_send,
     wait_sends, send_window). ``consume(kind, chunk, data)`` handles each received chunk. Returns the
-    length of the last COPY_UPTO message received (None if none)."""
+    length of the last COPY_UPTO message received (None if none). An OFFER is the send of its
+    chunks, a FETCH their receive (the steps are laid out so)."""
     steps, chunks = schedule.rows()
     received = None
     for kind, sp, rp, s0, ns, r0, nr, ck in steps:

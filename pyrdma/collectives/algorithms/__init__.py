@@ -21,7 +21,8 @@ ALGORITHMS = {
     "broadcast": {"chain": Algorithm(ring.chain_broadcast), "binomial": Algorithm(tree.binomial_broadcast)},
     "reduce": {"chain": Algorithm(ring.chain_reduce), "binomial": Algorithm(tree.binomial_reduce)},
     "gather": {"direct": Algorithm(rooted.direct_gather), "binomial": Algorithm(rooted.binomial_gather, True)},
-    "scatter": {"direct": Algorithm(rooted.direct_scatter), "binomial": Algorithm(rooted.binomial_scatter, True)},
+    "scatter": {"direct": Algorithm(rooted.direct_scatter), "binomial": Algorithm(rooted.binomial_scatter, True),
+                "read": Algorithm(rooted.read_scatter)},
     "alltoall": {"pairwise": Algorithm(exchange.pairwise_alltoall)},
 }
 

@@ -3,6 +3,10 @@
 - direct: the root exchanges with each rank in turn (n-1 messages through the root's link; the
   large-block choice, as MPI's linear gather/scatter). The root's work area holds the n blocks in
   rank order; every other rank's holds its own block at offset 0.
+- read: a direct scatter whose blocks the other ranks RDMA READ from the root (it offers each
+  rank its block, then waits for a message from each saying it has it): on a transport whose
+  CPU does the copying (Soft-RoCE), the readers' CPUs share it instead of the root's alone, as
+  UCX's rendezvous reads do; over TCP the offers carry the blocks.
 - binomial: a binomial tree rooted at ``root`` (log2 n rounds; the small-block choice, as MPI's
   and NCCL's trees). Rank v of the tree (v = rank - root mod n) gathers or forwards the blocks of
   its subtree, ranks v .. v + 2^k - 1; every rank's work area holds n blocks in rank order (a
@@ -10,7 +14,7 @@
 """
 import functools
 
-from pyrdma.collectives.schedule import COPY, Builder
+from pyrdma.collectives.schedule import COPY, NONE, Builder
 
 _cached = functools.lru_cache(maxsize=512)
 
@@ -59,6 +63,24 @@ def direct_scatter(n, r, root, block, max_message):
             b.send(p, message_chunks(p * block, block, max_message))
     else:
         b.recv(root, message_chunks(0, block, max_message), COPY)
+    b.root_greeted(n, r, root)
+    b.wait_sends()
+    return b.build()
+
+
+@_cached
+def read_scatter(n, r, root, block, max_message):
+    b = Builder()
+    b.greet_root(n, r, root)
+    if r == root:
+        for k in range(1, n):
+            p = (root + k) % n
+            b.offer(p, message_chunks(p * block, block, max_message))
+        for k in range(1, n):                   # each has its block: the work area is free again
+            b.recv((root + k) % n, ((0, 0, 0),), NONE)
+    else:
+        b.fetch(root, message_chunks(0, block, max_message))
+        b.send(root, ((0, 0, 0),))
     b.root_greeted(n, r, root)
     b.wait_sends()
     return b.build()

@@ -71,7 +71,7 @@ KINDS = ("", "allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", 
          "allreduce-direct", "broadcast-direct", "test", "gather", "scatter", "alltoall", "send")
 DESC_OPS = ("", "sum", "prod", "min", "max", "avg")
 DESC_ALGORITHMS = ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "dissemination",
-                   "direct", "pairwise")
+                   "direct", "pairwise", "read")
 NO_ROOT = 0xFFFFFFFF
 BYTE_DTYPE = 0x8000                     # dtype field of byte-copying collectives: numpy's type number
 
@@ -170,6 +170,9 @@ class _Waits:
     # point-to-point messages of this many bytes or more go by rendezvous where the transport can
     # write into the receiver's memory (RDMA); 0: never
     rendezvous_bytes = 0
+    # whether a CPU at the ends moves the data of an RDMA operation (a software RDMA device at any
+    # rank: the cost model's ``copy``), agreed by every rank
+    software = False
 
     def _init_waits(self, timeout):
         if self.size > MAX_RANKS:

@@ -16,6 +16,9 @@ HEADER_ROOM = 64           # a slot: the header, then the payload (64-byte align
 # A message this long (the header room and up to 192 payload bytes) goes inline: the NIC copies it
 # at the post, so the collective need not wait for its ACK before it returns.
 MAX_INLINE = 256
+# Vendor IDs of the software RDMA devices, Soft-RoCE (rxe) and Soft-iWARP (siw): their CPU does
+# the data movement of an RDMA operation, at both ends, in the context of the rank that posts it.
+SOFTWARE_VENDORS = frozenset((0xFFFFFF, 0x626D74))
 
 
 def _slot_consumer(consume, slots):
@@ -106,7 +109,9 @@ class RdmaTransport(_OwnBuffer, _Waits):
         # batch, plus control and abort messages
         self.sq_depth = 2 * self.slots + 8
         self.rq_depth = 2 * self.slots + 8
-        max_cqe = self.ctx.query_device().max_cqe
+        attr = self.ctx.query_device()
+        max_cqe = attr.max_cqe
+        self._software = attr.vendor_id in SOFTWARE_VENDORS
         cqe = max(16, min(max_cqe, npeers * (self.sq_depth + self.rq_depth) + 16))
         self.cq = rd.CompletionQueue(self.ctx, cqe, channel=self.channel)
         self.credit_batch = max(1, self.slots // 2)
@@ -143,12 +148,12 @@ class RdmaTransport(_OwnBuffer, _Waits):
         placeholder = Endpoint(qpn=0, psn=0)
         record = b"".join((placeholder if p == self.rank else self.links[p].qp.endpoint(mr=self.slot_mr)).to_bytes()
                           for p in range(self.size))
-        records = exchange.allgather(record)
+        records = exchange.allgather(record + bytes((self._software,)))
         for p in self.peers:
             rec = records[p]
-            if len(rec) != self.size * WIRE_SIZE:
+            if len(rec) != self.size * WIRE_SIZE + 1 or rec[-1] > 1:
                 raise WireFormatError(f"rank {p} sent a {len(rec)}-byte connection record, expected "
-                                      f"{self.size * WIRE_SIZE} (different world size or pyrdma version?)")
+                                      f"{self.size * WIRE_SIZE + 1} (different world size or pyrdma version?)")
             ep = Endpoint.from_bytes(rec[self.rank * WIRE_SIZE:(self.rank + 1) * WIRE_SIZE])
             if ep.length != self.slot_mr.length:
                 raise UsageError(f"rank {p} registered {ep.length} bytes of receive slots, rank {self.rank} "
@@ -159,6 +164,8 @@ class RdmaTransport(_OwnBuffer, _Waits):
             # our slots in the peer's region: it orders its peers by rank, skipping itself
             their_index = self.rank if self.rank < p else self.rank - 1
             link.remote = (ep.addr + their_index * self.slots * self.slot_stride, ep.rkey)
+        # every rank's answer, so that the cost model chooses alike on all of them
+        self.software = any(rec[-1] for rec in records)
         from pyrdma._engine import Engine
         mine = _Link(None)                    # no QP to itself
         links = [self.links.get(p, mine) for p in range(self.size)]
@@ -223,9 +230,10 @@ class RdmaTransport(_OwnBuffer, _Waits):
         if self._own is None or self._own.nbytes < nbytes:
             if self._own_mr is not None:
                 self._own_mr.close()         # every schedule ends with its sends completed
-            # remote write: a rendezvous message is written straight into it
-            self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes),
-                                                         self.rd.ACCESS_LOCAL_WRITE | self.rd.ACCESS_REMOTE_WRITE)
+            # remote write: a rendezvous message is written straight into it; remote read: a
+            # scatter's blocks are read from it (schedule's OFFER/FETCH)
+            self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE
+                                                         | self.rd.ACCESS_REMOTE_WRITE | self.rd.ACCESS_REMOTE_READ)
             self._own = self._own_mr.array()
         return self._own_mr
 
