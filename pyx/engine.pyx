@@ -101,6 +101,11 @@ cdef bint _contiguous(const int64_t[:, ::1] chunks, Py_ssize_t first, Py_ssize_t
     return end - chunks[first, 0] <= <int64_t>0xFFFFFFFF
 
 
+cdef inline int64_t _span(const int64_t *ch, int n) noexcept nogil:
+    """The bytes from the first of n contiguous chunks to the end of the last (Program checked them)."""
+    return ch[(n - 1) * CHUNK_COLUMNS] + ch[(n - 1) * CHUNK_COLUMNS + 1] - ch[0]
+
+
 @cython.final
 cdef class Program:
     """A schedule checked once for an engine's rank, size and max_message (Engine.program): every
@@ -626,7 +631,7 @@ cdef class Engine:
         not the mailbox, so that its header is checked against the reader's call like any other."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint64_t addr = <uint64_t><uintptr_t>(self.work + ch[0])
-        cdef uint32_t length = <uint32_t>(ch[(n - 1) * CHUNK_COLUMNS] + ch[(n - 1) * CHUNK_COLUMNS + 1] - ch[0])
+        cdef uint32_t length = <uint32_t>_span(ch, n)
         if self.work_rkey == 0 or self.consume is not None or ch[0] + <int64_t>length > self.work_len:
             return self._fail(FAIL_MALFORMED, peer, length, 2)     # no remote access here
         # (the staging room is free: the last answer or offer from it was read before the peer's
@@ -640,7 +645,7 @@ cdef class Engine:
         """FETCH: take ``peer``'s offer of our chunks and RDMA READ them into the work area; returns
         once they are in. The peer may reuse its memory only after our next message to it."""
         cdef peer_t *p = &self.peers[peer]
-        cdef int64_t total = ch[(n - 1) * CHUNK_COLUMNS] + ch[(n - 1) * CHUNK_COLUMNS + 1] - ch[0]
+        cdef int64_t total = _span(ch, n)
         cdef uint64_t addr
         cdef uint32_t rkey, length
         cdef uint8_t *data

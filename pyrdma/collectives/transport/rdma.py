@@ -111,7 +111,7 @@ class RdmaTransport(_OwnBuffer, _Waits):
         self.rq_depth = 2 * self.slots + 8
         attr = self.ctx.query_device()
         max_cqe = attr.max_cqe
-        self._software = attr.vendor_id in SOFTWARE_VENDORS
+        software_here = attr.vendor_id in SOFTWARE_VENDORS
         cqe = max(16, min(max_cqe, npeers * (self.sq_depth + self.rq_depth) + 16))
         self.cq = rd.CompletionQueue(self.ctx, cqe, channel=self.channel)
         self.credit_batch = max(1, self.slots // 2)
@@ -148,7 +148,7 @@ class RdmaTransport(_OwnBuffer, _Waits):
         placeholder = Endpoint(qpn=0, psn=0)
         record = b"".join((placeholder if p == self.rank else self.links[p].qp.endpoint(mr=self.slot_mr)).to_bytes()
                           for p in range(self.size))
-        records = exchange.allgather(record + bytes((self._software,)))
+        records = exchange.allgather(record + bytes((software_here,)))
         for p in self.peers:
             rec = records[p]
             if len(rec) != self.size * WIRE_SIZE + 1 or rec[-1] > 1:
