@@ -1058,6 +1058,69 @@ def test_staged_allreduce_uses_the_communicators_host_allreduce():
     assert comm.calls == [(np.float64, 1024, "sum")] * 2 + [(np.float64, 952, "sum")]
 
 
+def _staged_through_the_communicator(comm, chunk_bytes):
+    """A rank's blocking allreduce, reduce and broadcast of fake CUDA arrays, staged by the pipeline on
+    the simulated GPU: the Communicator hands pyrdma.cuda its own host call for each chunk."""
+    from pyrdma.cuda import collectives as gc
+    pipe = gpu.HostStagingPipeline(chunk_bytes, 2, backend=SimBackend())
+    gc.import_cupy = lambda feature: FakeCupy           # a rank process of its own: nothing to restore
+    gc.default_pipeline = lambda: pipe
+    calls = []
+    host_allreduce = comm.allreduce
+
+    def counting_allreduce(buf, *args, **kwargs):
+        calls.append(buf.size if isinstance(buf, np.ndarray) else "cuda")
+        return host_allreduce(buf, *args, **kwargs)
+    comm.allreduce = counting_allreduce
+    out = {}
+    values = np.arange(3000, dtype=np.float64) + comm.rank
+    dev = FakeCudaArray(values)
+    assert comm.allreduce(dev, op="max") is dev
+    pipe.backend.synchronize_stream(pipe.backend.user)
+    out["allreduce"], out["calls"] = values.copy(), calls
+
+    values = np.arange(3000, dtype=np.int32) * (comm.rank + 1)
+    dev = FakeCudaArray(values)
+    got = comm.reduce(dev, op="sum", root=1)
+    pipe.backend.synchronize_stream(pipe.backend.user)
+    out["reduce"], out["reduce_returned"] = values.copy(), got is dev
+
+    values = np.full(5000, comm.rank, np.uint8)
+    comm.broadcast(FakeCudaArray(values), root=1)
+    pipe.backend.synchronize_stream(pipe.backend.user)
+    out["broadcast"] = values.copy()
+    return out
+
+
+def test_pyrdma_cuda_does_not_import_the_collectives():
+    """pyrdma.cuda gives the Communicator work areas and staging; the host calls come in as
+    arguments, so the layering has one direction (a CUDA module importing the collectives back
+    would be a cycle waiting to happen)."""
+    import ast
+    import pathlib
+    offenders = []
+    for path in sorted(pathlib.Path(gpu.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.name}:{node.lineno} {n}" for n in names
+                          if n.startswith(("pyrdma.collectives", "pyrdma.torch"))]
+    assert offenders == []
+
+
+def test_the_communicator_stages_cuda_arrays_by_its_own_host_calls():
+    from test_collectives_world import World
+    with World(2, "tcp", timeout=30.0) as w:
+        results = w.run(_staged_through_the_communicator, 8 * 1024, timeout=60)
+    for rank, got in enumerate(results):
+        np.testing.assert_array_equal(got["allreduce"], np.arange(3000) + 1.0)
+        # the recursion stops at the host arrays: one call with the CUDA array, then one per chunk
+        assert got["calls"] == ["cuda", 1024, 1024, 952]
+        np.testing.assert_array_equal(got["reduce"], np.arange(3000) * (3 if rank == 1 else rank + 1))
+        assert got["reduce_returned"] == (rank == 1)
+        np.testing.assert_array_equal(got["broadcast"], np.full(5000, 1, np.uint8))
+
+
 # --------------------------------------------------------------------------------------------------
 # RDMA device (rxe0 in the VM; no GPU needed): the probe and the fallback against the real binding
 # --------------------------------------------------------------------------------------------------

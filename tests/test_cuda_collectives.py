@@ -126,7 +126,7 @@ def _usage_errors(comm):
 
 def test_bad_cuda_input_is_a_usage_error(world):
     expected = {"out_size": "out must match", "out_dtype": "out must match", "noncontiguous": "C-contiguous",
-                "allgather_out": "out must be", "complex": "unsupported dtype"}
+                "allgather_out": "out must hold", "complex": "unsupported dtype"}
     for errors in world.run(_usage_errors):
         assert errors.pop("still_works") == 9.0
         for name, text in expected.items():

@@ -19,10 +19,12 @@ uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arr
 ``dtype="bfloat16"`` with uint16 arrays holding the bits). Buffers: numpy arrays, anything with
 the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
 than ranks). CUDA arrays (CuPy, DLPack CUDA tensors such as torch's, bfloat16 ones too) go to
-pyrdma.cuda.collectives: the blocking allreduce and broadcast in place in GPU memory with
-CUDA-kernel reductions (``gpu_path="direct"``), or pipelined through pinned host memory; every
-other call, and every non-blocking one, staged through pinned host memory (cuda.collectives.stage:
-copied down at the call, in stream order, uploaded when the call has run).
+pyrdma.cuda.collectives for their work areas: the blocking allreduce and broadcast in place in GPU
+memory with CUDA-kernel reductions (``gpu_path="direct"``), or the blocking allreduce, reduce and
+broadcast pipelined through pinned host memory (cuda.collectives.staged, running this
+Communicator's host call on each chunk); every other call, and every non-blocking one, staged
+through pinned host memory (cuda.collectives.stage: copied down at the call, in stream order,
+uploaded when the call has run).
 
 How it runs: the input is copied into the transport's registered work buffer (registered once,
 reused; grown when needed), the algorithm runs there, the result is copied out. One collective
@@ -59,6 +61,7 @@ _NO_DTYPE = object()        # _call of a call that does not reduce
 DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
+_PAIRED = (specs.allreduce, specs.reduce, specs.allgather, specs.reduce_scatter)   # buf, out: both CUDA or both host
 
 
 def _is_cuda(*objs):
@@ -153,7 +156,7 @@ class Communicator:
 
     ``op="avg"``: floating-point inputs are divided by ``size`` (rounded once to their dtype; float16
     toward zero) before they are summed, as NCCL does, so a mean near the largest finite value does
-    not overflow as their sum would (pieces.scale_down has the fine print). Integer avg is the sum,
+    not overflow as their sum would (pyrdma.avg.scale_down has the fine print). Integer avg is the sum,
     which wraps around on overflow as C does, divided by ``size`` and truncated toward zero (-7 over
     2 ranks gives -3), as NCCL.
     ``out`` may be the very same memory as ``buf`` (in place) or memory apart from it; partial
@@ -317,7 +320,8 @@ class Communicator:
             gc.check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
             area = gc.direct_allreduce_area(buf, out, op, dtype) if self._gpu_direct(buf) else None
             if area is None:
-                return gc.allreduce(self, buf, out, op, algorithm, dtype)
+                return gc.staged("allreduce", buf, out, lambda chunk, dt: self.allreduce(
+                    chunk, op=op, algorithm=algorithm, dtype=dt), dtype)
             with area:
                 self._allreduce_in_place(area, op, algorithm)
             return area.result
@@ -336,7 +340,12 @@ class Communicator:
                 return done[0]
         if _is_cuda(buf, out):
             check_op(op)
-            return _cuda().reduce(self, buf, out, op, specs.check_root(self, root), algorithm, dtype)
+            root = specs.check_root(self, root)
+            _cuda().check_pair(buf, out, "reduce")
+            # off root the host reduce leaves each chunk as it was, so copying it back changes nothing
+            result = _cuda().staged("reduce", buf, out if self.rank == root else None, lambda chunk, dt: self.reduce(
+                chunk, op=op, root=root, algorithm=algorithm, dtype=dt), dtype)
+            return result if self.rank == root else None
         return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=True, dtype=dtype)
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
@@ -354,7 +363,8 @@ class Communicator:
                 with _cuda().direct_broadcast_area(buf, self.rank == root) as area:
                     self._broadcast_in_place(area, root, algorithm)
                 return buf
-            return _cuda().broadcast(self, buf, root, algorithm)
+            return _cuda().staged("broadcast", buf, None, lambda chunk, _: self.broadcast(
+                chunk, root=root, algorithm=algorithm))
         return self._call(specs.broadcast, buf, root, algorithm, blocking=True)
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):
@@ -368,8 +378,6 @@ class Communicator:
             done = self._host.allgather(buf, out)
             if done is not None:
                 return done
-        if _is_cuda(buf, out):
-            return _cuda().allgather(self, buf, out)
         return self._call(specs.allgather, buf, out, blocking=True)
 
     def iallgather(self, buf, out=None):
@@ -382,9 +390,6 @@ class Communicator:
             done = self._host.reduce_scatter(buf, out, op)
             if done is not None:
                 return done
-        if _is_cuda(buf, out):
-            check_op(op)
-            return _cuda().reduce_scatter(self, buf, out, op, dtype)
         return self._call(specs.reduce_scatter, buf, out, op, blocking=True, dtype=dtype)
 
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
@@ -514,6 +519,8 @@ class Communicator:
             args += (dtype,)
         if _is_cuda(*(x for a in args for x in (a if isinstance(a, tuple) else (a,)))):
             name = make_spec.__name__
+            if make_spec in _PAIRED:        # as the blocking calls, whose direct path needs both on the GPU
+                _cuda().check_pair(args[0], args[1], name)
             host_args, upload, reduced_as = _cuda().stage(name, args)
             if reduced_as is not None and dtype is not _NO_DTYPE:
                 host_args[-1] = _cuda().host_dtype(dtype, reduced_as)

@@ -5,7 +5,7 @@ import numpy as np
 
 from pyrdma import _reduce
 from pyrdma.buffers import host_array
-from pyrdma.collectives.pieces import scale_down, scale_down_bfloat16
+from pyrdma.avg import scale_down, scale_down_bfloat16
 from pyrdma.errors import UsageError
 
 
@@ -58,7 +58,7 @@ FLOAT_CODES = frozenset(_reduce.DTYPE_NAMES.index(n) for n in ("float16", "float
 
 def prescale(work, code, n):
     """work /= n in place on the raw bytes of a floating-point dtype (code: pyrdma._reduce's), rounded
-    toward zero (pieces.scale_down): the first step of a floating-point avg, as NCCL's
+    toward zero (pyrdma.avg.scale_down): the first step of a floating-point avg, as NCCL's
     pre-multiplied sum, so the sum of n scaled inputs cannot overflow where their mean is finite."""
     name = _reduce.DTYPE_NAMES[code]
     if name == "bfloat16":

@@ -1,7 +1,7 @@
-"""Collectives on CUDA arrays (CuPy, or any __cuda_array_interface__/DLPack CUDA object).
-
-A host Communicator hands CUDA arrays here (``Communicator.allreduce(cupy_array)`` and the others),
-on one of two paths (the Communicator's ``gpu_path``):
+"""Collectives on CUDA arrays (CuPy, or any __cuda_array_interface__/DLPack CUDA object): the
+work areas and staging the Communicator runs its own algorithms on (nothing here calls into it or
+imports pyrdma.collectives; the host calls come in as arguments). Two paths (the Communicator's
+``gpu_path``):
 
 direct (allreduce, broadcast): the algorithms run in place in the array's GPU memory. The transport
 sends from it (over RDMA the NIC reads it through a GPUDirect registration; over TCP each message is
@@ -9,12 +9,12 @@ copied out), received chunks are copied up and reduced by reduce_into's CUDA ker
 
 staged (every collective; the only path without GPUDirect RDMA): the data crosses the host:
 
-- allreduce, reduce and broadcast keep their shape, so they run through HostStagingPipeline: chunk k
-  is copied device -> pinned host, the host collective runs on it, and it is copied back, while the
-  copies of chunks k-1 and k+1 are in flight. The pinned slots are reused across calls, so the host
-  collective registers them for RDMA once.
-- allgather and reduce_scatter change the size, so they copy the whole input to pinned host memory,
-  run the host collective and copy the result up (not pipelined).
+- the blocking allreduce, reduce and broadcast keep their shape, so they run through
+  HostStagingPipeline (``staged``): chunk k is copied device -> pinned host, the host collective
+  runs on it, and it is copied back, while the copies of chunks k-1 and k+1 are in flight. The
+  pinned slots are reused across calls, so the host collective registers them for RDMA once.
+- every other call (``stage``) copies its CUDA arrays to pinned host memory, the host call runs on
+  the copies, and the copies it wrote are uploaded (not pipelined).
 
 Staged, the arithmetic is the host collective's (pyrdma._reduce); direct, the GPU kernels compute
 what it computes (float16 in float32, rounded once; min/max pick an operand's bits; a floating-point
@@ -30,7 +30,7 @@ from pyrdma.errors import UsageError
 from pyrdma.cuda._driver import import_cupy
 from pyrdma.cuda.buffers import BIT_TWINS, device_buffer, is_cuda_array
 from pyrdma.cuda.reduce import check_dtype, finalize_avg, reduce_into
-from pyrdma.cuda.staging import default_pipeline, staged_allreduce
+from pyrdma.cuda.staging import default_pipeline
 
 
 def _describe(obj, what, allow_empty=False):
@@ -79,116 +79,34 @@ def _copy_into(cp, dst_obj, src_obj, what):
         _cupy_view(cp, dst_obj, dbuf, dtype)[...] = _cupy_view(cp, src_obj, sbuf, stype)
 
 
-def _staged(comm, array, host_op, stream, pipeline):
-    return (pipeline or default_pipeline()).run(array, host_op, stream)
-
-
-def allreduce(comm, buf, out=None, op="sum", algorithm="auto", dtype=None, stream=None, pipeline=None):
-    """``comm.allreduce`` of a CUDA array, in place or into CUDA ``out``. Returns the result array."""
-    check_pair(buf, out, "allreduce")
-    cp = import_cupy("allreduce of a CUDA array")
+def staged(what, buf, out, host_op, dtype=None, stream=None, pipeline=None):
+    """A collective that keeps the array's shape (allreduce, reduce, broadcast) of a CUDA array,
+    through pinned host memory chunk by chunk (HostStagingPipeline): ``out``, if given, first takes
+    a copy of ``buf``; then ``host_op(chunk, dtype)`` runs the host collective in place on each
+    chunk of it (``dtype``: the host reduction dtype, "bfloat16" for a bfloat16 array, whose chunks
+    hold its bits as uint16). The caller (the Communicator) supplies host_op, so nothing here calls
+    into it. Returns the array holding the result."""
+    check_pair(buf, out, what)
+    cp = import_cupy(f"{what} of a CUDA array")
     _, _, twin = _describe(buf, "buf")
     dtype = host_dtype(dtype, twin)
     result = buf if out is None else out
     with _on(cp, stream):
-        if out is not None:
-            _copy_into(cp, out, buf, "allreduce")
-        return staged_allreduce(comm, result, op, stream, pipeline, algorithm=algorithm, dtype=dtype)
-
-
-def reduce(comm, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None, stream=None, pipeline=None):
-    """``comm.reduce`` of a CUDA array: the result on root (in place or in ``out``), None elsewhere."""
-    check_pair(buf, out, "reduce")
-    cp = import_cupy("reduce of a CUDA array")
-    _, _, twin = _describe(buf, "buf")
-    dtype = host_dtype(dtype, twin)
-    is_root = comm.rank == root
-    result = buf if out is None or not is_root else out
-    with _on(cp, stream):
         if result is not buf:
-            _copy_into(cp, out, buf, "reduce")
-        # off root the host reduce leaves each chunk as it was, so copying it back changes nothing
-        _staged(comm, result, lambda c: comm.reduce(c, op=op, root=root, algorithm=algorithm, dtype=dtype),
-                stream, pipeline)
-    return result if is_root else None
-
-
-def broadcast(comm, buf, root=0, algorithm="auto", stream=None, pipeline=None):
-    """``comm.broadcast`` of a CUDA array (root's contents into every rank's ``buf``). Returns buf."""
-    cp = import_cupy("broadcast of a CUDA array")
-    _describe(buf, "buf")
-    with _on(cp, stream):
-        return _staged(comm, buf, lambda c: comm.broadcast(c, root=root, algorithm=algorithm), stream, pipeline)
-
-
-def allgather(comm, buf, out=None, stream=None):
-    """``comm.allgather`` of a CUDA array into CUDA ``out`` (default: a new CuPy array of
-    size x buf's first dimension, like the host version). Returns out."""
-    check_pair(buf, out, "allgather")
-    cp = import_cupy("allgather of a CUDA array")
-    sbuf, dtype, _ = _describe(buf, "buf")
-    with _on(cp, stream):
-        src = _cupy_view(cp, buf, sbuf, dtype)
-        if out is None:
-            shape = (comm.size * sbuf.shape[0],) + tuple(sbuf.shape[1:]) if sbuf.shape else (comm.size,)
-            if sbuf.dtype is None:
-                raise UsageError(f"allgather of a {sbuf.dtype_name} CUDA array needs out=")
-            out = cp.empty(shape, dtype)
-        obuf, odtype, _ = _describe(out, "out")
-        if odtype != dtype or obuf.nbytes != sbuf.nbytes * comm.size or obuf.readonly:
-            raise UsageError(f"out must be a writable CUDA array of {comm.size} x {sbuf.nbytes} bytes of "
-                             f"{sbuf.dtype_name}; it has {obuf.nbytes} bytes of {obuf.dtype_name}")
-        host_in = _pinned_copy(cp, src)
-        host_out = _pinned(cp, obuf.nbytes // dtype.itemsize, dtype)
-        comm.allgather(host_in, out=host_out)
-        _upload(cp, _cupy_view(cp, out, obuf, odtype), host_out)
-    return out
-
-
-def reduce_scatter(comm, buf, out=None, op="sum", dtype=None, stream=None):
-    """``comm.reduce_scatter`` of a CUDA array: this rank's segment (segment_bounds) into CUDA ``out``
-    (default a new 1-D CuPy array). Returns out."""
-    check_pair(buf, out, "reduce_scatter")
-    cp = import_cupy("reduce_scatter of a CUDA array")
-    sbuf, sdtype, twin = _describe(buf, "buf")
-    dtype = host_dtype(dtype, twin)
-    with _on(cp, stream):
-        host_in = _pinned_copy(cp, _cupy_view(cp, buf, sbuf, sdtype))
-        start, stop = comm.segment_bounds(host_in.size)[comm.rank]
-        mine = stop - start
-        if out is None:
-            if sbuf.dtype is None:
-                raise UsageError(f"reduce_scatter of a {sbuf.dtype_name} CUDA array needs out=")
-            out = cp.empty(mine, sdtype)
-        # with fewer elements than ranks some segments are empty: those ranks take part all the same
-        obuf, odtype, _ = _describe(out, "out", allow_empty=True)
-        if odtype != sdtype or obuf.nbytes != mine * sdtype.itemsize or obuf.readonly:
-            raise UsageError(f"out must be a writable CUDA array of this rank's {mine} elements of "
-                             f"{sbuf.dtype_name}; it has {obuf.nbytes} bytes of {obuf.dtype_name}")
-        host_out = _pinned(cp, mine, sdtype)
-        comm.reduce_scatter(host_in, out=host_out, op=op, dtype=dtype)
-        if mine:
-            _upload(cp, _cupy_view(cp, out, obuf, odtype), host_out)
-    return out
-
-
-def staged_call(host_call, name, *args, stream=None):
-    """A call (``name``: gather, scatter, alltoall, a point-to-point one) on CUDA arrays, staged:
-    each CUDA array among ``args`` (or in a tuple of them) is copied to pinned host memory,
-    ``host_call(*host_args)`` runs on the copies, and the copies the call wrote (its outputs) are
-    uploaded back. A new result array comes back as a CuPy array. Returns what the host call
-    returns."""
-    host_args, finish, _ = stage(name, args, stream)
-    return finish(host_call(*host_args))
+            _copy_into(cp, out, buf, what)
+        (pipeline or default_pipeline()).run(result, lambda chunk: host_op(chunk, dtype), stream)
+    return result
 
 
 def stage(name, args, stream=None):
-    """The first half of staged_call, for a call that finishes later (a non-blocking one): the
-    CUDA arrays among ``args`` copied to pinned host memory now, on ``stream`` (default: the
-    current one), in stream order. Returns (host_args, finish, reduced_as): ``finish(result)``,
-    called on any thread once the host call has run, uploads what it wrote and synchronises, and
-    returns the result as staged_call does; ``reduced_as`` is "bfloat16" when a bfloat16 array was
-    staged (its copy holds the bits as uint16, so a reduction must be told), else None."""
+    """A call (``name``: any collective or point-to-point one) on CUDA arrays, staged: the CUDA
+    arrays among ``args`` (or in a tuple of them) copied to pinned host memory now, on ``stream``
+    (default: the current one), in stream order. Returns (host_args, finish, reduced_as): the caller
+    runs the host call on host_args, then ``finish(result)``, on any thread, uploads the copies the
+    call wrote (its outputs) and synchronises, and returns the result: a staged array's own CUDA
+    array where the result is its copy, a new CuPy array where it is a new host array (of the bits,
+    as uint16, for a bfloat16 call); ``reduced_as`` is "bfloat16" when a bfloat16 array was staged
+    (its copy holds the bits as uint16, so a reduction must be told), else None."""
     cp = import_cupy(f"{name} of a CUDA array")
     staged = []
     twins = set()
@@ -201,6 +119,9 @@ def stage(name, args, stream=None):
             twins.add(twin)
         host = _pinned_copy(cp, _cupy_view(cp, obj, buf, dtype)) if buf.nbytes else np.empty(0, dtype)
         staged.append((obj, buf, dtype, host, host.copy()))
+        if buf.readonly:
+            host = host.view()
+            host.flags.writeable = False    # the host call refuses it as an output, as it would the array
         return host.reshape(buf.shape) if buf.shape else host
     with _on(cp, stream):
         host_args = [tuple(down(a) for a in x) if isinstance(x, tuple) else down(x) for x in args]
@@ -262,9 +183,9 @@ def _gpu_divide(dtype):
 
 
 def _gpu_prescale(cp, dtype):
-    """The first step of a floating-point avg: the host's pieces.scale_down, run by CuPy (the same
+    """The first step of a floating-point avg: the host's pyrdma.avg.scale_down, run by CuPy (the same
     operations, so the same bits)."""
-    from pyrdma.collectives.pieces import scale_down
+    from pyrdma.avg import scale_down
 
     def prescale(work, nranks):
         scale_down(cp, work.view(dtype), nranks)

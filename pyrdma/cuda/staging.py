@@ -256,8 +256,8 @@ def staged_allreduce(comm, array, op="sum", stream=None, pipeline=None, **option
     pyrdma.collectives). All ranks must call it with arrays of the same size and the same pipeline
     chunk size. Returns ``array``.
 
-    The hook for a host Communicator, so that ``comm.allreduce(cupy_array)`` stages (is_cuda_array
-    imports no CuPy; the chunks it hands back are numpy arrays, so there is no recursion)::
+    For a communicator of your own with a host allreduce (pyrdma's Communicator stages CUDA arrays
+    itself, through pyrdma.cuda.collectives.staged, which takes the host call as an argument)::
 
         if pyrdma.cuda.is_cuda_array(buf):
             return pyrdma.cuda.staged_allreduce(self, buf, op)
