@@ -13,11 +13,7 @@ class Operand:
     """A user buffer as a flat C-contiguous numpy view (never a copy), with its reduction dtype."""
 
     def __init__(self, obj, name, writable, dtype=None):
-        arr = host_array(obj, name)
-        if not arr.flags.c_contiguous:
-            raise UsageError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
-        if writable and not arr.flags.writeable:
-            raise UsageError(f"{name} is read-only; pass a writable buffer (or out=)")
+        arr = host_view(obj, name, writable, "pass a writable buffer (or out=)")
         self.obj = obj
         self.code = _reduce.dtype_code(arr.dtype if dtype is None else dtype)
         self.itemsize = _reduce.ITEMSIZE[self.code]
@@ -101,13 +97,20 @@ class Avg:
 
 def plain_bytes(obj, name, writable=False):
     """(array, flat uint8 view) of a C-contiguous buffer of plain data."""
-    arr = host_array(obj, name)
+    arr = host_view(obj, name, writable, "it receives data")
     check_plain(arr, name)
+    return arr, raw_bytes(arr)
+
+
+def host_view(obj, name, writable, why):
+    """The numpy view of a C-contiguous host buffer; UsageError if it is not one, or read-only
+    where it is ``writable`` (``why``: what the message tells the caller to do)."""
+    arr = host_array(obj, name)
     if not arr.flags.c_contiguous:
         raise UsageError(f"{name} is not C-contiguous; pass numpy.ascontiguousarray({name})")
     if writable and not arr.flags.writeable:
-        raise UsageError(f"{name} is read-only; it receives data")
-    return arr, raw_bytes(arr)
+        raise UsageError(f"{name} is read-only; {why}")
+    return arr
 
 
 def byte_bounds(counts, name, size, itemsize):
