@@ -415,19 +415,25 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
         with Communicator(rank, 3, f"127.0.0.1:{port}", transport="tcp", max_message=256, timeout=20) as comm:
             x = np.arange(1001, dtype=np.int32) * (rank + 1)
             reduce = functools.partial(_reduce.reduce_bytes, dtype=code, op=_reduce.op_code("sum"))
-            divided = []
+            steps = []
 
-            def divide(work, n):
-                divided.append(n)
-                _reduce.divide_bytes(work, code, n)
+            def before(work):
+                steps.append(("before", work.nbytes))
+
+            def after(work):      # op="avg" of integers: the sum divided by n after it, as Avg does
+                steps.append(("after", work.nbytes))
+                _reduce.divide_bytes(work, code, 3)
             for algorithm in ("ring", "recursive_doubling"):     # the latter runs as halving-doubling
                 y = x.copy()
-                area = types.SimpleNamespace(work=y.view(np.uint8), count=y.size, itemsize=4, code=code,
-                                             reduce=reduce, divide=divide, prescale=None)
+                area = types.SimpleNamespace(bytes=y.view(np.uint8), count=y.size, itemsize=4, code=code,
+                                             reduce=reduce, before=before, after=after)
+                del steps[:]
                 comm._allreduce_in_place(area, "avg", algorithm)
-                assert (y == np.arange(1001) * 2).all() and divided[-1] == 3   # (1 + 2 + 3) / 3
+                assert (y == np.arange(1001) * 2).all()              # (1 + 2 + 3) / 3
+                # one run, whole: before it the input, after it the result, in the caller's memory
+                assert steps == [("before", 4004), ("after", 4004)]
             b = np.arange(300, dtype=np.float64) if rank == 1 else np.zeros(300)
-            comm._broadcast_in_place(types.SimpleNamespace(work=b.view(np.uint8), dtype_name="float64"), 1, "auto")
+            comm._broadcast_in_place(types.SimpleNamespace(bytes=b.view(np.uint8), dtype_name="float64"), 1, "auto")
             return bool((b == np.arange(300)).all())
     assert in_threads(3, rank_fn) == [True, True, True]
     with pytest.raises(pyrdma.UsageError, match="unknown gpu_path"):

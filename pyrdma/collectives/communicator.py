@@ -318,7 +318,7 @@ class Communicator:
             algorithm = specs.check_algorithm(algorithm)
             gc = _cuda()
             gc.check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
-            area = gc.direct_allreduce_area(buf, out, op, dtype) if self._gpu_direct(buf) else None
+            area = gc.direct_allreduce_area(buf, out, op, dtype, nranks=self.size) if self._gpu_direct(buf) else None
             if area is None:
                 return gc.staged("allreduce", buf, out, lambda chunk, dt: self.allreduce(
                     chunk, op=op, algorithm=algorithm, dtype=dt), dtype)

@@ -157,12 +157,15 @@ def chosen_allreduce(comm, algorithm, nbytes):
     return algo
 
 
-def allreduce_plan(comm, src, op, algorithm):
-    """[(lo, hi, algorithm, description)] of the pieces of an allreduce of ``src``."""
+def allreduce_plan(comm, src, op, algorithm, kind="allreduce", in_place=False):
+    """[(lo, hi, algorithm, description)] of the pieces of an allreduce of ``src``. ``in_place``:
+    the algorithms run on the caller's memory, so none that needs a second copy of it."""
     plan = []
     for lo, hi in work_pieces(comm, src.count, src.itemsize):
         algo = chosen_allreduce(comm, algorithm, (hi - lo) * src.itemsize)
-        tag = describe_call(comm, "allreduce", op=op, dtype=src.code, count=src.count, lo=lo, hi=hi, algorithm=algo)
+        if in_place and algorithms.ALGORITHMS["allreduce"][algo].double_area:
+            algo = "halving_doubling"
+        tag = describe_call(comm, kind, op=op, dtype=src.code, count=src.count, lo=lo, hi=hi, algorithm=algo)
         plan.append((lo, hi, algo, tag))
     return plan
 
@@ -174,11 +177,20 @@ def allreduce(comm, buf, out, op, algorithm, dtype):
     check_op(op)
     algorithm = check_algorithm(algorithm)
     src, dst = in_and_out(buf, out, dtype, writes=True)
-    avg = Avg(op, src.code, comm.size)
+    return Spec(allreduce_runs(comm, src, dst, op, algorithm, Avg(op, src.code, comm.size)), lambda: dst.obj)
+
+
+def allreduce_runs(comm, src, dst, op, algorithm, avg, area=None):
+    """The runs of an allreduce of ``src`` into ``dst`` (work areas: ``bytes``, ``count``,
+    ``itemsize``, ``code``), op="avg" scaled by ``avg.before``/``avg.after``. Host memory goes
+    through the transport's buffer, or in place on dst where zero_copy; a work area of its own
+    (``area``, src and dst: see allreduce_direct) always in place, with its own reductions."""
     runs = []
-    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm):
+    kind = "allreduce" if area is None else "allreduce-direct"
+    device = None if area is None or isinstance(area.bytes, np.ndarray) else area
+    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm, kind, in_place=area is not None):
         a, b = lo * src.itemsize, hi * src.itemsize
-        in_place, work_bytes = allreduce_work(comm, algo, b - a)
+        in_place, work_bytes = (True, b - a) if area is not None else allreduce_work(comm, algo, b - a)
 
         def fill(work, a=a, b=b, in_place=in_place):
             if not in_place or src is not dst:
@@ -193,8 +205,9 @@ def allreduce(comm, buf, out, op, algorithm, dtype):
         plan = functools.partial(algorithms.planner("allreduce", algo), comm.size, comm.rank, hi - lo,
                                  src.itemsize)
         runs.append(Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, op_code(op),
-                        lend=dst.bytes if in_place else None, start=a))
-    return Spec(runs, lambda: dst.obj)
+                        lend=dst.bytes if in_place else None, start=a, device=device,
+                        reduce=None if area is None else area.reduce))
+    return runs
 
 
 def reduce(comm, buf, out, op, root, algorithm, dtype):
@@ -478,42 +491,22 @@ def p2p(comm, buf, dst, src, tag):
 
 def allreduce_direct(comm, area, op, algorithm):
     """allreduce in place on a work area that is not the transport's: ``area`` has the memory
-    (``work``, a flat uint8 array that the transport sends from directly: GPU memory through
-    pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code`` and the reductions ``reduce``,
-    ``divide``, ``prescale`` (floating-point avg: work /= n before the sum; else divide after it)
-    and, for memory other than numpy's, ``register(pd, array)`` and ``sync()``."""
-    device = None if isinstance(area.work, np.ndarray) else area
-    runs = []
-    for lo, hi in work_pieces(comm, area.count, area.itemsize):
-        algo = chosen_allreduce(comm, algorithm, (hi - lo) * area.itemsize)
-        if algorithms.ALGORITHMS["allreduce"][algo].double_area:    # a second copy: not in place
-            algo = "halving_doubling"
-
-        def fill(work):
-            if op == "avg" and area.prescale is not None:
-                area.prescale(work, comm.size)
-
-        def finish(work, schedule, received):
-            if op == "avg" and area.prescale is None:
-                area.divide(work, comm.size)
-        plan = functools.partial(algorithms.planner("allreduce", algo), comm.size, comm.rank, hi - lo,
-                                 area.itemsize)
-        tag = describe_call(comm, "allreduce-direct", op=op, dtype=area.code, count=area.count, lo=lo, hi=hi,
-                            algorithm=algo)
-        runs.append(Run(plan, tag, (hi - lo) * area.itemsize, fill, finish, area.code, op_code(op), area.work,
-                        lo * area.itemsize, device=device, reduce=area.reduce))
-    return Spec(runs)
+    (``bytes``, a flat uint8 array that the transport sends from directly: GPU memory through
+    pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code``, its reductions ``reduce``, the
+    steps of op="avg" ``before(work)`` and ``after(work)`` (as Avg's) and, for memory other than
+    numpy's, ``register(pd, array)`` and ``sync()``."""
+    return Spec(allreduce_runs(comm, area, area, op, algorithm, area, area))
 
 
 def broadcast_direct(comm, area, root, algorithm):
-    """broadcast of ``area.work`` (flat uint8, GPU memory included) from root, sent from directly."""
-    device = None if isinstance(area.work, np.ndarray) else area
+    """broadcast of ``area.bytes`` (flat uint8, GPU memory included) from root, sent from directly."""
+    device = None if isinstance(area.bytes, np.ndarray) else area
     runs = []
-    for lo, hi in work_pieces(comm, area.work.nbytes, 1):
+    for lo, hi in work_pieces(comm, area.bytes.nbytes, 1):
         algo = rooted_algorithm(comm, algorithm, hi - lo)
         plan = functools.partial(algorithms.planner("broadcast", algo), comm.size, comm.rank, hi - lo, 1,
                                  root=root)
-        tag = describe_call(comm, "broadcast-direct", dtype=dtype_field(area.dtype_name), count=area.work.nbytes,
+        tag = describe_call(comm, "broadcast-direct", dtype=dtype_field(area.dtype_name), count=area.bytes.nbytes,
                         root=root, lo=lo, hi=hi, algorithm=algo)
-        runs.append(Run(plan, tag, hi - lo, lend=area.work, start=lo, device=device, reduce=COPY_ONLY))
+        runs.append(Run(plan, tag, hi - lo, lend=area.bytes, start=lo, device=device, reduce=COPY_ONLY))
     return Spec(runs)

@@ -176,7 +176,7 @@ class GpuReducer:
         cp.cuda.get_current_stream().synchronize()
 
 
-def _gpu_divide(dtype):
+def _gpu_divide(cp, dtype):
     def divide(work, nranks):
         finalize_avg(work.view(dtype), nranks)
     return divide
@@ -193,24 +193,36 @@ def _gpu_prescale(cp, dtype):
 
 
 class DirectArea:
-    """A CUDA array as the work area of a direct collective (gloo's workspace parameter): the
-    memory (``work``, flat CuPy uint8), its elements (``count``, ``itemsize``, ``code``), the
-    reductions as CUDA kernels (``reduce``, ``divide``, ``prescale``), how the transport registers
-    it for RDMA (``register``) and makes sure the stream's writes are done before the NIC reads it
-    (``sync``). The Communicator runs its one algorithm path on it inside ``with area:`` (the
-    stream); nothing here calls into the Communicator."""
+    """A CUDA array as the work area of a direct collective (gloo's workspace parameter), with what
+    the host's work areas have: the memory (``bytes``, flat CuPy uint8), its elements (``count``,
+    ``itemsize``, ``code``), the steps of op="avg" over ``nranks`` (``before(work)``: floating
+    point scaled by 1/n; ``after(work)``: integers divided by n), and the reduction as a CUDA
+    kernel (``reduce``); then how the transport registers it for RDMA (``register``) and makes
+    sure the stream's writes are done before the NIC reads it (``sync``). The Communicator runs
+    its one algorithm path on it inside ``with area:`` (the stream); nothing here calls into the
+    Communicator."""
 
-    def __init__(self, cp, obj, buf, dtype, op, stream):
+    def __init__(self, cp, obj, buf, dtype, op, stream, nranks=1):
         from pyrdma import _reduce
         self.cp, self.result = cp, obj
-        self.work = _cupy_view(cp, obj, buf, np.dtype(np.uint8))
+        self.bytes = _cupy_view(cp, obj, buf, np.dtype(np.uint8))
         self.itemsize = dtype.itemsize
         self.count = buf.nbytes // dtype.itemsize
         self.code = _reduce.dtype_code(dtype)     # the same dtype check (and message) as the host path
         self.reduce = GpuReducer(cp, dtype, op) if op is not None else None
-        self.divide = _gpu_divide(dtype)
-        self.prescale = _gpu_prescale(cp, dtype) if dtype.kind == "f" else None
+        floating = dtype.kind == "f"
+        self._before = _gpu_prescale(cp, dtype) if op == "avg" and floating else None
+        self._after = _gpu_divide(cp, dtype) if op == "avg" and not floating else None
+        self.nranks = nranks
         self._stream = _on(cp, stream)
+
+    def before(self, work):
+        if self._before is not None:
+            self._before(work, self.nranks)
+
+    def after(self, work):
+        if self._after is not None:
+            self._after(work, self.nranks)
 
     def __enter__(self):
         self._stream.__enter__()
@@ -233,10 +245,10 @@ class DirectArea:
         self.cp.cuda.get_current_stream().synchronize()
 
 
-def direct_allreduce_area(buf, out=None, op="sum", dtype=None, stream=None):
-    """The DirectArea of ``comm.allreduce`` of a CUDA array in place on GPU memory (gpu_path
-    "direct"), ``out`` already holding a copy of ``buf``; None for bfloat16, which the GPU kernels
-    lack (it goes the staged way)."""
+def direct_allreduce_area(buf, out=None, op="sum", dtype=None, stream=None, nranks=1):
+    """The DirectArea of ``comm.allreduce`` of a CUDA array over ``nranks`` ranks in place on GPU
+    memory (gpu_path "direct"), ``out`` already holding a copy of ``buf``; None for bfloat16, which
+    the GPU kernels lack (it goes the staged way)."""
     check_pair(buf, out, "allreduce")
     cp = import_cupy("allreduce of a CUDA array")
     sbuf, sdtype, twin = _describe(buf, "buf")
@@ -245,7 +257,7 @@ def direct_allreduce_area(buf, out=None, op="sum", dtype=None, stream=None):
     if dtype is not None and np.dtype(dtype) != sdtype:
         raise UsageError(f"dtype={dtype!r} does not match the array's {sdtype}")
     result = buf if out is None else out
-    area = DirectArea(cp, result, device_buffer(result), sdtype, op, stream)
+    area = DirectArea(cp, result, device_buffer(result), sdtype, op, stream, nranks)
     if out is not None:
         with area:
             _copy_into(cp, out, buf, "allreduce")
