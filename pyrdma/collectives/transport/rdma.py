@@ -307,8 +307,12 @@ class RdmaTransport(_OwnBuffer, _Waits):
                 return exc
         if name == "link":
             rd = self.rd
+            # a remote access error: the peer is there, but the memory it named (the address and key of
+            # its slots, a rendezvous answer or a scatter's offer) does not allow the access
+            why = f"an address or key rank {peer} sent is outside what it registered" if a == rd.WC_REM_ACCESS_ERR \
+                else f"rank {peer} died or left"
             return PeerError(f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(a)} "
-                             f"({rd.wc_status_str(a)}); rank {peer} died or left", peer=peer)
+                             f"({rd.wc_status_str(a)}); {why}", peer=peer)
         if name == "timeout":
             self.reports = self.engine.reports()
             waits = {"credit": "a free receive slot (a credit)", "arrival": f"a {a}-byte message",
