@@ -353,6 +353,108 @@ def test_garbage_from_a_peer_fails_the_collective_and_names_it(case):
         assert culprit == 1, (case, outcome)
 
 
+# A root that forges the offer of a read scatter (rooted.read_scatter: the root's 16-byte OFFER of
+# address, key and length, the reader's FETCH, an RDMA READ): an authenticated member that lies about
+# its memory. The reader must fail the call naming rank 0, promptly, never read more than its block,
+# and leave its memory outside the block alone. (mr: the root's registered work area; block: bytes.)
+_FORGED_COUNT = 1024                                       # float32: a 4 KiB block per rank
+_FORGED_BLOCK = _FORGED_COUNT * 4
+_FORGED_LENGTHS = {"a longer length": _FORGED_BLOCK + 4096, "the longest length": 0xFFFFFFFF,
+                   "a shorter length": _FORGED_BLOCK - 8}
+_FORGED = {
+    "a key it never registered": lambda mr: (mr.addr + _FORGED_BLOCK, mr.rkey ^ 0xFF, _FORGED_BLOCK),
+    "an address past its registration": lambda mr: (mr.addr + mr.length, mr.rkey, _FORGED_BLOCK),
+    "an address across the end of its registration": lambda mr: (mr.addr + mr.length - _FORGED_BLOCK // 2, mr.rkey,
+                                                                 _FORGED_BLOCK),
+    **{case: (lambda mr, n=n: (mr.addr + _FORGED_BLOCK, mr.rkey, n)) for case, n in _FORGED_LENGTHS.items()},
+}
+
+
+def _forged_offer(rank, size, port, case):
+    import os
+    import struct
+    import time
+
+    import pyrdma as rd
+    from pyrdma.collectives import specs
+    flag = f"/tmp/pyrdma-forged-{port}"
+    block = _FORGED_BLOCK
+    comm = _comm(rank, size, port, timeout=8)
+    t = comm.transport
+    if rank == 0:
+        with comm:
+            # the honest call's spec (its description, its fill), run with a hand-built schedule: a
+            # plain 16-byte message where the OFFER would be, its bytes written by the fill
+            spec = specs.scatter(comm, np.arange(size * _FORGED_COUNT, dtype=np.float32), None, 0, "read")
+            run = spec.runs[0]
+            at, honest_fill = size * block, run.fill
+
+            def forge(work):
+                work[:] = 0x5A                  # what a read past a block would bring back
+                honest_fill(work)
+                addr, rkey, length = _FORGED[case](t._work_mr)
+                work[at:at + 16] = np.frombuffer(struct.pack("<QII", addr, rkey, length), np.uint8)
+            run.fill, run.area = forge, at + 16
+            run.plan = lambda max_message: schedule.Schedule(
+                [(schedule.EXCHANGE, 1, -1, 0, 1, 0, 0, schedule.NONE), (schedule.WAIT_SENDS, -1, -1, 0, 0, 0, 0, 0)],
+                [(at, 16, 0)])
+            comm._exec.submit(True, comm._run_spec, spec).wait()
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:   # stay until rank 1 has judged
+                time.sleep(0.05)
+        return None
+    try:
+        out = np.empty(_FORGED_COUNT, np.float32)
+        out.view(np.uint8)[:] = 0xA5
+        own = t.work_area(block)              # the transport's own buffer: the scatter's work area
+        own[:] = 0xA5
+        start = time.monotonic()
+        try:
+            comm.scatter(None, out=out, root=0, algorithm="read")
+            outcome = ("no error", "", None)
+        except rd.RDMAError as exc:
+            outcome = (type(exc).__name__, str(exc), getattr(exc, "peer", None))
+        seconds = time.monotonic() - start
+        untouched = bool((t.work_area(block) is own) and (own[block:] == 0xA5).all()), \
+            bool((out.view(np.uint8) == 0xA5).all())
+    finally:
+        open(flag, "w").close()
+    start = time.monotonic()
+    try:
+        comm.close()
+        closed = None
+    except Exception as exc:
+        closed = f"{type(exc).__name__}: {exc}"
+    return outcome, seconds, untouched, closed, time.monotonic() - start
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("case", list(_FORGED))
+def test_a_forged_read_scatter_offer_fails_the_reader_and_names_the_root(case):
+    import os
+    port = free_port()
+    try:
+        _, ((kind, message, peer), seconds, (outside, out), closed, close_seconds) = \
+            run_ranks(_forged_offer, 2, port, case, timeout=120)
+    finally:
+        if os.path.exists(f"/tmp/pyrdma-forged-{port}"):
+            os.unlink(f"/tmp/pyrdma-forged-{port}")
+    assert kind != "no error", case
+    assert peer == 0 and "rank 0" in message, (case, message)
+    assert seconds < 8, (case, seconds, message)        # at once, not at the collective's timeout (8 s)
+    if case in _FORGED_LENGTHS:
+        # refused before any READ: named a disagreement on the block's length (the offer's length)
+        assert kind == "UsageError" and f"a {_FORGED_LENGTHS[case]}-byte message" in message and \
+            f"expected {_FORGED_BLOCK} bytes" in message, (case, message)
+    else:
+        # the root's side refuses the READ: the reader's completion says so, and blames the offer
+        assert kind == "PeerError" and "REM_ACCESS_ERR" in message and "rank 0 sent is outside" in message, \
+            (case, message)
+    assert outside, f"{case}: the reader's work area past its block was written"
+    assert out, f"{case}: out was written by a failed scatter"
+    assert closed is None and close_seconds < 5, (case, closed, close_seconds)
+
+
 def test_the_exec_lock_behaves_as_an_rlock():
     """The Communicator's lock on RDMA (HostCollectives takes it by C calls): reentrant, owned by
     one thread, and a timed acquire gives up while another thread holds it."""
