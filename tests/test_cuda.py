@@ -1092,6 +1092,134 @@ def _staged_through_the_communicator(comm, chunk_bytes):
     return out
 
 
+class HostCupy:
+    """CuPy as pyrdma.cuda.collectives stages with it, over host memory: a "device" array is a
+    FakeCudaArray, CuPy's views of it numpy views with get/set (counted: ``uploads``), pinned memory
+    a bytearray, streams and devices no-ops. What it checks is the staging's logic (what is copied
+    down, what comes back up, which array the caller gets); the gpu tests run the real thing."""
+    uploads = 0
+
+    class _View(np.ndarray):
+        def get(self, out):
+            out[...] = self
+            return out
+
+        def set(self, host):
+            HostCupy.uploads += 1
+            self[...] = host
+
+    @staticmethod
+    def ndarray(shape, dtype, memptr):
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        raw = (ctypes.c_char * max(n, 1)).from_address(memptr.ptr)
+        return np.frombuffer(raw, np.uint8, n).view(dtype).reshape(shape).view(HostCupy._View)
+
+    @staticmethod
+    def asarray(host):
+        return FakeCudaArray(np.array(host))          # a new device array: a copy, as cupy.asarray
+
+    class cuda(_FakeCupyStreams):
+        class Stream(_FakeCupyStreams.Stream):
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+            def synchronize(self):
+                pass
+
+        current = Stream()
+
+        class UnownedMemory:
+            def __init__(self, ptr, size, owner, device_id=None):
+                self.ptr, self.owner = ptr, owner
+
+        class MemoryPointer:
+            def __init__(self, mem, offset):
+                self.ptr, self.mem = mem.ptr + offset, mem
+
+        class Device(contextlib.nullcontext):
+            pass
+
+        class runtime:
+            @staticmethod
+            def pointerGetAttributes(ptr):
+                return type("Attributes", (), {"device": 0})()
+
+        @staticmethod
+        def alloc_pinned_memory(nbytes):
+            return bytearray(nbytes)
+
+
+def _stage_every_call(comm):
+    """A rank's copying collectives, point-to-point and a non-blocking allreduce of fake CUDA arrays,
+    staged through HostCupy; each result next to the numpy path's."""
+    from pyrdma.cuda import collectives as gc
+    gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
+    n, r = comm.size, comm.rank
+    got = {}
+
+    def dev(values, readonly=False):
+        return FakeCudaArray(np.array(values), readonly=readonly)
+    x = (np.arange(10, dtype=np.int32) + 100 * r).reshape(5, 2)
+    new = comm.allgather(dev(x))
+    got["allgather_new"] = (type(new).__name__, new.host.tobytes(), comm.allgather(x).tobytes())
+    out, before = dev(np.zeros((5 * n, 2), np.int32)), HostCupy.uploads
+    got["allgather_out"] = (comm.allgather(dev(x), out=out) is out, HostCupy.uploads - before,
+                            out.host.tobytes() == comm.allgather(x).tobytes())
+    y = np.arange(7, dtype=np.float64) * (r + 1)
+    got["reduce_scatter"] = (comm.reduce_scatter(dev(y), op="max").host.tobytes(),
+                             comm.reduce_scatter(y, op="max").tobytes())
+    g = comm.gather(dev(x), root=1)
+    got["gather"] = (g if g is None else g.host.tobytes(), (lambda h: h if h is None else h.tobytes())(
+        comm.gather(x, root=1)))
+    src = np.arange(4 * n, dtype=np.int16) if r == 0 else None
+    mine = dev(np.zeros(4, np.int16))
+    comm.scatter(dev(src) if src is not None else None, out=mine, root=0)
+    got["scatter"] = (mine.host.tobytes(), comm.scatter(src, out=np.zeros(4, np.int16), root=0).tobytes())
+    counts = [(r + p) % 3 for p in range(n)]
+    a = np.arange(sum(counts), dtype=np.uint8) + 10 * r
+    got["alltoall"] = (comm.alltoall(dev(a), send_counts=counts).host.tobytes(),
+                       comm.alltoall(a, send_counts=counts).tobytes())
+    right, left = (r + 1) % n, (r - 1) % n
+    recv = dev(np.zeros(6, np.int64))
+    count = comm.sendrecv(dev(np.arange(4, dtype=np.int64) + r), right, recv, left)
+    got["sendrecv"] = (count, recv.host.tolist())
+    z = dev(np.full(3, r + 1.0))
+    got["iallreduce"] = (comm.iallreduce(z).wait(timeout=30) is z, z.host.tolist())
+    errors = {}
+    for name, call in (("read-only out", lambda: comm.allgather(dev(x), out=dev(np.zeros((5 * n, 2), np.int32),
+                                                                                  readonly=True))),
+                       ("mixed pair", lambda: comm.iallgather(dev(x), out=np.zeros((5 * n, 2), np.int32)))):
+        try:
+            call()
+            errors[name] = None
+        except rd.UsageError as exc:
+            errors[name] = str(exc)
+    got["errors"] = errors
+    return got
+
+
+def test_every_staged_call_gives_the_numpy_paths_result_on_a_fake_gpu():
+    from test_collectives_world import World
+    with World(3, "tcp", timeout=30.0) as w:
+        results = w.run(_stage_every_call, timeout=60)
+    for r, got in enumerate(results):
+        kind, staged, host = got["allgather_new"]
+        assert kind == "FakeCudaArray" and staged == host          # a new result comes back as a device array
+        same, uploads, equal = got["allgather_out"]
+        assert same and equal and uploads == 1, got["allgather_out"]   # the output is uploaded, the input is not
+        for name in ("reduce_scatter", "gather", "scatter", "alltoall"):
+            assert got[name][0] == got[name][1], (r, name)
+        assert (got["gather"][0] is None) == (r != 1)
+        left = (r - 1) % 3
+        assert got["sendrecv"] == (4, [left, left + 1, left + 2, left + 3, 0, 0])
+        assert got["iallreduce"] == (True, [6.0, 6.0, 6.0])
+        assert "read-only" in got["errors"]["read-only out"], got["errors"]
+        assert "must both be CUDA arrays" in got["errors"]["mixed pair"], got["errors"]
+
+
 def test_pyrdma_cuda_does_not_import_the_collectives():
     """pyrdma.cuda gives the Communicator work areas and staging; the host calls come in as
     arguments, so the layering has one direction (a CUDA module importing the collectives back
