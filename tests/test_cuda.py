@@ -1063,7 +1063,7 @@ def _staged_through_the_communicator(comm, chunk_bytes):
     the simulated GPU: the Communicator hands pyrdma.cuda its own host call for each chunk."""
     from pyrdma.cuda import collectives as gc
     pipe = gpu.HostStagingPipeline(chunk_bytes, 2, backend=SimBackend())
-    gc.import_cupy = lambda feature: FakeCupy           # a rank process of its own: nothing to restore
+    gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
     gc.default_pipeline = lambda: pipe
     calls = []
     host_allreduce = comm.allreduce
@@ -1077,7 +1077,7 @@ def _staged_through_the_communicator(comm, chunk_bytes):
     dev = FakeCudaArray(values)
     assert comm.allreduce(dev, op="max") is dev
     pipe.backend.synchronize_stream(pipe.backend.user)
-    out["allreduce"], out["calls"] = values.copy(), calls
+    out["allreduce"], out["calls"] = values.copy(), list(calls)
 
     values = np.arange(3000, dtype=np.int32) * (comm.rank + 1)
     dev = FakeCudaArray(values)
@@ -1089,6 +1089,13 @@ def _staged_through_the_communicator(comm, chunk_bytes):
     comm.broadcast(FakeCudaArray(values), root=1)
     pipe.backend.synchronize_stream(pipe.backend.user)
     out["broadcast"] = values.copy()
+
+    # out of place: out takes a copy of buf on the GPU first, then the chunks of out are staged
+    values, result = np.arange(100, dtype=np.int64) * (comm.rank + 1), np.zeros(100, np.int64)
+    dev, into = FakeCudaArray(values), FakeCudaArray(result)
+    assert comm.allreduce(dev, out=into, op="sum") is into
+    pipe.backend.synchronize_stream(pipe.backend.user)
+    out["allreduce_out"] = (values.copy(), result.copy(), calls[len(out["calls"]):])
     return out
 
 
@@ -1247,6 +1254,10 @@ def test_the_communicator_stages_cuda_arrays_by_its_own_host_calls():
         np.testing.assert_array_equal(got["reduce"], np.arange(3000) * (3 if rank == 1 else rank + 1))
         assert got["reduce_returned"] == (rank == 1)
         np.testing.assert_array_equal(got["broadcast"], np.full(5000, 1, np.uint8))
+        unchanged, result, calls = got["allreduce_out"]
+        assert calls == ["cuda", 100]
+        np.testing.assert_array_equal(unchanged, np.arange(100) * (rank + 1))
+        np.testing.assert_array_equal(result, np.arange(100) * 3)
 
 
 # --------------------------------------------------------------------------------------------------
