@@ -180,17 +180,22 @@ def allreduce(comm, buf, out, op, algorithm, dtype):
     return Spec(allreduce_runs(comm, src, dst, op, algorithm, Avg(op, src.code, comm.size)), lambda: dst.obj)
 
 
-def allreduce_runs(comm, src, dst, op, algorithm, avg, area=None):
+def own_area_device(area):
+    """The ``device`` of a Run on a work area of its own: the area itself, unless numpy's memory."""
+    return None if isinstance(area.bytes, np.ndarray) else area
+
+
+def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
     """The runs of an allreduce of ``src`` into ``dst`` (work areas: ``bytes``, ``count``,
     ``itemsize``, ``code``), op="avg" scaled by ``avg.before``/``avg.after``. Host memory goes
-    through the transport's buffer, or in place on dst where zero_copy; a work area of its own
-    (``area``, src and dst: see allreduce_direct) always in place, with its own reductions."""
+    through the transport's buffer, or in place on dst where zero_copy; ``direct``: src is dst, a
+    work area of its own (see allreduce_direct), always in place, with its own reductions."""
     runs = []
-    kind = "allreduce" if area is None else "allreduce-direct"
-    device = None if area is None or isinstance(area.bytes, np.ndarray) else area
-    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm, kind, in_place=area is not None):
+    kind = "allreduce-direct" if direct else "allreduce"
+    device = own_area_device(src) if direct else None
+    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm, kind, in_place=direct):
         a, b = lo * src.itemsize, hi * src.itemsize
-        in_place, work_bytes = (True, b - a) if area is not None else allreduce_work(comm, algo, b - a)
+        in_place, work_bytes = (True, b - a) if direct else allreduce_work(comm, algo, b - a)
 
         def fill(work, a=a, b=b, in_place=in_place):
             if not in_place or src is not dst:
@@ -206,7 +211,7 @@ def allreduce_runs(comm, src, dst, op, algorithm, avg, area=None):
                                  src.itemsize)
         runs.append(Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, op_code(op),
                         lend=dst.bytes if in_place else None, start=a, device=device,
-                        reduce=None if area is None else area.reduce))
+                        reduce=src.reduce if direct else None))
     return runs
 
 
@@ -495,12 +500,12 @@ def allreduce_direct(comm, area, op, algorithm):
     pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code``, its reductions ``reduce``, the
     steps of op="avg" ``before(work)`` and ``after(work)`` (as Avg's) and, for memory other than
     numpy's, ``register(pd, array)`` and ``sync()``."""
-    return Spec(allreduce_runs(comm, area, area, op, algorithm, area, area))
+    return Spec(allreduce_runs(comm, area, area, op, algorithm, area, direct=True))
 
 
 def broadcast_direct(comm, area, root, algorithm):
     """broadcast of ``area.bytes`` (flat uint8, GPU memory included) from root, sent from directly."""
-    device = None if isinstance(area.bytes, np.ndarray) else area
+    device = own_area_device(area)
     runs = []
     for lo, hi in work_pieces(comm, area.bytes.nbytes, 1):
         algo = rooted_algorithm(comm, algorithm, hi - lo)

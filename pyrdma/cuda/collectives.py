@@ -176,7 +176,7 @@ class GpuReducer:
         cp.cuda.get_current_stream().synchronize()
 
 
-def _gpu_divide(cp, dtype):
+def _gpu_divide(dtype):
     def divide(work, nranks):
         finalize_avg(work.view(dtype), nranks)
     return divide
@@ -212,7 +212,7 @@ class DirectArea:
         self.reduce = GpuReducer(cp, dtype, op) if op is not None else None
         floating = dtype.kind == "f"
         self._before = _gpu_prescale(cp, dtype) if op == "avg" and floating else None
-        self._after = _gpu_divide(cp, dtype) if op == "avg" and not floating else None
+        self._after = _gpu_divide(dtype) if op == "avg" and not floating else None
         self.nranks = nranks
         self._stream = _on(cp, stream)
 
