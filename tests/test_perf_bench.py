@@ -254,3 +254,23 @@ def test_mpi_runs_under_the_placement_of_our_ranks(arb, monkeypatch):
     for size, bind in ((2, "core"), (4, "none")):
         assert arb.mpi_sweep(size, [8], 3, "rxe0")[0] == {8: 1e-05}
         assert cmds[-1][cmds[-1].index("--bind-to") + 1] == bind
+
+
+def _rank_value(rank, size, master, failing_rank):
+    if rank == failing_rank:
+        raise ValueError("a bad plan, on purpose")
+    return rank, size, master.startswith("127.0.0.1:")
+
+
+def _rank_exits(rank, size, master):
+    if rank == 1:
+        os._exit(3)                     # no value, no exception: a crash as the parent sees it
+    return rank
+
+
+def test_spawn_ranks_gives_the_values_by_rank_and_names_a_rank_that_fails():
+    assert allreduce_bench.spawn_ranks(_rank_value, 2, (None,), timeout=120) == [(0, 2, True), (1, 2, True)]
+    with pytest.raises(RuntimeError, match="rank 1 failed: ValueError: a bad plan, on purpose"):
+        allreduce_bench.spawn_ranks(_rank_value, 2, (1,), timeout=120)
+    with pytest.raises(RuntimeError, match=r"exit codes \[(0|None), 3\]"):
+        allreduce_bench.spawn_ranks(_rank_exits, 2, timeout=120)

@@ -30,9 +30,11 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import re
 import subprocess
 import time
+import traceback
 
 import numpy as np
 
@@ -50,14 +52,56 @@ def cores_for(size):
     return cpus[:size] if size <= len(cpus) else None
 
 
-def _rank(rank, size, master, sizes, algorithms, iters, results, options):
+def spawn_ranks(target, size, args=(), timeout=1800):
+    """``target(rank, size, master, *args)`` in ``size`` spawned processes (a fresh interpreter
+    each, bound to a core each where they fit: cores_for) around one master address: the values
+    they return, by rank. A rank that raises, dies or outlasts ``timeout`` seconds raises
+    RuntimeError naming it; every process is reaped."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    master = f"127.0.0.1:{free_port()}"
+    cores = cores_for(size)
+    procs = [ctx.Process(target=_spawned_rank, args=(target, r, size, master, cores, args, results))
+             for r in range(size)]
+    got = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while len(got) < size:
+            try:
+                rank, error, value = results.get(timeout=1)
+            except queue.Empty:
+                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"ranks gave no result in time (exit codes {[p.exitcode for p in procs]})")
+                continue
+            if error is not None:
+                raise RuntimeError(f"rank {rank} failed: {error}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.join(10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+    return [got[r] for r in range(size)]
+
+
+def _spawned_rank(target, rank, size, master, cores, args, results):
+    try:
+        if cores:
+            os.sched_setaffinity(0, {cores[rank]})
+        results.put((rank, None, target(rank, size, master, *args)))
+    except BaseException as exc:      # the parent reports it, rather than waiting for a value
+        results.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", None))
+
+
+def _rank(rank, size, master, sizes, algorithms, iters, options):
     import resource
     from pyrdma.collectives import Communicator
     options = dict(options)
     dtype = options.pop("dtype", "float32")
-    cores = cores_for(size)
-    if cores:
-        os.sched_setaffinity(0, {cores[rank]})
     with Communicator(rank, size, master, transport="rdma", timeout=300, **options) as comm:
         rows = []
         for nbytes in sizes:
@@ -82,7 +126,7 @@ def _rank(rank, size, master, sizes, algorithms, iters, results, options):
                     raise SystemExit(f"rank {rank}: allreduce gave {x[0]}, expected {size}")
                 cpu = ((after.ru_utime - before.ru_utime) / iters, (after.ru_stime - before.ru_stime) / iters)
                 rows.append((nbytes, alg, times, cpu))
-        results.put((rank, rows))
+    return rows
 
 
 def sweep(size, sizes, algorithms, iters, options=None):
@@ -91,21 +135,7 @@ def sweep(size, sizes, algorithms, iters, options=None):
     same way, with the same loop and the same placement, cores_for), and the CPU seconds per
     iteration of the busiest rank, user and kernel (barrier
     included). On Soft-RoCE the kernel part is rxe's packet work, done inside the ranks' posts."""
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, size, f"127.0.0.1:{port}", sizes, algorithms, iters, results,
-                                                     options or {}))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=1800) for _ in range(size))
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    got = spawn_ranks(_rank, size, (sizes, algorithms, iters, options or {}))
     out = []
     for i, (nbytes, alg, _, _) in enumerate(got[0]):
         slowest = [max(got[r][i][2][k] for r in range(size)) for k in range(iters)]

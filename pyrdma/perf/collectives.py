@@ -604,23 +604,13 @@ def engine_timer(comm):
     return spent
 
 
-def bench_rank(rank, size, master, plan, cores, results):
-    """The pyrdma side of pyrdma.perf.collectives_bench in one spawned rank. ``plan``: dict(
-    collectives=[name], pieces=[bytes per peer], iters, transport, pingpong=(bytes, iters) or None,
-    stream=(bytes, messages, repeats) or None, count_calls=[bytes per peer] or None, breakdown: whether
-    to time the engine's part of each call in a second pass). The loop is
-    mpi_collectives.py's: per iteration a barrier, the call, its time. Puts (rank, dict)."""
-    try:
-        results.put((rank, _bench_rank(rank, size, master, plan, cores)))
-    except BaseException as exc:      # the parent reports it, rather than waiting for a result
-        import traceback
-        results.put((rank, dict(error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")))
-
-
-def _bench_rank(rank, size, master, plan, cores):
+def bench_rank(rank, size, master, plan):
+    """The pyrdma side of pyrdma.perf.collectives_bench in one rank (allreduce_bench.spawn_ranks
+    runs it). ``plan``: dict(collectives=[name], pieces=[bytes per peer], iters, transport,
+    pingpong=(bytes, iters) or None, stream=(bytes, messages, repeats) or None, count_calls=[bytes
+    per peer] or None, breakdown: whether to time the engine's part of each call in a second pass).
+    The loop is mpi_collectives.py's: per iteration a barrier, the call, its time. Returns a dict."""
     from pyrdma.collectives import Communicator
-    if cores:
-        os.sched_setaffinity(0, {cores[rank]})
     out = dict(rows=[], wrong=[], pingpong=None, stream=None, python_calls=None, breakdown=[])
     with Communicator(rank, size, master, transport=plan.get("transport", "rdma"), timeout=300) as comm:
         for name in plan["collectives"]:

@@ -20,16 +20,14 @@ Writes collectives.json (rows, anchors, ``targets`` with verdicts).
 """
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue
 import re
 import subprocess
 import time
 
 import numpy as np
 
-from pyrdma.perf.allreduce_bench import _mpi_configs as mpi_configs, cores_for
+from pyrdma.perf.allreduce_bench import _mpi_configs as mpi_configs, cores_for, spawn_ranks
 from pyrdma.perf.collectives import bench_rank
 from pyrdma.perf.parse import parse_output
 from pyrdma.testing import again_if_perftest_clock_failed, counting_rc_resends, free_port, tcp_listening
@@ -42,32 +40,7 @@ PIECES = (8, 64, 512, 4096, 32768, 262144, 1048576)
 def ours(size, plan):
     """bench_rank in ``size`` spawned ranks: {(name, piece): seconds} (per iteration the slowest
     rank, median over iterations), and rank 0's extras (pingpong, stream, python_calls, wrong)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    master = f"127.0.0.1:{free_port()}"
-    cores = cores_for(size)
-    procs = [ctx.Process(target=bench_rank, args=(r, size, master, plan, cores, results)) for r in range(size)]
-    got = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + 1800
-        while len(got) < size:
-            try:
-                rank, out = results.get(timeout=1)
-            except queue.Empty:
-                if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"pyrdma ranks gave no result (exit codes {[p.exitcode for p in procs]})")
-                continue
-            if "error" in out:
-                raise RuntimeError(f"pyrdma rank {rank} failed: {out['error']}")
-            got[rank] = out
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    got = spawn_ranks(bench_rank, size, (plan,))
     times = {}
     for i, (name, piece, _) in enumerate(got[0]["rows"]):
         slowest = [max(got[r]["rows"][i][2][k] for r in range(size)) for k in range(plan["iters"])]
