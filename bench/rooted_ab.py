@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -49,10 +48,16 @@ def measure(call, barrier, is_root, iters, delay):
 
 
 def _blocks(name, piece, rank, n):
-    """(send, receive) bytes of ``name`` with root 0 (None where a rank has none)."""
+    """(send, receive, the bytes receive must get) of ``name`` with root 0 (None where a rank has none)."""
+    every = b"".join(bytes([i + 1]) * piece for i in range(n))
     if name == "gather":
-        return bytes([rank + 1]) * piece, bytearray(n * piece) if rank == 0 else None
-    return (b"".join(bytes([i + 1]) * piece for i in range(n)) if rank == 0 else None), bytearray(piece)
+        return bytes([rank + 1]) * piece, bytearray(n * piece) if rank == 0 else None, every if rank == 0 else None
+    return every if rank == 0 else None, bytearray(piece), bytes([rank + 1]) * piece
+
+
+def _check(recv, want, name, piece, rank):
+    if want is not None and recv != want:
+        raise SystemExit(f"rank {rank}: {name} of {piece} B per rank gave wrong data")
 
 
 def _pyrdma_rank(rank, size, master, args):
@@ -62,7 +67,7 @@ def _pyrdma_rank(rank, size, master, args):
     with Communicator(rank, size, master, transport=args.transport, timeout=300) as comm:
         for name in args.collectives:
             for piece in args.pieces:
-                send, recv = _blocks(name, piece, rank, size)
+                send, recv, want = _blocks(name, piece, rank, size)
                 x = None if send is None else np.frombuffer(send, np.uint8)
                 y = None if recv is None else np.frombuffer(recv, np.uint8)
                 if name == "gather":
@@ -70,6 +75,7 @@ def _pyrdma_rank(rank, size, master, args):
                 else:
                     def call(): comm.scatter(x, out=y, root=0)             # noqa: E704
                 call()
+                _check(recv, want, name, piece, rank)
                 out[f"{name} {piece}"] = measure(call, comm.barrier, rank == 0, args.iters, args.delay)
     return out
 
@@ -81,7 +87,7 @@ def _mpi_main(args):
     out = {}
     for name in args.collectives:
         for piece in args.pieces:
-            send, recv = _blocks(name, piece, rank, n)
+            send, recv, want = _blocks(name, piece, rank, n)
             sb = None if send is None else [bytearray(send), MPI.BYTE]
             rb = None if recv is None else [recv, MPI.BYTE]
             if name == "gather":
@@ -89,26 +95,11 @@ def _mpi_main(args):
             else:
                 def call(): comm.Scatter(sb, rb, root=0)                    # noqa: E704
             call()
+            _check(recv, want, name, piece, rank)
             out[f"{name} {piece}"] = measure(call, comm.Barrier, rank == 0, args.iters, args.delay)
     every = comm.gather(out, root=0)
     if rank == 0:
-        print(json.dumps(every))
-
-
-def run_mpi(size, args):
-    from pyrdma.perf.allreduce_bench import _mpi_configs, cores_for
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("PYTHONPATH", None)
-    label, extra = _mpi_configs(args.dev, 1)[0]           # UCX on the device, nothing else
-    cmd = ["mpirun", "-np", str(size), "--oversubscribe", "--bind-to", "core" if cores_for(size) else "none",
-           *extra, "/usr/bin/python3", os.path.abspath(__file__), "--mpi-rank",
-           "--collectives", ",".join(args.collectives), "--pieces", ",".join(map(str, args.pieces)),
-           "--iters", str(args.iters), "--delay", str(args.delay)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("["):
-            return json.loads(line), label
-    raise SystemExit(f"{label} gave no result (exit {proc.returncode}): {(proc.stdout + proc.stderr)[-2000:]}")
+        print(json.dumps(dict(ranks=every)))
 
 
 def summarize(per_rank):
@@ -149,8 +140,13 @@ def main(argv=None):
     from pyrdma.perf.allreduce_bench import spawn_ranks
     sides = {"pyrdma": summarize(spawn_ranks(_pyrdma_rank, args.ranks, (args,), timeout=args.timeout))}
     if not args.no_mpi:
-        mpi, label = run_mpi(args.ranks, args)
-        sides[label] = summarize(mpi)
+        from pyrdma.perf.allreduce_bench import run_mpi_script
+        script_args = ["--mpi-rank", "--collectives", ",".join(args.collectives),
+                       "--pieces", ",".join(map(str, args.pieces)), "--iters", str(args.iters), "--delay", str(args.delay)]
+        mpi, label = run_mpi_script(args.ranks, os.path.abspath(__file__), script_args, args.dev, timeout=args.timeout)
+        if mpi is None:
+            raise SystemExit(f"MPI gave no result: {label}")
+        sides[label] = summarize(mpi["ranks"])
     print(f"{args.ranks} ranks, {os.cpu_count()} CPUs, medians of {args.iters} iterations, microseconds")
     print(f"{'case':14s} {'side':32s} {'slowest':>8s} {'root only':>9s}  per rank / left the barrier after the root")
     for case in sides["pyrdma"]:

@@ -167,16 +167,16 @@ def _mpi_configs(dev, port):
     ]
 
 
-def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
-    """MPI_Allreduce timed by mpi_allreduce.py: ({bytes: seconds}, label) from the first
-    configuration of _mpi_configs that works, or (None, why none did)."""
-    script = MPI_SCRIPT
+def run_mpi_script(size, script, script_args, dev, port=1, timeout=600):
+    """``script`` under mpirun: Debian's python3 with its own mpi4py (PYTHONPATH left out), ``size``
+    ranks under cores_for's placement, in the first configuration of _mpi_configs that works.
+    Returns (the JSON object the script printed on a line of its own, label), or (None, why none did)."""
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("PYTHONPATH", None)
     failures = []
     for label, extra in _mpi_configs(dev, port):
         cmd = ["mpirun", "-np", str(size), "--oversubscribe", "--bind-to", "core" if cores_for(size) else "none",
-               *extra, "/usr/bin/python3", script,
-               "--sizes", ",".join(map(str, sizes)), "--iters", str(iters)]
+               *extra, "/usr/bin/python3", script, *script_args]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -184,12 +184,18 @@ def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
             continue
         for line in proc.stdout.splitlines():
             if line.startswith("{"):
-                got = json.loads(line)
-                note = label + "".join(f"; {f}" for f in failures)
-                return {b: t for b, t in got["rows"]}, note
+                return json.loads(line), label + "".join(f"; {f}" for f in failures)
         why = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if re.search(r"Fatal|ERROR|Error", ln)]
         failures.append(f"{label} failed (exit {proc.returncode}): {why[0] if why else 'no output'}")
     return None, "; ".join(failures)
+
+
+def mpi_sweep(size, sizes, iters, dev, port=1, timeout=600):
+    """MPI_Allreduce timed by mpi_allreduce.py: ({bytes: seconds}, label) from the first
+    configuration of _mpi_configs that works, or (None, why none did)."""
+    got, note = run_mpi_script(size, MPI_SCRIPT, ["--sizes", ",".join(map(str, sizes)), "--iters", str(iters)],
+                               dev, port, timeout)
+    return ({b: t for b, t in got["rows"]} if got is not None else None), note
 
 
 def _compute_rate(seconds=None, busy=None):

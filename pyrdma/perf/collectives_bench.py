@@ -21,13 +21,12 @@ Writes collectives.json (rows, anchors, ``targets`` with verdicts).
 import argparse
 import json
 import os
-import re
 import subprocess
 import time
 
 import numpy as np
 
-from pyrdma.perf.allreduce_bench import _mpi_configs as mpi_configs, cores_for, spawn_ranks
+from pyrdma.perf.allreduce_bench import run_mpi_script, spawn_ranks
 from pyrdma.perf.collectives import bench_rank
 from pyrdma.perf.parse import parse_output
 from pyrdma.testing import again_if_perftest_clock_failed, counting_rc_resends, free_port, tcp_listening
@@ -58,29 +57,13 @@ def ours(size, plan):
 
 def mpi(size, plan, dev, timeout=900):
     """mpi_collectives.py under mpirun: (its JSON object, label), or (None, why not)."""
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.pop("PYTHONPATH", None)           # Debian's python3 runs it, with its own mpi4py
-    failures = []
-    for label, extra in mpi_configs(dev, 1):
-        cmd = ["mpirun", "-np", str(size), "--oversubscribe", "--bind-to", "core" if cores_for(size) else "none",
-               *extra, "/usr/bin/python3", MPI_SCRIPT,
-               "--collectives", ",".join(plan["collectives"]), "--pieces", ",".join(map(str, plan["pieces"])),
-               "--iters", str(plan["iters"])]
-        if plan.get("pingpong"):
-            cmd += ["--pingpong", ",".join(map(str, plan["pingpong"]))]
-        if plan.get("stream"):
-            cmd += ["--stream", ",".join(map(str, plan["stream"]))]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            failures.append(f"{label}: {exc}")
-            continue
-        for line in proc.stdout.splitlines():
-            if line.startswith("{"):
-                return json.loads(line), label + "".join(f"; {f}" for f in failures)
-        why = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if re.search(r"Fatal|ERROR|Error", ln)]
-        failures.append(f"{label} failed (exit {proc.returncode}): {why[0] if why else 'no output'}")
-    return None, "; ".join(failures)
+    script_args = ["--collectives", ",".join(plan["collectives"]), "--pieces", ",".join(map(str, plan["pieces"])),
+                   "--iters", str(plan["iters"])]
+    if plan.get("pingpong"):
+        script_args += ["--pingpong", ",".join(map(str, plan["pingpong"]))]
+    if plan.get("stream"):
+        script_args += ["--stream", ",".join(map(str, plan["stream"]))]
+    return run_mpi_script(size, MPI_SCRIPT, script_args, dev, timeout=timeout)
 
 
 def _perftest_once(server_cmd, client_cmd, port):
