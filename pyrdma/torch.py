@@ -132,8 +132,8 @@ def _gpu_paths():
 class _Staged:
     """The memory the Communicator works on for tensor ``t`` (``array``, reduced as ``dtype``):
     ``t`` itself when it is contiguous, a CPU tensor as a numpy view, a CUDA tensor as it is (the
-    Communicator's GPU paths take it: staged through pinned memory in stream order, uploaded when
-    the call has run); else a contiguous copy on the same device (on the host for a CUDA tensor
+    Communicator's GPU paths take it: staged through pinned memory after torch's current stream,
+    when the call's turn comes on the Communicator's thread); else a contiguous copy on the same device (on the host for a CUDA tensor
     when CuPy is missing) that ``write_back`` copies into ``t``."""
 
     def __init__(self, t, name, copy_in=True):
@@ -153,9 +153,7 @@ class _Staged:
         else:
             self.contiguous = torch.empty(t.shape, dtype=t.dtype, device=device)
         if self.contiguous.device.type == "cuda":
-            # CuPy stages on its current stream (the null stream), which does not wait for torch's
-            # streams: what torch queued for this tensor must be done first
-            torch.cuda.current_stream(t.device).synchronize()
+            # the Communicator's staging waits (an event, not the caller) for torch's current stream
             self.array, self.dtype = self.contiguous.detach(), _DTYPES[t.dtype]
         else:
             self.array, self.dtype = _host_array(self.contiguous)

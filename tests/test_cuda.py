@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 import weakref
 
 import numpy as np
@@ -1065,19 +1066,25 @@ def _staged_through_the_communicator(comm, chunk_bytes):
     pipe = gpu.HostStagingPipeline(chunk_bytes, 2, backend=SimBackend())
     gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
     gc.default_pipeline = lambda: pipe
-    calls = []
-    host_allreduce = comm.allreduce
+    runs = []
+    run_spec = comm._run_spec
 
-    def counting_allreduce(buf, *args, **kwargs):
-        calls.append(buf.size if isinstance(buf, np.ndarray) else "cuda")
-        return host_allreduce(buf, *args, **kwargs)
-    comm.allreduce = counting_allreduce
+    def counting_run_spec(spec):
+        runs.append(spec)
+        return run_spec(spec)
+    comm._run_spec = counting_run_spec
+
+    def calls(since=(0, 0)):
+        """the elements of each chunk copied down (8-byte ones) since (copies, runs), if one host
+        run each"""
+        down = [n // 8 for d, n in pipe.backend.copies[since[0]:] if d == "d2h"]
+        return down if len(down) == len(runs) - since[1] else ("runs", len(runs) - since[1], "chunks", down)
     out = {}
     values = np.arange(3000, dtype=np.float64) + comm.rank
     dev = FakeCudaArray(values)
     assert comm.allreduce(dev, op="max") is dev
     pipe.backend.synchronize_stream(pipe.backend.user)
-    out["allreduce"], out["calls"] = values.copy(), list(calls)
+    out["allreduce"], out["calls"] = values.copy(), calls()
 
     values = np.arange(3000, dtype=np.int32) * (comm.rank + 1)
     dev = FakeCudaArray(values)
@@ -1091,11 +1098,24 @@ def _staged_through_the_communicator(comm, chunk_bytes):
     out["broadcast"] = values.copy()
 
     # out of place: out takes a copy of buf on the GPU first, then the chunks of out are staged
+    seen = (len(pipe.backend.copies), len(runs))
     values, result = np.arange(100, dtype=np.int64) * (comm.rank + 1), np.zeros(100, np.int64)
     dev, into = FakeCudaArray(values), FakeCudaArray(result)
     assert comm.allreduce(dev, out=into, op="sum") is into
     pipe.backend.synchronize_stream(pipe.backend.user)
-    out["allreduce_out"] = (values.copy(), result.copy(), calls[len(out["calls"]):])
+    out["allreduce_out"] = (values.copy(), result.copy(), calls(seen))
+
+    # non-blocking calls queued while the earlier ones run, at each rank's own pace: each chunk's
+    # messages carry its own call's number
+    arrays = [np.arange(3000, dtype=np.float64) * (k + 1) + comm.rank for k in range(3)]
+    handles = []
+    for call in [lambda a=a: comm.iallreduce(FakeCudaArray(a)) for a in arrays] + [
+            lambda: comm.ibroadcast(FakeCudaArray(arrays[0]), root=1)]:
+        handles.append(call())
+        time.sleep(0.05 * comm.rank)
+    for h in handles:
+        h.wait(timeout=30)
+    out["queued"] = [a.copy() for a in arrays]
     return out
 
 
@@ -1160,41 +1180,62 @@ class HostCupy:
 
 
 def _stage_every_call(comm):
-    """A rank's copying collectives, point-to-point and a non-blocking allreduce of fake CUDA arrays,
-    staged through HostCupy; each result next to the numpy path's."""
+    """A rank's copying collectives, point-to-point and non-blocking allreduce and broadcast of fake
+    CUDA arrays, staged through HostCupy and the simulated GPU; each result next to the numpy
+    path's, and the bytes each call copied down and up."""
     from pyrdma.cuda import collectives as gc
+    backend = SimBackend()
+    pipe = gpu.HostStagingPipeline(1 << 20, 2, backend=backend)
     gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
+    gc.default_pipeline = lambda: pipe
     n, r = comm.size, comm.rank
     got = {}
 
     def dev(values, readonly=False):
         return FakeCudaArray(np.array(values), readonly=readonly)
+
+    def copied(call):
+        """(what call() returned, bytes copied down, bytes copied up)"""
+        before = len(backend.copies)
+        value = call()
+        moved = backend.copies[before:]
+        return value, sum(b for d, b in moved if d == "d2h"), sum(b for d, b in moved if d == "h2d")
     x = (np.arange(10, dtype=np.int32) + 100 * r).reshape(5, 2)
     new = comm.allgather(dev(x))
     got["allgather_new"] = (type(new).__name__, new.host.tobytes(), comm.allgather(x).tobytes())
-    out, before = dev(np.zeros((5 * n, 2), np.int32)), HostCupy.uploads
-    got["allgather_out"] = (comm.allgather(dev(x), out=out) is out, HostCupy.uploads - before,
-                            out.host.tobytes() == comm.allgather(x).tobytes())
+    out = dev(np.zeros((5 * n, 2), np.int32))
+    same, down, up = copied(lambda: comm.allgather(dev(x), out=out))
+    got["allgather_out"] = (same is out, down, up, out.host.tobytes() == comm.allgather(x).tobytes())
     y = np.arange(7, dtype=np.float64) * (r + 1)
     got["reduce_scatter"] = (comm.reduce_scatter(dev(y), op="max").host.tobytes(),
                              comm.reduce_scatter(y, op="max").tobytes())
+    # one element over three ranks: two of them receive none, into an out= of no elements
+    empty = dev(np.zeros(1 if r == 0 else 0))
+    got["reduce_scatter_empty_out"] = comm.reduce_scatter(dev(np.ones(1)), out=empty) is empty
     g = comm.gather(dev(x), root=1)
     got["gather"] = (g if g is None else g.host.tobytes(), (lambda h: h if h is None else h.tobytes())(
         comm.gather(x, root=1)))
     src = np.arange(4 * n, dtype=np.int16) if r == 0 else None
     mine = dev(np.zeros(4, np.int16))
-    comm.scatter(dev(src) if src is not None else None, out=mine, root=0)
+    same, down, up = copied(lambda: comm.scatter(dev(src) if src is not None else None, out=mine, root=0))
     got["scatter"] = (mine.host.tobytes(), comm.scatter(src, out=np.zeros(4, np.int16), root=0).tobytes())
+    got["scatter_copies"] = (same is mine, down, up)
     counts = [(r + p) % 3 for p in range(n)]
     a = np.arange(sum(counts), dtype=np.uint8) + 10 * r
     got["alltoall"] = (comm.alltoall(dev(a), send_counts=counts).host.tobytes(),
                        comm.alltoall(a, send_counts=counts).tobytes())
+    b = dev(np.arange(9, dtype=np.int64) + r)
+    same, down, up = copied(lambda: comm.alltoall(b, out=dev(np.zeros(9, np.int64))))
+    got["alltoall_copies"] = (down, up)
     right, left = (r + 1) % n, (r - 1) % n
     recv = dev(np.zeros(6, np.int64))
     count = comm.sendrecv(dev(np.arange(4, dtype=np.int64) + r), right, recv, left)
     got["sendrecv"] = (count, recv.host.tolist())
     z = dev(np.full(3, r + 1.0))
     got["iallreduce"] = (comm.iallreduce(z).wait(timeout=30) is z, z.host.tolist())
+    w = dev(np.full(5, r, np.int32))
+    same, down, up = copied(lambda: comm.ibroadcast(w, root=2).wait(timeout=30))
+    got["ibroadcast"] = (same is w, w.host.tolist(), down, up)
     errors = {}
     for name, call in (("read-only out", lambda: comm.allgather(dev(x), out=dev(np.zeros((5 * n, 2), np.int32),
                                                                                   readonly=True))),
@@ -1215,14 +1256,19 @@ def test_every_staged_call_gives_the_numpy_paths_result_on_a_fake_gpu():
     for r, got in enumerate(results):
         kind, staged, host = got["allgather_new"]
         assert kind == "FakeCudaArray" and staged == host          # a new result comes back as a device array
-        same, uploads, equal = got["allgather_out"]
-        assert same and equal and uploads == 1, got["allgather_out"]   # the output is uploaded, the input is not
+        # the input goes down and the output up, nothing else
+        assert got["allgather_out"] == (True, 40, 3 * 40, True), got["allgather_out"]
         for name in ("reduce_scatter", "gather", "scatter", "alltoall"):
             assert got[name][0] == got[name][1], (r, name)
+        assert got["reduce_scatter_empty_out"] is True, r     # out= given is what comes back, empty too
         assert (got["gather"][0] is None) == (r != 1)
+        assert got["scatter_copies"] == (True, 3 * 8 if r == 0 else 0, 8), got["scatter_copies"]
+        assert got["alltoall_copies"] == (72, 72), got["alltoall_copies"]     # the output never goes down
         left = (r - 1) % 3
         assert got["sendrecv"] == (4, [left, left + 1, left + 2, left + 3, 0, 0])
         assert got["iallreduce"] == (True, [6.0, 6.0, 6.0])
+        # pipelined: only the root's data goes down, and only the receivers' comes up
+        assert got["ibroadcast"] == (True, [2] * 5, 20 if r == 2 else 0, 0 if r == 2 else 20), got["ibroadcast"]
         assert "read-only" in got["errors"]["read-only out"], got["errors"]
         assert "must both be CUDA arrays" in got["errors"]["mixed pair"], got["errors"]
 
@@ -1249,15 +1295,18 @@ def test_the_communicator_stages_cuda_arrays_by_its_own_host_calls():
         results = w.run(_staged_through_the_communicator, 8 * 1024, timeout=60)
     for rank, got in enumerate(results):
         np.testing.assert_array_equal(got["allreduce"], np.arange(3000) + 1.0)
-        # the recursion stops at the host arrays: one call with the CUDA array, then one per chunk
-        assert got["calls"] == ["cuda", 1024, 1024, 952]
+        # one host run of the call per chunk
+        assert got["calls"] == [1024, 1024, 952]
         np.testing.assert_array_equal(got["reduce"], np.arange(3000) * (3 if rank == 1 else rank + 1))
         assert got["reduce_returned"] == (rank == 1)
         np.testing.assert_array_equal(got["broadcast"], np.full(5000, 1, np.uint8))
         unchanged, result, calls = got["allreduce_out"]
-        assert calls == ["cuda", 100]
+        assert calls == [100]
         np.testing.assert_array_equal(unchanged, np.arange(100) * (rank + 1))
         np.testing.assert_array_equal(result, np.arange(100) * 3)
+        sums = [np.arange(3000) * (k + 1) * 2 + 1.0 for k in range(3)]
+        for k, want in enumerate([sums[0]] + sums[1:]):
+            np.testing.assert_array_equal(got["queued"][k], want)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,11 +20,12 @@ uint8, int32, int64, float16, float32, float64, bfloat16 (ml_dtypes.bfloat16 arr
 the buffer protocol, CPU DLPack tensors; C-contiguous, of any element count (also fewer elements
 than ranks). CUDA arrays (CuPy, DLPack CUDA tensors such as torch's, bfloat16 ones too) go to
 pyrdma.cuda.collectives for their work areas: the blocking allreduce and broadcast in place in GPU
-memory with CUDA-kernel reductions (``gpu_path="direct"``), or the blocking allreduce, reduce and
-broadcast pipelined through pinned host memory (cuda.collectives.staged, running this
-Communicator's host call on each chunk); every other call, and every non-blocking one, staged
-through pinned host memory (cuda.collectives.stage: copied down at the call, in stream order,
-uploaded when the call has run).
+memory with CUDA-kernel reductions (``gpu_path="direct"``), or else staged through pinned host
+memory, blocking or not: allreduce, reduce and broadcast pipelined chunk by chunk
+(cuda.collectives.StagedPipeline, running this Communicator's host call on each chunk), every other
+call whole (cuda.collectives.StagedCall), in either case copied down and up when the call's turn
+comes (after the caller's stream, which the call does not wait for), only what the call reads
+down and only what it writes up.
 
 How it runs: the input is copied into the transport's registered work buffer (registered once,
 reused; grown when needed), the algorithm runs there, the result is copied out. One collective
@@ -39,6 +40,7 @@ own, and raise UsageError on every rank. After any such failure the communicator
 it and build a new one. ``close()`` may come from any thread: a collective blocked in another one
 raises UsageError within a fraction of a second, as Ctrl-C raises KeyboardInterrupt.
 """
+import functools
 import os
 import threading
 
@@ -62,6 +64,26 @@ DEFAULT_MAX_WORK_BYTES = 64 << 20
 DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than looking up a registration
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
 _PAIRED = (specs.allreduce, specs.reduce, specs.allgather, specs.reduce_scatter)   # buf, out: both CUDA or both host
+_SHAPED = (specs.allreduce, specs.reduce, specs.broadcast)     # CUDA arrays pipelined chunk by chunk
+
+
+def _roles(read, written, *rest):
+    """The roles (pyrdma.cuda.collectives.StagedCall) of a call's buf, out and other arguments:
+    ``read``/``written`` say whether this rank reads buf and writes out."""
+    return ["in" if read else "", "out" if written else "", *[""] * len(rest)]
+
+
+# what a call staged whole reads and writes of each argument (buf, out, ...), by spec
+_ROLES = {
+    specs.allgather: lambda comm, buf, out, *rest: _roles(True, True, *rest),
+    specs.reduce_scatter: lambda comm, buf, out, *rest: _roles(True, True, *rest),
+    specs.alltoall: lambda comm, buf, out, *rest: _roles(True, True, *rest),
+    specs.gather: lambda comm, buf, out, root, *rest: _roles(True, root == comm.rank, root, *rest),
+    specs.scatter: lambda comm, buf, out, root, *rest: _roles(root == comm.rank, True, root, *rest),
+    # a receive may fill less than its buffer: the rest must come back up as it was
+    specs.p2p: lambda comm, buf, dst, src, tag: [("in", "inout") if isinstance(buf, tuple) else
+                                                 "in" if dst is not None else "inout", "", "", ""],
+}
 
 
 def _is_cuda(*objs):
@@ -314,17 +336,15 @@ class Communicator:
             if done is not None:
                 return done
         if _is_cuda(buf, out):
-            check_op(op)
-            algorithm = specs.check_algorithm(algorithm)
-            gc = _cuda()
-            gc.check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
-            area = gc.direct_allreduce_area(buf, out, op, dtype, nranks=self.size) if self._gpu_direct(buf) else None
-            if area is None:
-                return gc.staged("allreduce", buf, out, lambda chunk, dt: self.allreduce(
-                    chunk, op=op, algorithm=algorithm, dtype=dt), dtype)
-            with area:
-                self._allreduce_in_place(area, op, algorithm)
-            return area.result
+            _cuda().check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
+            if self._gpu_direct(buf):
+                check_op(op)
+                algorithm = specs.check_algorithm(algorithm)
+                area = _cuda().direct_allreduce_area(buf, out, op, dtype, nranks=self.size)
+                if area is not None:        # (None: bfloat16, which stages)
+                    with area:
+                        self._allreduce_in_place(area, op, algorithm)
+                    return area.result
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=True, dtype=dtype)
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
@@ -338,14 +358,6 @@ class Communicator:
             done = self._host.reduce(buf, op, root, algorithm)
             if done is not None:
                 return done[0]
-        if _is_cuda(buf, out):
-            check_op(op)
-            root = specs.check_root(self, root)
-            _cuda().check_pair(buf, out, "reduce")
-            # off root the host reduce leaves each chunk as it was, so copying it back changes nothing
-            result = _cuda().staged("reduce", buf, out if self.rank == root else None, lambda chunk, dt: self.reduce(
-                chunk, op=op, root=root, algorithm=algorithm, dtype=dt), dtype)
-            return result if self.rank == root else None
         return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=True, dtype=dtype)
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
@@ -357,14 +369,11 @@ class Communicator:
             done = self._host.broadcast(buf, root, algorithm)
             if done is not None:
                 return done
-        if _is_cuda(buf):
+        if _is_cuda(buf) and self._gpu_direct(buf):
             root = specs.check_root(self, root)
-            if self._gpu_direct(buf):
-                with _cuda().direct_broadcast_area(buf, self.rank == root) as area:
-                    self._broadcast_in_place(area, root, algorithm)
-                return buf
-            return _cuda().staged("broadcast", buf, None, lambda chunk, _: self.broadcast(
-                chunk, root=root, algorithm=algorithm))
+            with _cuda().direct_broadcast_area(buf, self.rank == root) as area:
+                self._broadcast_in_place(area, root, algorithm)
+            return buf
         return self._call(specs.broadcast, buf, root, algorithm, blocking=True)
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):
@@ -474,11 +483,12 @@ class Communicator:
         gives one entry per op: None for a send, the elements received for a receive."""
         n, r = self.size, self.rank
         sends, recvs = {}, {}
-        upload = None
         ops = list(ops)
+        staged = None
         if all(isinstance(op, (tuple, list)) and len(op) in (3, 4) for op in ops) and _is_cuda(*(op[1] for op in ops)):
-            host, upload, _ = _cuda().stage("batch", [op[1] for op in ops])
-            ops = [(op[0], h, *op[2:]) for op, h in zip(ops, host)]
+            staged = _cuda().StagedCall("batch", [op[1] for op in ops],
+                                        ["in" if op[0] == "send" else "inout" for op in ops])
+            ops = [(op[0], h, *op[2:]) for op, h in zip(ops, staged.host_args)]
         for i, op in enumerate(ops):
             if not isinstance(op, (tuple, list)) or len(op) not in (3, 4) or op[0] not in ("send", "recv"):
                 raise UsageError(f"batch: op {i} must be ('send'|'recv', buf, peer[, tag]), got {op!r}")
@@ -501,35 +511,78 @@ class Communicator:
         results = [None] * len(ops)
 
         def run():
+            if staged is not None:
+                staged.download()
             for step in steps:
                 got = self._run_spec(step[0][1])      # each step one run: its own descriptions
                 for i, _ in step:
                     if ops[i][0] == "recv":
                         results[i] = got
-            return results if upload is None else upload(results)
+            return results if staged is None else staged.upload(results)
         return self._exec.submit(False, run, seq=False)
 
     def _call(self, make_spec, *args, blocking, dtype=_NO_DTYPE):
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run
         the spec in order with the other collectives (inline, or on the communicator's thread).
         ``dtype``: the reduction dtype of a reducing call (the spec's last argument). CUDA arrays
-        are staged through pinned host memory (cuda.collectives.stage): copied down now, in stream
-        order, and their results uploaded when the call has run."""
+        are staged through pinned host memory (_staged_job)."""
         if dtype is not _NO_DTYPE:
             args += (dtype,)
         if _is_cuda(*(x for a in args for x in (a if isinstance(a, tuple) else (a,)))):
-            name = make_spec.__name__
-            if make_spec in _PAIRED:        # as the blocking calls, whose direct path needs both on the GPU
-                _cuda().check_pair(args[0], args[1], name)
-            host_args, upload, reduced_as = _cuda().stage(name, args)
-            if reduced_as is not None and dtype is not _NO_DTYPE:
-                host_args[-1] = _cuda().host_dtype(dtype, reduced_as)
-            spec = make_spec(self, *host_args)
-            spec.then(upload)
+            job, collective = self._staged_job(make_spec, args, dtype is not _NO_DTYPE)
         else:
             spec = make_spec(self, *args)
-        handle = self._exec.submit(blocking, self._run_spec, spec, seq=spec.collective)
+            job, collective = functools.partial(self._run_spec, spec), spec.collective
+        handle = self._exec.submit(blocking, job, seq=collective)
         return handle.wait() if blocking else handle
+
+    def _staged_job(self, make_spec, args, reduces):
+        """(job, is it a collective) of a call on CUDA arrays, staged through pinned host memory
+        (pyrdma.cuda.collectives), checked and planned now, its copies made when its turn comes.
+        Allreduce, reduce and broadcast keep the array's shape: pipelined chunk by chunk, each chunk
+        one host run of the call, copied down only where the call reads it (not on a broadcast's
+        receivers) and up only where it writes it (not off a reduce's root). Every other call is
+        staged whole, each array copied down only if the call reads it and up only if it writes
+        all of it (_ROLES)."""
+        gc = _cuda()
+        if make_spec in _PAIRED:        # as the direct path, which needs both on the GPU
+            gc.check_pair(args[0], args[1], make_spec.__name__)
+        if make_spec in _SHAPED:
+            if make_spec is specs.broadcast:
+                (buf, *rest), out = args, None
+                root = specs.check_root(self, rest[0])
+            else:
+                buf, out, *rest = args[:-1]
+                root = None if make_spec is specs.allreduce else specs.check_root(self, rest[1])
+            here = root is None or root == self.rank       # allreduce, or this rank is the root
+            sends = here or make_spec is not specs.broadcast       # this rank's data is read
+            keeps = here != (make_spec is specs.broadcast)         # and the result written here
+            element, dtype = gc.chunk_type(buf, args[-1] if reduces else None)
+
+            def chunk_spec(chunk):
+                return make_spec(self, *((chunk, None, *rest, dtype) if reduces else (chunk, *rest)))
+            # the host call's checks (op, root, algorithm, dtype) first, on no elements: a mistake is
+            # the caller's error, before anything is staged
+            chunk_spec(np.empty(0, element))
+            piped = gc.StagedPipeline(make_spec.__name__, buf, out if here else None, dtype,
+                                      download=sends, upload=keeps)
+            # planned now: each chunk's description carries this call's number
+            planned = iter([chunk_spec(chunk) for chunk in piped.chunks()])
+
+            def job():
+                result = piped.run(lambda chunk: self._run_spec(next(planned)))
+                return None if make_spec is specs.reduce and not here else result
+            return job, True
+        staged = gc.StagedCall(make_spec.__name__, args, _ROLES[make_spec](self, *args))
+        host_args = staged.host_args
+        if reduces and staged.reduced_as is not None:
+            host_args[-1] = gc.host_dtype(args[-1], staged.reduced_as)
+        spec = make_spec(self, *host_args)
+
+        def job():
+            staged.download()
+            return staged.upload(self._run_spec(spec))
+        return job, spec.collective
 
     def _run_spec(self, spec):
         t = self.transport
@@ -545,8 +598,7 @@ class Communicator:
             received = t.run(schedule, run.dtype, run.op, consume)
             if run.finish is not None:
                 value = run.finish(work, schedule, received)
-        value = value if spec.result is None else spec.result()
-        return value if spec.after is None else spec.after(value)
+        return value if spec.result is None else spec.result()
 
     # ---- CUDA arrays in place (gpu_path "direct") ---------------------------------------------------
 

@@ -52,15 +52,10 @@ class Spec:
     """One call as the one path runs it: its runs in order, then ``result()`` (default: what the
     last run's finish returned). ``collective``: it advances the call number (not point-to-point)."""
 
-    __slots__ = ("runs", "result", "collective", "after")
+    __slots__ = ("runs", "result", "collective")
 
     def __init__(self, runs, result=None, collective=True):
         self.runs, self.result, self.collective = runs, result, collective
-        self.after = None
-
-    def then(self, fn):
-        """``fn(result)`` runs after the call, on the thread that ran it, and gives its result."""
-        self.after = fn
 
 
 def op_code(op):

@@ -9,20 +9,25 @@ copied out), received chunks are copied up and reduced by reduce_into's CUDA ker
 
 staged (every collective; the only path without GPUDirect RDMA): the data crosses the host:
 
-- the blocking allreduce, reduce and broadcast keep their shape, so they run through
-  HostStagingPipeline (``staged``): chunk k is copied device -> pinned host, the host collective
+- allreduce, reduce and broadcast (blocking or not) keep the array's shape, so they run through
+  HostStagingPipeline (``StagedPipeline``): chunk k is copied device -> pinned host, the host collective
   runs on it, and it is copied back, while the copies of chunks k-1 and k+1 are in flight. The
   pinned slots are reused across calls, so the host collective registers them for RDMA once.
-- every other call (``stage``) copies its CUDA arrays to pinned host memory, the host call runs on
-  the copies, and the copies it wrote are uploaded (not pipelined).
+- every other call (``StagedCall``) copies the CUDA arrays it reads to pinned host memory, the host
+  call runs on the copies, and the copies it writes are uploaded (not pipelined).
+
+Either way the call only marks (an event) where the caller's stream stands: the copies run when the
+call's turn comes, on the communicator's thread for a non-blocking call, so the caller never waits
+for them.
 
 Staged, the arithmetic is the host collective's (pyrdma._reduce); direct, the GPU kernels compute
 what it computes (float16 in float32, rounded once; min/max pick an operand's bits; a floating-point
 avg divides every input by n first). Either way the results are bit for bit those of the numpy
 path. bfloat16 CUDA tensors (DLPack), which the GPU kernels lack, always stage: they travel as their
 16-bit patterns and reduce as bfloat16.
-Calls are stream-ordered on the current CuPy stream (or ``stream=``): they wait for work already
-enqueued there, and work enqueued after them sees the result.
+Calls are ordered after the current CuPy stream (torch's current stream for torch tensors, or
+``stream=``): they wait for work already enqueued there; once a call has returned (or its handle's
+wait), the result is in the array.
 """
 import numpy as np
 
@@ -79,67 +84,151 @@ def _copy_into(cp, dst_obj, src_obj, what):
         _cupy_view(cp, dst_obj, dbuf, dtype)[...] = _cupy_view(cp, src_obj, sbuf, stype)
 
 
-def staged(what, buf, out, host_op, dtype=None, stream=None, pipeline=None):
+def producer_stream(stream, objs):
+    """The stream a call on ``objs`` is ordered after: ``stream`` if given, else torch's current
+    stream for a torch tensor (torch produced it there, and CuPy does not know torch's streams),
+    else None (CuPy's current stream)."""
+    if stream is not None:
+        return stream
+    for obj in objs:
+        if obj is not None and type(obj).__module__.partition(".")[0] == "torch" and is_cuda_array(obj):
+            import torch
+            return torch.cuda.current_stream(obj.device)
+    return None
+
+
+def _device(backend, buf):
+    return buf.device_id if buf.device_id is not None else backend.device_of(buf.ptr)
+
+
+def _mark(backend, stream, device):
+    """An event recorded now where ``stream`` (of GPU ``device``) stands."""
+    with backend.device(device):
+        event = backend.new_event()
+        backend.record(event, backend.user_stream(stream))
+    return event
+
+
+def chunk_type(buf, dtype=None):
+    """(numpy dtype of the elements of a CUDA array's host chunks, the host reduction dtype): a
+    bfloat16 array's chunks hold its bits as uint16, reduced as "bfloat16". No CuPy needed."""
+    _, element, bits_of = _describe(buf, "buf")
+    return element, host_dtype(dtype, bits_of)
+
+
+class StagedPipeline:
     """A collective that keeps the array's shape (allreduce, reduce, broadcast) of a CUDA array,
-    through pinned host memory chunk by chunk (HostStagingPipeline): ``out``, if given, first takes
-    a copy of ``buf``; then ``host_op(chunk, dtype)`` runs the host collective in place on each
-    chunk of it (``dtype``: the host reduction dtype, "bfloat16" for a bfloat16 array, whose chunks
-    hold its bits as uint16). The caller (the Communicator) supplies host_op, so nothing here calls
-    into it. Returns the array holding the result."""
-    check_pair(buf, out, what)
-    cp = import_cupy(f"{what} of a CUDA array")
-    _, _, twin = _describe(buf, "buf")
-    dtype = host_dtype(dtype, twin)
-    result = buf if out is None else out
-    with _on(cp, stream):
-        if result is not buf:
-            _copy_into(cp, out, buf, what)
-        (pipeline or default_pipeline()).run(result, lambda chunk: host_op(chunk, dtype), stream)
-    return result
+    through pinned host memory chunk by chunk (HostStagingPipeline). Made on the caller's thread:
+    ``out``, if given, takes a copy of ``buf`` on the GPU, and an event marks where the caller's
+    stream stands (``stream``, else torch's current stream for a torch tensor, else CuPy's);
+    nothing waits. ``run(host_op)``, when the call's turn comes, on any thread (the
+    communicator's), pipelines the chunks (``chunks()``, known in advance), ``host_op(chunk)``
+    running the host collective in place on each, and returns the array holding the result once it is there. A chunk is a numpy array of
+    ``element``s (bfloat16 as its uint16 bits), reduced as ``dtype`` (the host reduction dtype:
+    "bfloat16" for a bfloat16 array). ``download=False``: the chunks are not copied down (the host
+    collective overwrites every chunk, as on a broadcast's receivers); ``upload=False``: nor up
+    (nothing is written here, as off a reduce's root, or on a broadcast's root)."""
+
+    def __init__(self, what, buf, out, dtype=None, stream=None, pipeline=None, download=True, upload=True):
+        check_pair(buf, out, what)
+        self.element, self.dtype = chunk_type(buf, dtype)
+        cp = import_cupy(f"{what} of a CUDA array")
+        sbuf = device_buffer(buf)
+        self.result = buf if out is None else out
+        if upload and device_buffer(self.result).readonly:
+            raise UsageError(f"{what}: the GPU array is read-only; the result is written into it")
+        self._pipeline = pipeline or default_pipeline()
+        self._stream = producer_stream(stream, (buf, out))
+        if self.result is not buf:
+            with _on(cp, self._stream):
+                _copy_into(cp, out, buf, what)
+        self._ready = _mark(self._pipeline.backend, self._stream, _device(self._pipeline.backend, sbuf))
+        self._download, self._upload = download, upload
+
+    def chunks(self):
+        """The host chunks ``run`` hands host_op, in order (views of the pipeline's pinned slots):
+        the host calls are planned on them at the call, in its order among the others."""
+        return self._pipeline.chunks(self.result)
+
+    def run(self, host_op):
+        # waits for the last copy up: the caller may go on from another stream, or another thread
+        self._pipeline.run(self.result, host_op, self._stream, self._ready, self._download, self._upload,
+                           wait=True)
+        return self.result
 
 
-def stage(name, args, stream=None):
-    """A call (``name``: any collective or point-to-point one) on CUDA arrays, staged: the CUDA
-    arrays among ``args`` (or in a tuple of them) copied to pinned host memory now, on ``stream``
-    (default: the current one), in stream order. Returns (host_args, finish, reduced_as): the caller
-    runs the host call on host_args, then ``finish(result)``, on any thread, uploads the copies the
-    call wrote (its outputs) and synchronises, and returns the result: a staged array's own CUDA
-    array where the result is its copy, a new CuPy array where it is a new host array (of the bits,
-    as uint16, for a bfloat16 call); ``reduced_as`` is "bfloat16" when a bfloat16 array was staged
-    (its copy holds the bits as uint16, so a reduction must be told), else None."""
-    cp = import_cupy(f"{name} of a CUDA array")
-    staged = []
-    twins = set()
+class StagedCall:
+    """A call (any collective or point-to-point one) on CUDA arrays, staged whole through pinned
+    host memory. Now, on the caller's thread: a pinned host twin for each CUDA array among ``args``
+    (or in a tuple of them), and an event where the caller's stream stands (``stream``, else torch's
+    current stream for torch tensors, else CuPy's); nothing waits. ``roles``, parallel to ``args``
+    (a tuple for a tuple): "in" (the call reads the array: it is copied down), "out" (the call
+    writes all of it: copied up), "inout", or "" (neither: the call only checks it). Then, on the
+    thread that runs the call: ``download()`` copies the inputs down once the caller's stream has
+    produced them, and ``upload(result)`` the outputs up, and returns the result as the caller sees
+    it: a staged array's own CUDA array where the result is its twin, a new CuPy array where it is
+    a new host array (of the bits, as uint16, for a bfloat16 call). ``host_args``: the args with
+    the twins in place of the CUDA arrays; ``reduced_as``: "bfloat16" when a bfloat16 array was
+    staged (its twin holds the bits as uint16, so a reduction must be told), else None."""
 
-    def down(obj):
-        if obj is None or isinstance(obj, np.ndarray) or not is_cuda_array(obj):
-            return obj
-        buf, dtype, twin = _describe(obj, name, allow_empty=True)
-        if twin is not None:
-            twins.add(twin)
-        host = _pinned_copy(cp, _cupy_view(cp, obj, buf, dtype)) if buf.nbytes else np.empty(0, dtype)
-        staged.append((obj, buf, dtype, host, host.copy()))
-        if buf.readonly:
-            host = host.view()
-            host.flags.writeable = False    # the host call refuses it as an output, as it would the array
-        return host.reshape(buf.shape) if buf.shape else host
-    with _on(cp, stream):
-        host_args = [tuple(down(a) for a in x) if isinstance(x, tuple) else down(x) for x in args]
+    def __init__(self, name, args, roles, stream=None, pipeline=None):
+        self.cp = import_cupy(f"{name} of a CUDA array")
+        self.pipeline = pipeline or default_pipeline()
+        backend = self.backend = self.pipeline.backend
+        self.staged = []        # (CUDA array, DeviceBuffer, the twin passed to the call, role, GPU)
+        stream = producer_stream(stream, [x for a in args for x in (a if isinstance(a, tuple) else (a,))])
+        twins = set()
 
-    def finish(result):
-        with _on(cp, stream):
-            for obj, buf, dtype, host, before in staged:
-                if buf.nbytes and not np.array_equal(host.view(np.uint8), before.view(np.uint8)):
-                    with cp.cuda.Device(_device_id(cp, buf)):
-                        _upload(cp, _cupy_view(cp, obj, buf, dtype), host)
-                if result is not None and isinstance(result, np.ndarray) and np.shares_memory(result, host):
-                    result = obj
-            if isinstance(result, np.ndarray):
-                result = cp.asarray(result)
+        def twin(obj, role):
+            if obj is None or isinstance(obj, np.ndarray) or not is_cuda_array(obj):
+                return obj
+            buf, dtype, bits_of = _describe(obj, name, allow_empty=True)
+            if bits_of is not None:
+                twins.add(bits_of)
+            host = backend.alloc_host(buf.nbytes)[:buf.nbytes].view(dtype) if buf.nbytes else np.empty(0, dtype)
+            if buf.readonly:
+                host.flags.writeable = False    # the host call refuses it as an output, as it would the array
+            passed = host.reshape(buf.shape) if buf.shape else host
+            self.staged.append((obj, buf, passed, role, _device(backend, buf)))
+            return passed
+        self.host_args = [tuple(twin(x, rx) for x, rx in zip(a, r)) if isinstance(a, tuple) else twin(a, r)
+                          for a, r in zip(args, roles)]
+        if len(twins) > 1:
+            raise UsageError(f"{name}: arrays of {' and '.join(sorted(twins))} in one call")
+        self.reduced_as = twins.pop() if twins else None
+        self._ready = {device: _mark(backend, stream, device) for *_, device in self.staged}
+
+    def _copy(self, direction):
+        """Copy the twins of the arrays whose role has ``direction`` ("in": down, "out": up), after
+        the caller's stream reached the call, and wait for the copies."""
+        backend, done = self.backend, []
+        for obj, buf, host, role, device in self.staged:
+            if direction not in role or not buf.nbytes:
+                continue
+            d2h, h2d = self.pipeline.copy_streams(device)
+            with backend.device(device):
+                backend.wait(d2h if direction == "in" else h2d, self._ready[device])
+                if direction == "in":
+                    backend.copy_d2h(host.reshape(-1).view(np.uint8), buf.ptr, buf.nbytes, d2h)
+                else:
+                    backend.copy_h2d(buf.ptr, host.reshape(-1).view(np.uint8), buf.nbytes, h2d)
+                event = backend.new_event()
+                backend.record(event, d2h if direction == "in" else h2d)
+                done.append(event)
+        for event in done:
+            backend.synchronize(event)
+
+    def download(self):
+        self._copy("in")
+
+    def upload(self, result):
+        self._copy("out")
+        for obj, _, host, _, _ in self.staged:
+            if result is host:
+                return obj
+        if isinstance(result, np.ndarray):
+            return self.cp.asarray(result)
         return result
-    if len(twins) > 1:
-        raise UsageError(f"{name}: arrays of {' and '.join(sorted(twins))} in one call")
-    return host_args, finish, (twins.pop() if twins else None)
 
 
 # ---- gpu_path "direct": the transport sends from GPU memory, CUDA kernels reduce ----------------
@@ -296,18 +385,3 @@ class _on:
         return self._stream.__exit__(*exc)
 
 
-def _pinned(cp, count, dtype):
-    mem = cp.cuda.alloc_pinned_memory(max(1, count * dtype.itemsize))
-    return np.frombuffer(mem, dtype, count)
-
-
-def _upload(cp, dst, host):
-    dst.set(host)
-    # the pinned array is dropped when we return: the copy out of it must be over by then
-    cp.cuda.get_current_stream().synchronize()
-
-
-def _pinned_copy(cp, arr):
-    host = _pinned(cp, arr.size, arr.dtype)
-    arr.get(out=host)     # waits for the stream, then for the copy
-    return host

@@ -11,8 +11,11 @@ shape whose values are copied back. Every rank must use the same chunk size, so 
 collectives of all ranks see the same chunks in the same order.
 
 Ordering against the caller's stream: the first copy waits for work already enqueued on ``stream``
-(the producer of the data) and ``stream`` waits for the last copy back, so the result is
+(the producer of the data; or for ``ready``, an event the caller recorded there earlier, when the
+run happens later on another thread) and ``stream`` waits for the last copy back, so the result is
 stream-ordered like a CUDA library call; the host thread itself returns once the last host_op ran.
+A run may skip the copies down (``download=False``: host_op overwrites every chunk, as a broadcast's
+receiver) or up (``upload=False``: the result is not needed here, as a reduce off its root).
 """
 import threading
 
@@ -148,32 +151,63 @@ class HostStagingPipeline:
         res = self._resources.get(device_id)
         return list(res.slots) if res else []
 
-    def run(self, array, host_op, stream=None):
+    def run(self, array, host_op, stream=None, ready=None, download=True, upload=True, wait=False):
         """Stage ``array`` (a contiguous CUDA array) through the host chunk by chunk, applying host_op.
 
         The array is updated in place with what host_op leaves in (or returns for) each chunk.
         Returns ``array``. If host_op raises, the copies in flight are drained first and the array is
-        left partly updated.
+        left partly updated. ``ready``: an event recorded on ``stream`` when the data was handed over
+        (default: recorded now); ``download``/``upload``: see the module's docstring; ``wait``: return
+        once the last copy up is done, not only ordered before the stream's later work.
         """
+        buf, dtype, spans, device_id = self._layout(array)
+        if upload and buf.readonly:
+            raise UsageError("the GPU array is read-only; host staging writes the result back into it")
+        backend = self.backend
+        with self._lock, backend.device(device_id):
+            res = self._device_resources(backend, device_id)
+            self._run(backend, res, buf, dtype, spans, host_op, backend.user_stream(stream), ready, download,
+                      upload)
+            if wait:
+                backend.synchronize(res.done)
+        return array
+
+    def chunks(self, array):
+        """The chunks a run of ``array`` hands host_op, in order: views of the pinned slots (allocated
+        now if need be), so that a caller can plan its host work on them before the run."""
+        buf, dtype, spans, device_id = self._layout(array)
+        backend = self.backend
+        with self._lock, backend.device(device_id):
+            slots = self._device_resources(backend, device_id).slots
+        return [slots[i % len(slots)][:length].view(dtype) for i, (_, length) in enumerate(spans)]
+
+    def _layout(self, array):
+        """(DeviceBuffer, numpy dtype of the chunks, chunk spans, GPU) of a run of ``array``."""
         if self._closed:
             raise UsageError("HostStagingPipeline is closed")
         buf = device_buffer(array)
-        if buf.readonly:
-            raise UsageError("the GPU array is read-only; host staging writes the result back into it")
         dtype = buf.dtype if buf.dtype is not None else BIT_TWINS.get(buf.dtype_name)
         if dtype is None:
             raise UsageError(f"host staging needs a dtype numpy knows; {buf.dtype_name} is not one")
         spans = chunk_spans(buf.nbytes, self.chunk_bytes, buf.itemsize)
-        backend = self.backend
-        device_id = buf.device_id if buf.device_id is not None else backend.device_of(buf.ptr)
-        with self._lock, backend.device(device_id):
-            res = self._resources.get(device_id)
-            if res is None:
-                res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
-            self._run(backend, res, buf, dtype, spans, host_op, backend.user_stream(stream))
-        return array
+        device_id = buf.device_id if buf.device_id is not None else self.backend.device_of(buf.ptr)
+        return buf, dtype, spans, device_id
 
-    def _run(self, backend, res, buf, dtype, spans, host_op, user):
+    def _device_resources(self, backend, device_id):
+        res = self._resources.get(device_id)
+        if res is None:
+            res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
+        return res
+
+    def copy_streams(self, device_id):
+        """(device-to-host, host-to-device) streams of GPU ``device_id``, for staging copies outside a
+        run (pyrdma.cuda.collectives.StagedCall); the run's own copies go on them too."""
+        backend = self.backend
+        with self._lock, backend.device(device_id):
+            res = self._device_resources(backend, device_id)
+            return res.d2h, res.h2d
+
+    def _run(self, backend, res, buf, dtype, spans, host_op, user, ready, download, upload):
         """host_op sees each chunk as ``dtype`` (bfloat16 as its uint16 bits)."""
         depth = len(res.slots)
         ptr = buf.ptr
@@ -183,12 +217,15 @@ class HostStagingPipeline:
             off, length = spans[i]
             # the slot's previous chunk must have been copied back to the GPU before it is overwritten
             backend.wait(res.d2h, res.drained[slot])
-            backend.copy_d2h(res.slots[slot][:length], ptr + off, length, res.d2h)
+            if download:
+                backend.copy_d2h(res.slots[slot][:length], ptr + off, length, res.d2h)
             backend.record(res.filled[slot], res.d2h)
 
         # the data may still be being produced on the caller's stream
-        backend.record(res.start, user)
-        backend.wait(res.d2h, res.start)
+        if ready is None:
+            ready = res.start
+            backend.record(ready, user)
+        backend.wait(res.d2h, ready)
         try:
             for i in range(min(depth, len(spans))):
                 issue_d2h(i)
@@ -203,7 +240,8 @@ class HostStagingPipeline:
                         raise UsageError(f"host_op returned shape {result.shape} for a chunk of shape "
                                          f"{chunk.shape}")
                     np.copyto(chunk, result, casting="same_kind")
-                backend.copy_h2d(ptr + off, res.slots[slot][:length], length, res.h2d)
+                if upload:
+                    backend.copy_h2d(ptr + off, res.slots[slot][:length], length, res.h2d)
                 backend.record(res.drained[slot], res.h2d)
                 if i + depth < len(spans):
                     issue_d2h(i + depth)
