@@ -17,11 +17,10 @@ whose future completes when the collective has; DDP's buckets overlap the backwa
 Sends and receives wait for the next other call (or a wait on one of them) and then go together as
 one Communicator.batch.
 Contiguous tensors are used in place: CPU ones as numpy arrays, CUDA ones through the
-Communicator's GPU paths (with CuPy installed: staged through pinned host memory; without it,
-through a host copy made here). Non-contiguous ones go through a contiguous copy that is written
+Communicator's GPU paths (staged through pinned host memory after torch's current stream, by CuPy,
+or by torch's own streams and pinned memory without CuPy). Non-contiguous ones go through a contiguous copy that is written
 back when the collective completes.
 """
-import functools
 import ipaddress
 import math
 import os
@@ -118,23 +117,13 @@ def _host_array(t):
     return t.numpy(), None
 
 
-@functools.lru_cache(maxsize=None)
-def _gpu_paths():
-    """Whether CUDA tensors can go to the Communicator's GPU paths (they stage through CuPy's
-    pinned memory); without CuPy they go through a host copy made here."""
-    try:
-        import cupy  # noqa: F401
-        return True
-    except Exception:   # noqa: BLE001 -- absent, or present without a usable CUDA
-        return False
-
-
 class _Staged:
     """The memory the Communicator works on for tensor ``t`` (``array``, reduced as ``dtype``):
     ``t`` itself when it is contiguous, a CPU tensor as a numpy view, a CUDA tensor as it is (the
     Communicator's GPU paths take it: staged through pinned memory after torch's current stream,
-    when the call's turn comes on the Communicator's thread); else a contiguous copy on the same device (on the host for a CUDA tensor
-    when CuPy is missing) that ``write_back`` copies into ``t``."""
+    by CuPy or, without it, by torch, when the call's turn comes on the Communicator's thread);
+    else a contiguous copy (on the same device; on the host for other devices) that ``write_back``
+    copies into ``t``."""
 
     def __init__(self, t, name, copy_in=True):
         if not isinstance(t, torch.Tensor):
@@ -145,7 +134,7 @@ class _Staged:
             raise UsageError(f"pyrdma backend: tensors of {t.dtype} are not supported; "
                              f"use one of {', '.join(str(d) for d in _DTYPES)}")
         self.tensor = t
-        device = t.device if t.device.type == "cpu" or (t.device.type == "cuda" and _gpu_paths()) else "cpu"
+        device = t.device if t.device.type in ("cpu", "cuda") else torch.device("cpu")
         if t.device == device and t.is_contiguous():
             self.contiguous = t
         elif copy_in:

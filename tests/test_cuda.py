@@ -106,6 +106,29 @@ def test_import_without_cupy_and_clear_errors():
     assert out.stdout.strip() == "ok"
 
 
+def test_staging_backend_is_cupy_else_torch_and_says_what_is_missing(monkeypatch):
+    from pyrdma.cuda import staging
+    monkeypatch.setenv("PYRDMA_STAGING", "numba")
+    with pytest.raises(rd.UsageError, match="PYRDMA_STAGING='numba'; use one of cupy, torch"):
+        staging.staging_backend()
+    if gpu.cupy_available():
+        pytest.skip("CuPy is installed: the fallbacks below are for machines without it")
+    monkeypatch.setenv("PYRDMA_STAGING", "cupy")
+    with pytest.raises(rd.RDMAError, match="needs CuPy"):
+        staging.staging_backend()
+    monkeypatch.delenv("PYRDMA_STAGING")
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        assert type(staging.staging_backend()).__name__ == "TorchStagingBackend"
+    else:
+        with pytest.raises(rd.RDMAError, match="needs CuPy .* or PyTorch with CUDA"):
+            staging.staging_backend()
+
+
 def test_import_pyrdma_does_not_import_cupy():
     out = subprocess.run([sys.executable, "-c", "import sys, pyrdma, pyrdma.cuda; print('cupy' in sys.modules)"],
                          capture_output=True, text=True, timeout=60)
@@ -813,6 +836,12 @@ class SimBackend:
 
     def copy_h2d(self, dev_ptr, host, nbytes, stream):
         stream.ops.append(("copy", "h2d", dev_ptr, host.ctypes.data, nbytes))
+
+    def copy_d2d(self, dst_ptr, src_ptr, nbytes, stream):
+        stream.ops.append(("copy", "d2d", dst_ptr, src_ptr, nbytes))
+
+    def device_array(self, host, device_id):
+        return FakeCudaArray(np.array(host))
 
     def record(self, event, stream):
         event.recorded += 1

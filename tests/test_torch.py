@@ -80,7 +80,7 @@ LAST_RANK_CHECKS = ("pipeline ScheduleGPipe loss", "pipeline Schedule1F1B loss",
 
 
 # Entries of a rank's "checks" that record a fact (asserted on by the tests) rather than pass or fail.
-INFO_CHECKS = ("transport", "gid indices", "host", "device", "gpu paths")
+INFO_CHECKS = ("transport", "gid indices", "host", "device", "staging")
 
 
 def _assert_all_passed(reports, transport):
@@ -127,8 +127,9 @@ def test_torch214_backend_trampoline_collectives_ddp_workloads_and_a_dead_rank_o
 @pytest.mark.gpu
 def test_torchrun_cuda_tensors_collectives_and_ddp_over_tcp(tmp_path):
     """CUDA tensors through the backend (the Communicator's GPU paths stage them through pinned host
-    memory; without CuPy the backend copies them to the host): every collective against gloo's CPU
-    result, and DDP of a model on the GPU against the same DDP over gloo."""
+    memory, by CuPy's streams, or torch's without CuPy or with PYRDMA_STAGING=torch): every
+    collective against gloo's CPU result, and DDP of a model on the GPU against the same DDP over
+    gloo."""
     import torch
     try:
         import cupy  # noqa: F401
@@ -140,7 +141,9 @@ def test_torchrun_cuda_tensors_collectives_and_ddp_over_tcp(tmp_path):
     reports = _torchrun(2, tmp_path, "tcp", "--device", "cuda")
     _assert_all_passed(reports, "tcp")
     assert all(rep["checks"]["device"].startswith("cuda:") for rep in reports), reports
-    assert all(rep["checks"]["gpu paths"] == with_cupy for rep in reports), reports
+    by_torch = not with_cupy or os.environ.get("PYRDMA_STAGING") == "torch"
+    staging = "TorchStagingBackend" if by_torch else "CupyStagingBackend"
+    assert all(rep["checks"]["staging"] == staging for rep in reports), reports
     assert len(reports[0]["checks"]) > 30
     _assert_workloads_ran(reports)
 

@@ -67,10 +67,11 @@ def check_pair(buf, out, what):
         raise UsageError(f"{what}: buf and out must both be CUDA arrays or both host arrays")
 
 
-def _copy_into(cp, dst_obj, src_obj, what):
-    """dst = src on the GPU (same bytes, same dtype), on the current stream."""
-    dbuf, dtype, _ = _describe(dst_obj, "out")
-    sbuf, stype, _ = _describe(src_obj, "buf")
+def _copy_into(dst_obj, src_obj, what, copy):
+    """dst = src on the GPU (same bytes, same dtype) by ``copy(dst, src)`` (DeviceBuffers), unless
+    they are the same memory."""
+    dbuf = device_buffer(dst_obj)
+    sbuf = device_buffer(src_obj)
     if (dbuf.dtype_name, dbuf.nbytes) != (sbuf.dtype_name, sbuf.nbytes):
         raise UsageError(f"{what}: out must match buf ({sbuf.nbytes} bytes of {sbuf.dtype_name}); "
                          f"it has {dbuf.nbytes} bytes of {dbuf.dtype_name}")
@@ -81,7 +82,14 @@ def _copy_into(cp, dst_obj, src_obj, what):
             # a copy between overlapping ranges races on the GPU (and the host path refuses it too)
             raise UsageError(f"{what}: out overlaps buf without being the same memory; pass out=None "
                              f"(in place), out=buf, or an out that does not overlap buf")
-        _cupy_view(cp, dst_obj, dbuf, dtype)[...] = _cupy_view(cp, src_obj, sbuf, stype)
+        copy(dbuf, sbuf)
+
+
+def _cupy_copy(cp, dst_obj, src_obj):
+    """A ``copy`` for _copy_into by CuPy, on its current stream."""
+    def copy(dbuf, sbuf):
+        _cupy_view(cp, dst_obj, dbuf, np.dtype(np.uint8))[...] = _cupy_view(cp, src_obj, sbuf, np.dtype(np.uint8))
+    return copy
 
 
 def producer_stream(stream, objs):
@@ -132,17 +140,20 @@ class StagedPipeline:
     def __init__(self, what, buf, out, dtype=None, stream=None, pipeline=None, download=True, upload=True):
         check_pair(buf, out, what)
         self.element, self.dtype = chunk_type(buf, dtype)
-        cp = import_cupy(f"{what} of a CUDA array")
+        self._pipeline = pipeline or default_pipeline()
+        backend = self._pipeline.backend
         sbuf = device_buffer(buf)
         self.result = buf if out is None else out
         if upload and device_buffer(self.result).readonly:
             raise UsageError(f"{what}: the GPU array is read-only; the result is written into it")
-        self._pipeline = pipeline or default_pipeline()
         self._stream = producer_stream(stream, (buf, out))
+        device = _device(backend, sbuf)
         if self.result is not buf:
-            with _on(cp, self._stream):
-                _copy_into(cp, out, buf, what)
-        self._ready = _mark(self._pipeline.backend, self._stream, _device(self._pipeline.backend, sbuf))
+            def copy(dbuf, sbuf):
+                with backend.device(device):
+                    backend.copy_d2d(dbuf.ptr, sbuf.ptr, sbuf.nbytes, backend.user_stream(self._stream))
+            _copy_into(out, buf, what, copy)
+        self._ready = _mark(backend, self._stream, device)
         self._download, self._upload = download, upload
 
     def chunks(self):
@@ -166,13 +177,13 @@ class StagedCall:
     writes all of it: copied up), "inout", or "" (neither: the call only checks it). Then, on the
     thread that runs the call: ``download()`` copies the inputs down once the caller's stream has
     produced them, and ``upload(result)`` the outputs up, and returns the result as the caller sees
-    it: a staged array's own CUDA array where the result is its twin, a new CuPy array where it is
-    a new host array (of the bits, as uint16, for a bfloat16 call). ``host_args``: the args with
+    it: a staged array's own CUDA array where the result is its twin, a new device array (CuPy's,
+    or torch's where torch stages) where it is a new host array (of the bits, as uint16, for a
+    bfloat16 call). ``host_args``: the args with
     the twins in place of the CUDA arrays; ``reduced_as``: "bfloat16" when a bfloat16 array was
     staged (its twin holds the bits as uint16, so a reduction must be told), else None."""
 
     def __init__(self, name, args, roles, stream=None, pipeline=None):
-        self.cp = import_cupy(f"{name} of a CUDA array")
         self.pipeline = pipeline or default_pipeline()
         backend = self.backend = self.pipeline.backend
         self.staged = []        # (CUDA array, DeviceBuffer, the twin passed to the call, role, GPU)
@@ -227,7 +238,7 @@ class StagedCall:
             if result is host:
                 return obj
         if isinstance(result, np.ndarray):
-            return self.cp.asarray(result)
+            return self.backend.device_array(result, self.staged[0][4])
         return result
 
 
@@ -349,7 +360,7 @@ def direct_allreduce_area(buf, out=None, op="sum", dtype=None, stream=None, nran
     area = DirectArea(cp, result, device_buffer(result), sdtype, op, stream, nranks)
     if out is not None:
         with area:
-            _copy_into(cp, out, buf, "allreduce")
+            _copy_into(out, buf, "allreduce", _cupy_copy(cp, out, buf))
     return area
 
 

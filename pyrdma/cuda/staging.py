@@ -17,12 +17,13 @@ stream-ordered like a CUDA library call; the host thread itself returns once the
 A run may skip the copies down (``download=False``: host_op overwrites every chunk, as a broadcast's
 receiver) or up (``upload=False``: the result is not needed here, as a reduce off its root).
 """
+import os
 import threading
 
 import numpy as np
 
-from pyrdma.errors import UsageError
-from pyrdma.cuda._driver import import_cupy
+from pyrdma.errors import RDMAError, UsageError
+from pyrdma.cuda._driver import cuda_driver, import_cupy
 from pyrdma.cuda.buffers import BIT_TWINS, device_buffer
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -83,6 +84,14 @@ class CupyStagingBackend:
     def copy_h2d(self, dev_ptr, host, nbytes, stream):
         self.rt.memcpyAsync(dev_ptr, host.ctypes.data, nbytes, self.rt.memcpyHostToDevice, stream.ptr)
 
+    def copy_d2d(self, dst_ptr, src_ptr, nbytes, stream):
+        self.rt.memcpyAsync(dst_ptr, src_ptr, nbytes, self.rt.memcpyDeviceToDevice, stream.ptr)
+
+    def device_array(self, host, device_id):
+        """A new CuPy array on GPU ``device_id`` holding ``host``'s values."""
+        with self.cp.cuda.Device(device_id):
+            return self.cp.asarray(host)
+
     def record(self, event, stream):
         event.record(stream)
 
@@ -94,6 +103,115 @@ class CupyStagingBackend:
 
     def synchronize_stream(self, stream):
         stream.synchronize()
+
+
+class _DeviceBytes:
+    """``nbytes`` of GPU memory at ``ptr``, exported by __cuda_array_interface__ (for torch.as_tensor)."""
+
+    def __init__(self, ptr, nbytes):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+class TorchStagingBackend:
+    """The CUDA side of the pipeline through PyTorch, for torch users without CuPy: torch's streams,
+    events and pinned memory, copies as tensors over the raw addresses (no CuPy anywhere)."""
+
+    def __init__(self):
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        if torch is None or not torch.cuda.is_available():
+            raise RDMAError("staging CUDA arrays through host memory needs CuPy (e.g. `pip install "
+                            "cupy-cuda12x`, pyrdma[cuda]) or PyTorch with CUDA; neither is usable here",
+                            call="import cupy")
+        self.torch = torch
+
+    def device_of(self, ptr):
+        return cuda_driver().pointer_info(ptr).device_ordinal
+
+    def device(self, device_id):
+        return self.torch.cuda.device(device_id)
+
+    def user_stream(self, stream):
+        cuda = self.torch.cuda
+        if stream is None:
+            return cuda.current_stream()
+        if isinstance(stream, cuda.Stream):
+            return stream
+        if hasattr(stream, "__cuda_stream__"):
+            handle = stream.__cuda_stream__()
+            handle = handle[1] if isinstance(handle, tuple) else handle
+        else:
+            handle = getattr(stream, "cuda_stream", getattr(stream, "ptr", stream))
+        if not isinstance(handle, int) or isinstance(handle, bool):
+            raise UsageError(f"cannot use {type(stream).__name__} as a CUDA stream; pass a torch.cuda.Stream, "
+                             f"an object with __cuda_stream__, or a cudaStream_t handle")
+        return cuda.ExternalStream(handle)
+
+    def new_stream(self):
+        return self.torch.cuda.Stream()
+
+    def new_event(self):
+        return self.torch.cuda.Event()
+
+    def alloc_host(self, nbytes):
+        # the numpy view keeps the pinned tensor (and so its memory) alive
+        return self.torch.empty(nbytes, dtype=self.torch.uint8, pin_memory=True).numpy()
+
+    def free_host(self, host):
+        pass
+
+    def _on_device(self, ptr, nbytes):
+        return self.torch.as_tensor(_DeviceBytes(ptr, nbytes))
+
+    def _copy(self, dst, src, stream):
+        with self.torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def copy_d2h(self, host, dev_ptr, nbytes, stream):
+        self._copy(self.torch.from_numpy(host[:nbytes]), self._on_device(dev_ptr, nbytes), stream)
+
+    def copy_h2d(self, dev_ptr, host, nbytes, stream):
+        self._copy(self._on_device(dev_ptr, nbytes), self.torch.from_numpy(host[:nbytes]), stream)
+
+    def copy_d2d(self, dst_ptr, src_ptr, nbytes, stream):
+        self._copy(self._on_device(dst_ptr, nbytes), self._on_device(src_ptr, nbytes), stream)
+
+    def device_array(self, host, device_id):
+        """A new torch tensor on GPU ``device_id`` holding ``host``'s values."""
+        return self.torch.from_numpy(np.ascontiguousarray(host)).to(f"cuda:{device_id}")
+
+    def record(self, event, stream):
+        event.record(stream)
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def synchronize(self, event):
+        event.synchronize()
+
+    def synchronize_stream(self, stream):
+        stream.synchronize()
+
+
+STAGING_BACKENDS = ("cupy", "torch")
+
+
+def staging_backend():
+    """The CUDA side of host staging: CuPy's where CuPy imports, else PyTorch's (a torch user needs
+    no CuPy). PYRDMA_STAGING=cupy or =torch asks for one."""
+    choice = os.environ.get("PYRDMA_STAGING", "").strip().lower()
+    if choice and choice not in STAGING_BACKENDS:
+        raise UsageError(f"PYRDMA_STAGING={choice!r}; use one of {', '.join(STAGING_BACKENDS)}")
+    if choice != "torch":
+        try:
+            return CupyStagingBackend()
+        except RDMAError:
+            if choice == "cupy":
+                raise
+    return TorchStagingBackend()
 
 
 class _DeviceResources:
@@ -125,7 +243,7 @@ class HostStagingPipeline:
 
     ``chunk_bytes`` per chunk (rounded down to whole items), ``depth`` pinned slots in flight
     (``depth`` x ``chunk_bytes`` of pinned memory per GPU, allocated on first use and reused).
-    ``backend`` defaults to CuPy. One run at a time per pipeline (a lock serialises callers).
+    ``backend`` defaults to staging_backend(): CuPy's, else PyTorch's. One run at a time per pipeline (a lock serialises callers).
     """
 
     def __init__(self, chunk_bytes=DEFAULT_CHUNK_BYTES, depth=DEFAULT_DEPTH, backend=None):
@@ -143,7 +261,7 @@ class HostStagingPipeline:
     @property
     def backend(self):
         if self._backend is None:
-            self._backend = CupyStagingBackend()
+            self._backend = staging_backend()
         return self._backend
 
     def host_slots(self, device_id=None):

@@ -22,6 +22,7 @@ import sys  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+import pyrdma.cuda  # noqa: E402
 import pyrdma.torch  # noqa: F401,E402 -- registers the backend
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -189,8 +190,8 @@ def main():
         checks["gid indices"] = sorted({link.qp.gid_index for link in comm.transport.links.values()})
     if host is not None:
         checks["host"] = host.name
-    if DEVICE.type == "cuda":       # CUDA tensors go to the Communicator's GPU paths (with CuPy)
-        checks["gpu paths"] = pyrdma.torch._gpu_paths()
+    if DEVICE.type == "cuda":       # CUDA tensors stage through CuPy's streams, or torch's without it
+        checks["staging"] = type(pyrdma.cuda.default_pipeline().backend).__name__
     if args.only == "all":
         collectives(gloo, rank, size, checks)
         t = phase("collectives", t)
