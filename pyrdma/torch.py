@@ -18,8 +18,8 @@ Sends and receives wait for the next other call (or a wait on one of them) and t
 one Communicator.batch.
 Contiguous tensors are used in place: CPU ones as numpy arrays, CUDA ones through the
 Communicator's GPU paths (staged through pinned host memory after torch's current stream, by CuPy,
-or by torch's own streams and pinned memory without CuPy). Non-contiguous ones go through a contiguous copy that is written
-back when the collective completes.
+or by torch's own streams and pinned memory without CuPy). Non-contiguous ones go through a
+contiguous copy that is written back when the collective completes.
 """
 import ipaddress
 import math
