@@ -277,18 +277,22 @@ def _backend_base():
 class ProcessGroupPyrdma(_backend_base()):
     """The backend: one pyrdma Communicator per process group."""
 
-    def __init__(self, store, rank, size, timeout):
+    def __init__(self, store, rank, size, timeout, comm=None):
+        """``comm``: a Communicator of this rank and size to run on instead of one made over
+        ``store`` (shutdown() closes it all the same)."""
         super().__init__(rank, size)
         transport = os.environ.get("PYRDMA_TRANSPORT", "auto")
         if transport not in TRANSPORTS:
             raise UsageError(f"PYRDMA_TRANSPORT={transport!r}; use one of {', '.join(TRANSPORTS)}")
+        if comm is not None and (comm.rank, comm.size) != (rank, size):
+            raise UsageError(f"the Communicator is rank {comm.rank} of {comm.size}, not {rank} of {size}")
         self._timeout = timeout
         self._group_name = self._group_desc = ""
         self._coalesced = None          # the Works issued since start_coalescing, else None
         self._p2p_pending = []          # sends and receives not yet issued: (kind, _Staged, peer, tag, Work)
         self._p2p_lock = threading.Lock()
-        self.comm = Communicator(exchange=StoreExchange(store, rank, size, timeout), transport=transport,
-                                 timeout=timeout.total_seconds())
+        self.comm = comm if comm is not None else Communicator(
+            exchange=StoreExchange(store, rank, size, timeout), transport=transport, timeout=timeout.total_seconds())
 
     def getBackendName(self):
         return BACKEND

@@ -1302,6 +1302,80 @@ def test_every_staged_call_gives_the_numpy_paths_result_on_a_fake_gpu():
         assert "must both be CUDA arrays" in got["errors"]["mixed pair"], got["errors"]
 
 
+def _torch_backend_on_a_fake_gpu(comm):
+    """A rank's torch backend collectives on torch tensors that say they are CUDA tensors (CPU
+    tensors whose ``device`` is cuda:0 and which export __cuda_array_interface__ over their memory),
+    through the backend's CUDA path and the Communicator's staging on the simulated GPU: values,
+    the tensors each Work gives back, and the bytes copied down and up."""
+    import datetime
+    import torch
+    import torch.distributed as dist
+    import pyrdma.torch as pt
+    from pyrdma.cuda import collectives as gc
+    backend = SimBackend()
+    pipe = gpu.HostStagingPipeline(4096, 2, backend=backend)
+    gc.default_pipeline = lambda: pipe            # a rank process of its own: nothing to restore
+
+    class FakeCudaTensor(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 0)
+
+        @property
+        def __cuda_array_interface__(self):
+            return {"shape": tuple(self.shape), "typestr": np.dtype(str(self.dtype).split(".")[1]).str,
+                    "data": (self.data_ptr(), False), "version": 3, "strides": None}
+
+    def fake(t):
+        return torch.Tensor._make_subclass(FakeCudaTensor, t)
+
+    def copied(call):
+        """(what the Work gave back, bytes copied down, bytes copied up)"""
+        before = len(backend.copies)
+        work = call()
+        work.wait()
+        moved = backend.copies[before:]
+        return work.result(), sum(b for d, b in moved if d == "d2h"), sum(b for d, b in moved if d == "h2d")
+    n, r = comm.size, comm.rank
+    pg = pt.ProcessGroupPyrdma(None, r, n, datetime.timedelta(seconds=30), comm=comm)
+    got = {}
+    x = fake(torch.arange(3000, dtype=torch.float32) * (r + 1))          # three staging chunks
+    res, down, up = copied(lambda: pg.allreduce([x], dist.AllreduceOptions()))
+    got["allreduce"] = (res[0] is x, x.sum().item(), down, up)
+    b = fake(torch.full((10,), float(r)))
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 1
+    res, down, up = copied(lambda: pg.broadcast([b], opts))
+    got["broadcast"] = (res[0] is b, b.tolist(), down, up)
+    src, out = fake(torch.arange(4 * n, dtype=torch.int64) + 100 * r), fake(torch.zeros(4 * n, dtype=torch.int64))
+    res, down, up = copied(lambda: pg.alltoall_base(out, src, [], [], dist.AllToAllOptions()))
+    got["alltoall"] = (res is out, out.tolist(), down, up)
+    inp, seg = fake(torch.ones(3 * n, dtype=torch.float64) * (r + 1)), fake(torch.zeros(3, dtype=torch.float64))
+    res, down, up = copied(lambda: pg._reduce_scatter_base(seg, inp, dist.ReduceScatterOptions()))
+    got["reduce_scatter"] = (res is seg, seg.tolist(), down, up)
+    mine, whole = fake(torch.full((2,), r, dtype=torch.int32)), fake(torch.zeros(2 * n, dtype=torch.int32))
+    res, down, up = copied(lambda: pg._allgather_base(whole, mine))
+    got["allgather"] = (res is whole, whole.tolist(), down, up)
+    return got
+
+
+def test_torch_backend_stages_cuda_tensors_on_a_fake_gpu():
+    from test_collectives_world import World
+    if not os.environ.get("PYRDMA_REQUIRE_TORCH"):
+        pytest.importorskip("torch")
+    with World(2, "tcp", timeout=30.0) as w:
+        results = w.run(_torch_backend_on_a_fake_gpu, timeout=120)
+    for r, got in enumerate(results):
+        # each Work gives back the caller's own tensors, which hold the result; what the call reads
+        # goes down, what it writes comes up, and nothing else
+        assert got["allreduce"] == (True, 3 * 3000 * 2999 / 2, 12000, 12000), got["allreduce"]
+        assert got["broadcast"] == (True, [1.0] * 10, 40 if r == 1 else 0, 0 if r == 1 else 40), got["broadcast"]
+        want = [100 * p + 4 * r + k for p in range(2) for k in range(4)]
+        assert got["alltoall"] == (True, want, 64, 64), got["alltoall"]
+        assert got["reduce_scatter"] == (True, [3.0] * 3, 48, 24), got["reduce_scatter"]
+        assert got["allgather"] == (True, [0, 0, 1, 1], 8, 16), got["allgather"]
+
+
 def test_pyrdma_cuda_does_not_import_the_collectives():
     """pyrdma.cuda gives the Communicator work areas and staging; the host calls come in as
     arguments, so the layering has one direction (a CUDA module importing the collectives back
