@@ -10,7 +10,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 
 import numpy as np
 import pytest
@@ -20,6 +19,7 @@ from pyrdma.collectives import Communicator, CostModel, MPIExchange, TCPStore, e
 from pyrdma import wire
 from pyrdma.testing import free_port
 from pyrdma.collectives import bootstrap, segment_bounds
+from pyrdma.collectives.work import HostMemory
 
 
 def in_threads(size, fn, timeout=60):
@@ -404,6 +404,15 @@ def test_cuda_arrays_take_the_staging_hook_or_get_a_clear_error():
                     call(FakeCuda())
 
 
+class _ConsumingHostArea(HostMemory):
+    """Host memory as a direct collective's work area whose received chunks go through Python with
+    its own ``reduce``, as a GPU work area's (pyrdma.cuda's DirectArea) do."""
+    consumes = True
+
+    def __init__(self, **attributes):
+        self.__dict__.update(attributes)
+
+
 def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
     # gpu_path "direct" runs the algorithms in place with reductions passed in (CUDA kernels on a
     # GPU); here the same machinery on host memory with the host reductions
@@ -425,15 +434,16 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
                 _reduce.divide_bytes(work, code, 3)
             for algorithm in ("ring", "recursive_doubling"):     # the latter runs as halving-doubling
                 y = x.copy()
-                area = types.SimpleNamespace(bytes=y.view(np.uint8), count=y.size, itemsize=4, code=code,
-                                             reduce=reduce, before=before, after=after)
+                area = _ConsumingHostArea(bytes=y.view(np.uint8), count=y.size, itemsize=4, code=code,
+                                          reduce=reduce, before=before, after=after)
                 del steps[:]
                 comm._allreduce_in_place(area, "avg", algorithm)
                 assert (y == np.arange(1001) * 2).all()              # (1 + 2 + 3) / 3
                 # one run, whole: before it the input, after it the result, in the caller's memory
                 assert steps == [("before", 4004), ("after", 4004)]
             b = np.arange(300, dtype=np.float64) if rank == 1 else np.zeros(300)
-            comm._broadcast_in_place(types.SimpleNamespace(bytes=b.view(np.uint8), dtype_name="float64"), 1, "auto")
+            comm._broadcast_in_place(_ConsumingHostArea(bytes=b.view(np.uint8), dtype_name="float64", reduce=None),
+                                     1, "auto")
             return bool((b == np.arange(300)).all())
     assert in_threads(3, rank_fn) == [True, True, True]
     with pytest.raises(pyrdma.UsageError, match="unknown gpu_path"):

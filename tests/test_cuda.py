@@ -1611,10 +1611,11 @@ class FakeGpuBytes:
 
 
 def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(monkeypatch):
-    # the GPU memory comes with its device (pyrdma.cuda's DirectArea): the transport registers and
+    # the GPU memory comes with its kind (pyrdma.cuda's DirectArea): the transport registers and
     # syncs through it, never importing pyrdma.cuda itself
     import types
     from pyrdma.collectives import transport as tr
+    from pyrdma.collectives.work import HOST
     from pyrdma.cuda import collectives as gcoll, registration
     registered, synced, closed = [], [], []
 
@@ -1629,18 +1630,18 @@ def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(
     stream = types.SimpleNamespace(synchronize=lambda: synced.append(1))
     device.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
     t = object.__new__(tr.RdmaTransport)       # just the state work_area touches
-    t.pd, t._user_mrs, t._gpu_sync = "pd", collections.OrderedDict(), None
+    t.pd, t._user_mrs, t._sync = "pd", collections.OrderedDict(), None
     t._own, t._own_mr = np.zeros(64, np.uint8), "own MR"        # buffer() goes back to it
     whole = FakeGpuBytes(0x7f0000010000, 8192)
-    with pytest.raises(rd.UsageError, match="needs its device"):
+    with pytest.raises(rd.UsageError, match="is not host memory; it needs its kind"):
         t.work_area(200, whole, 100)
     t.work_area(200, whole, 100, device)
     assert registered == [("pd", whole, 0)]              # local read only: it is sent from
     assert t._work_offset == 96 + 100 and t._work.nbytes == 200 and t._work_mr is not t._own_mr
-    t._gpu_sync()
+    t._sync()
     assert synced == [1]
     t.buffer(0)
-    assert t._gpu_sync is None and t._work_mr == "own MR"
+    assert t._sync is HOST.sync and t._work_mr == "own MR"
     t.work_area(8, whole[1024:2048], 8, device)        # inside the cached registration: no new one
     assert len(registered) == 1 and t._work_offset == 96 + 1024 + 8
     for i in range(tr.USER_MR_CACHE):                    # the cache keeps the most recent few

@@ -589,12 +589,11 @@ class Communicator:
         value = None
         for run in spec.runs:
             schedule = run.plan(t.max_message)
-            work = t.work_area(run.area, run.lend, run.start, device=run.device)
+            work = t.work_area(run.area, run.lend, run.start, run.kind)
             if run.fill is not None:
                 run.fill(work)
             t.set_tag(run.tag, run.recv_tag)
-            consume = None if run.reduce is None else consumer(work, None if run.reduce is specs.COPY_ONLY
-                                                               else run.reduce)
+            consume = consumer(work, run.kind.reduce, run.kind.write) if run.kind.consumes else None
             received = t.run(schedule, run.dtype, run.op, consume)
             if run.finish is not None:
                 value = run.finish(work, schedule, received)

@@ -26,6 +26,8 @@ that model flow control).
 """
 import numpy as np
 
+from pyrdma.collectives.work import HOST
+
 EXCHANGE, WAIT_SENDS, OFFER, FETCH = 0, 1, 2, 3
 NONE, COPY, REDUCE, REDUCE_LOWER, REDUCE_UPPER, COPY_UPTO = 0, 1, 2, 3, 4, 5
 STEP_COLUMNS, CHUNK_COLUMNS = 8, 3
@@ -226,22 +228,13 @@ def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume, m
             send_next()
 
 
-def store(work, off, data):
-    """work[off:off + len(data)] = data; into a GPU work area (CuPy) a host chunk is copied up."""
-    dst = work[off:off + data.nbytes]
-    if isinstance(work, np.ndarray) or not isinstance(data, np.ndarray):
-        dst[...] = data
-    else:
-        dst.set(data)
-
-
-def consumer(work, reduce):
-    """consume(kind, chunk, data) over a work area (numpy, or CuPy for GPU memory) with
-    ``reduce(dst, a, b)`` (dst = op(a, b) on uint8 views)."""
+def consumer(work, reduce, write=HOST.write):
+    """consume(kind, chunk, data) over a work area with ``reduce(dst, a, b)`` (dst = op(a, b) on
+    uint8 views), received chunks stored by its kind's ``write`` (work.HostMemory)."""
     def consume(kind, chunk, data):
         off, n, aux = chunk
         if kind == COPY:
-            store(work, off, data)
+            write(work[off:off + data.nbytes], data)
         elif kind == REDUCE:
             dst = work[off:off + n]
             reduce(dst, dst, data)

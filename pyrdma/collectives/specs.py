@@ -18,7 +18,7 @@ from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.transport import NO_ROOT, describe, describe_message
-from pyrdma.collectives.work import Avg, Operand, byte_bounds, in_and_out, plain_bytes
+from pyrdma.collectives.work import HOST, Avg, Operand, byte_bounds, in_and_out, plain_bytes
 from pyrdma.errors import UsageError
 
 OPS = ("sum", "prod", "min", "max", "avg")
@@ -30,22 +30,18 @@ class Run:
     ``plan(max_message)`` its Schedule, ``tag`` the description its messages carry (``recv_tag``
     the one they are received with, point-to-point), ``area`` the bytes of its work area (the
     transport's buffer, or ``lend[start:start + area]`` in place), ``fill(work)`` before it,
-    ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes. Lent
-    memory other than numpy's (GPU memory) comes with its ``device`` (transport.work_area); where
-    ``reduce`` is given, received chunks are consumed in Python (schedule.consumer: CUDA copies and
-    reductions) instead of in C."""
+    ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes.
+    ``kind``: the kind of the lent memory (work.HostMemory's protocol: HOST, or GPU memory's
+    DirectArea), which the transport registers, syncs, reads and writes it by, and which says
+    whether received chunks are consumed in Python (its ``reduce``) instead of in C."""
 
-    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "device",
-                 "reduce")
+    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "kind")
 
     def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None,
-                 device=None, reduce=None):
+                 kind=HOST):
         self.plan, self.tag, self.area, self.fill, self.finish = plan, tag, area, fill, finish
         self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
-        self.device, self.reduce = device, reduce
-
-
-COPY_ONLY = object()       # Run.reduce of a run that consumes in Python but only copies
+        self.kind = kind
 
 
 class Spec:
@@ -175,20 +171,15 @@ def allreduce(comm, buf, out, op, algorithm, dtype):
     return Spec(allreduce_runs(comm, src, dst, op, algorithm, Avg(op, src.code, comm.size)), lambda: dst.obj)
 
 
-def own_area_device(area):
-    """The ``device`` of a Run on a work area of its own: the area itself, unless numpy's memory."""
-    return None if isinstance(area.bytes, np.ndarray) else area
-
-
 def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
     """The runs of an allreduce of ``src`` into ``dst`` (work areas: ``bytes``, ``count``,
     ``itemsize``, ``code``), op="avg" scaled by ``avg.before``/``avg.after``. Host memory goes
     through the transport's buffer, or in place on dst where zero_copy; ``direct``: src is dst, a
-    work area of its own (see allreduce_direct), always in place, with its own reductions."""
+    work area of its own kind (see allreduce_direct), always in place, with its own reductions."""
     runs = []
-    kind = "allreduce-direct" if direct else "allreduce"
-    device = own_area_device(src) if direct else None
-    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm, kind, in_place=direct):
+    memory = src if direct else HOST
+    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm, "allreduce-direct" if direct else "allreduce",
+                                            in_place=direct):
         a, b = lo * src.itemsize, hi * src.itemsize
         in_place, work_bytes = (True, b - a) if direct else allreduce_work(comm, algo, b - a)
 
@@ -205,8 +196,7 @@ def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
         plan = functools.partial(algorithms.planner("allreduce", algo), comm.size, comm.rank, hi - lo,
                                  src.itemsize)
         runs.append(Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, op_code(op),
-                        lend=dst.bytes if in_place else None, start=a, device=device,
-                        reduce=src.reduce if direct else None))
+                        lend=dst.bytes if in_place else None, start=a, kind=memory))
     return runs
 
 
@@ -492,15 +482,15 @@ def p2p(comm, buf, dst, src, tag):
 def allreduce_direct(comm, area, op, algorithm):
     """allreduce in place on a work area that is not the transport's: ``area`` has the memory
     (``bytes``, a flat uint8 array that the transport sends from directly: GPU memory through
-    pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code``, its reductions ``reduce``, the
-    steps of op="avg" ``before(work)`` and ``after(work)`` (as Avg's) and, for memory other than
-    numpy's, ``register(pd, array)`` and ``sync()``."""
+    pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code``, the steps of op="avg"
+    ``before(work)`` and ``after(work)`` (as Avg's), and is the kind of its memory
+    (work.HostMemory's protocol, with its reductions ``reduce``)."""
     return Spec(allreduce_runs(comm, area, area, op, algorithm, area, direct=True))
 
 
 def broadcast_direct(comm, area, root, algorithm):
-    """broadcast of ``area.bytes`` (flat uint8, GPU memory included) from root, sent from directly."""
-    device = own_area_device(area)
+    """broadcast of ``area.bytes`` (flat uint8, GPU memory included; ``area`` is the kind of its
+    memory, as allreduce_direct's) from root, sent from directly."""
     runs = []
     for lo, hi in work_pieces(comm, area.bytes.nbytes, 1):
         algo = rooted_algorithm(comm, algorithm, hi - lo)
@@ -508,5 +498,5 @@ def broadcast_direct(comm, area, root, algorithm):
                                  root=root)
         tag = describe_call(comm, "broadcast-direct", dtype=dtype_field(area.dtype_name), count=area.bytes.nbytes,
                         root=root, lo=lo, hi=hi, algorithm=algo)
-        runs.append(Run(plan, tag, hi - lo, lend=area.bytes, start=lo, device=device, reduce=COPY_ONLY))
+        runs.append(Run(plan, tag, hi - lo, lend=area.bytes, start=lo, kind=area))
     return Spec(runs)

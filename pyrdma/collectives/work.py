@@ -9,6 +9,56 @@ from pyrdma.avg import scale_down, scale_down_bfloat16
 from pyrdma.errors import UsageError
 
 
+class HostMemory:
+    """The kind of a work area in host memory (numpy: the transport's own buffer, the caller's
+    arrays, pinned staging slots). A kind is all a transport and the engine know of a work area's
+    memory, so that neither asks what memory it is (gloo's workspace idea); the device kind is
+    pyrdma.cuda's DirectArea (GPU memory). A kind has:
+      ``address(view)``; ``access(view)``, the remote access a registration of it needs;
+      ``register(pd, view, access)`` -> (MemoryRegion, offset of view in it);
+      ``sync()``, which returns once what was written to it is there for the NIC to read;
+      ``read(view)``, its bytes as host memory (what a socket sends); ``write(view, data)``, host
+      bytes stored into it;
+      ``consumes``: whether received chunks go through Python (schedule.consumer, with ``reduce``,
+      None to copy only) rather than being reduced and copied in C on the memory itself."""
+
+    consumes = False
+    reduce = None
+
+    @staticmethod
+    def address(view):
+        if not isinstance(view, np.ndarray):
+            raise UsageError(f"work_area: lent memory of type {type(view).__name__} is not host memory; it "
+                             f"needs its kind (registration and sync: pyrdma.cuda's DirectArea for GPU memory)")
+        return view.__array_interface__["data"][0]
+
+    @staticmethod
+    def access(view):
+        import pyrdma
+        # a writable buffer may receive a rendezvous message: the peer writes it
+        return pyrdma.ACCESS_LOCAL_WRITE | pyrdma.ACCESS_REMOTE_WRITE if view.flags.writeable else 0
+
+    @staticmethod
+    def register(pd, view, access):
+        import pyrdma
+        return pyrdma.MemoryRegion(pd, view, access), 0
+
+    @staticmethod
+    def sync():
+        pass
+
+    @staticmethod
+    def read(view):
+        return view
+
+    @staticmethod
+    def write(view, data):
+        view[...] = data
+
+
+HOST = HostMemory()
+
+
 class Operand:
     """A user buffer as a flat C-contiguous numpy view (never a copy), with its reduction dtype."""
 

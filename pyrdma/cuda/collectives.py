@@ -296,11 +296,15 @@ class DirectArea:
     """A CUDA array as the work area of a direct collective (gloo's workspace parameter), with what
     the host's work areas have: the memory (``bytes``, flat CuPy uint8), its elements (``count``,
     ``itemsize``, ``code``), the steps of op="avg" over ``nranks`` (``before(work)``: floating
-    point scaled by 1/n; ``after(work)``: integers divided by n), and the reduction as a CUDA
-    kernel (``reduce``); then how the transport registers it for RDMA (``register``) and makes
+    point scaled by 1/n; ``after(work)``: integers divided by n); and the device kind of work-area
+    memory (pyrdma.collectives.work.HostMemory's protocol): received chunks go through Python
+    (``consumes``), reduced by a CUDA kernel (``reduce``), stored and read by copies to and from
+    the host (``write``, ``read``); the transport registers it for RDMA (``register``) and makes
     sure the stream's writes are done before the NIC reads it (``sync``). The Communicator runs
     its one algorithm path on it inside ``with area:`` (the stream); nothing here calls into the
     Communicator."""
+
+    consumes = True
 
     def __init__(self, cp, obj, buf, dtype, op, stream, nranks=1):
         from pyrdma import _reduce
@@ -335,14 +339,34 @@ class DirectArea:
         finally:
             self._stream.__exit__(*exc)
 
-    def register(self, pd, whole):
+    @staticmethod
+    def address(view):
+        return view.data.ptr
+
+    @staticmethod
+    def access(view):
+        return 0        # local read: only sent from (received chunks land in the transport's slots)
+
+    @staticmethod
+    def register(pd, whole, access=0):
         """(MemoryRegion, offset of ``whole`` in it): a dma-buf registration covers whole pages."""
         from pyrdma.cuda.registration import gpu_array_offset, register_gpu_array
-        mr = register_gpu_array(pd, whole, 0)       # local read: only sent from
+        mr = register_gpu_array(pd, whole, access)
         return mr, gpu_array_offset(mr, whole)
 
     def sync(self):
         self.cp.cuda.get_current_stream().synchronize()
+
+    @staticmethod
+    def read(view):
+        return view.get()           # copied out in stream order
+
+    @staticmethod
+    def write(view, data):
+        if isinstance(data, np.ndarray):
+            view.set(data)          # a host chunk is copied up
+        else:
+            view[...] = data
 
 
 def direct_allreduce_area(buf, out=None, op="sum", dtype=None, stream=None, nranks=1):

@@ -3,9 +3,11 @@
 A transport executes schedules (schedule.py); it never knows the algorithm.
 
     t.rank, t.size, t.max_message        who we are; the largest message in bytes
-    t.work_area(nbytes, lend=None, start=0) -> the work area of the next collective: the
+    t.work_area(nbytes, lend=None, start=0, kind=HOST) -> the work area of the next collective: the
                                          transport's own buffer, or lend[start:start+nbytes] in
-                                         place (zero copy; registered once over RDMA)
+                                         place (zero copy; registered once over RDMA), memory of
+                                         ``kind`` (work.HostMemory: how to register, sync, read,
+                                         write it, and whether chunks are consumed in Python)
     t.buffer(nbytes) -> uint8 array      work_area(nbytes): the own buffer (registered once,
                                          reused; grows on demand), never memory lent before
     t.set_tag(desc)                      the description of the collective now running (describe();

@@ -8,6 +8,7 @@ from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, DEFAU
                                                PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _OwnBuffer,
                                                _malformed, _Waits, abort_error, check_header, closed_error,
                                                describe)
+from pyrdma.collectives.work import HOST
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
 _CTRL_QUERY, _CTRL_REPORT = 0, 1
@@ -140,7 +141,7 @@ class RdmaTransport(_OwnBuffer, _Waits):
         self._own_mr = self._own = None
         self._work_mr = self._work = None
         self._work_offset = 0          # where the work area starts in _work_mr
-        self._gpu_sync = None          # set while the work area is GPU memory
+        self._sync = HOST.sync         # the work area's kind's: before the NIC reads it
         # Callers' buffers registered by work_area, most recent last. Each MR keeps its buffer
         # alive, so its address range cannot be freed and handed to other memory while cached.
         self._user_mrs = collections.OrderedDict()
@@ -199,29 +200,22 @@ class RdmaTransport(_OwnBuffer, _Waits):
     def rendezvous_bytes(self, nbytes):
         self.engine.rendezvous_bytes = nbytes
 
-    def work_area(self, nbytes, lend=None, start=0, device=None):
-        """The work area of the next collective: ``lend[start:start + nbytes]`` in place (a
-        C-contiguous uint8 array: sends go straight from it), else this transport's own registered
-        buffer of at least ``nbytes``. A lent array is registered on first use and stays registered
-        (and alive) among the USER_MR_CACHE most recent, so calls on the same memory pay nothing.
-        Memory other than a numpy array (GPU memory) comes with its ``device``: an object with
-        ``register(pd, array) -> (MemoryRegion, offset of array in it)`` and ``sync()``, which
-        returns once what was written to the memory is there for the NIC to read (a CuPy array
-        has ``.data.ptr``; pyrdma.cuda.collectives.DirectArea is such a device)."""
+    def work_area(self, nbytes, lend=None, start=0, kind=HOST):
+        """The work area of the next collective: ``lend[start:start + nbytes]`` in place (a flat
+        uint8 array: sends go straight from it), else this transport's own registered buffer of at
+        least ``nbytes``. A lent array is registered (by its ``kind``, work.HostMemory's protocol)
+        on first use and stays registered (and alive) among the USER_MR_CACHE most recent, so
+        calls on the same memory pay nothing."""
         if lend is None:
             self._work_mr = self.own_region(nbytes)
             self._work, self._work_offset = self._own, 0
-            self._gpu_sync = None
+            self._sync = HOST.sync
             return self._work
-        on_gpu = not isinstance(lend, np.ndarray)
-        if on_gpu and device is None:
-            raise UsageError(f"work_area: lent memory of type {type(lend).__name__} needs its device "
-                             f"(registration and sync)")
-        mr, base = self.registration(lend, device)
+        mr, base = self.registration(lend, kind)
         self._work = lend[start:start + nbytes]
         self._work_mr, self._work_offset = mr, base + start
         # the NIC reads GPU memory behind CUDA's back: what the stream wrote there must be done first
-        self._gpu_sync = device.sync if on_gpu else None
+        self._sync = kind.sync
         return self._work
 
     def own_region(self, nbytes):
@@ -237,22 +231,17 @@ class RdmaTransport(_OwnBuffer, _Waits):
             self._own = self._own_mr.array()
         return self._own_mr
 
-    def registration(self, lend, device=None):
-        """(MemoryRegion, offset of ``lend`` in it) of a lent array (host memory, or GPU memory
-        with its ``device``), from the cache of the USER_MR_CACHE most recent registrations."""
-        on_gpu = not isinstance(lend, np.ndarray)
-        addr = lend.data.ptr if on_gpu else lend.__array_interface__["data"][0]
+    def registration(self, lend, kind=HOST):
+        """(MemoryRegion, offset of ``lend`` in it) of a lent array of memory of ``kind``, from the
+        cache of the USER_MR_CACHE most recent registrations."""
+        addr = kind.address(lend)
         size = lend.nbytes
-        # writable host memory may receive a rendezvous message: the peer writes it
-        access = 0 if on_gpu or not lend.flags.writeable else self.rd.ACCESS_LOCAL_WRITE | self.rd.ACCESS_REMOTE_WRITE
+        access = kind.access(lend)
         for (key_addr, key_len), (mr, key_offset) in self._user_mrs.items():
             if key_addr <= addr and addr + size <= key_addr + key_len and (not access or mr.access & access == access):
                 self._user_mrs.move_to_end((key_addr, key_len))
                 return mr, key_offset + addr - key_addr
-        if on_gpu:
-            mr, base = device.register(self.pd, lend)
-        else:
-            mr, base = self.rd.MemoryRegion(self.pd, lend, access), 0
+        mr, base = kind.register(self.pd, lend, access)
         stale = self._user_mrs.pop((addr, size), None)     # registered before without remote write
         if stale is not None:
             stale[0].close()
@@ -268,10 +257,10 @@ class RdmaTransport(_OwnBuffer, _Waits):
     def run(self, schedule, dtype=0, op=0, consume=None):
         """Execute ``schedule`` (schedule.Schedule) on the work area in the C engine: one call,
         without the GIL. ``dtype``/``op``: pyrdma._reduce codes; ``consume(kind, chunk, data)``:
-        the consumer of received chunks for a GPU work area (None: host memory, reduced in C).
+        the consumer of received chunks where the work area's kind consumes in Python (GPU memory;
+        None: reduced and copied in C).
         Returns the length of the point-to-point message it received (None if none)."""
-        if self._gpu_sync is not None:
-            self._gpu_sync()
+        self._sync()
         callback = None if consume is None else _slot_consumer(consume, self.slot_array)
         if self.failure is None:
             failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,

@@ -16,6 +16,7 @@ from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_DATA, _REASONS
                                                NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _OwnBuffer,
                                                _malformed, _Waits, abort_error, check_header, describe,
                                                too_long_error)
+from pyrdma.collectives.work import HOST
 from pyrdma.errors import PeerError, UsageError, WireFormatError
 
 _HELLO = struct.Struct("!8sBxxxii16s")       # magic, version, rank, world size, the listener's token
@@ -85,6 +86,7 @@ class TcpTransport(_OwnBuffer, _Waits):
         self.queries = {}                    # peer -> epoch of its unanswered QUERY (answered by _step)
         self.socks = {}                      # peer -> socket, while connecting
         self._own = self._work = None
+        self._kind = HOST
         self.buffer(0)
         host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
         try:      # listen only where the peers are told to connect
@@ -164,14 +166,15 @@ class TcpTransport(_OwnBuffer, _Waits):
 
     # ---- the interface ------------------------------------------------------------------------
 
-    def work_area(self, nbytes, lend=None, start=0, device=None):
-        """``lend[start:start + nbytes]`` in place, else this transport's own buffer (>= nbytes)."""
+    def work_area(self, nbytes, lend=None, start=0, kind=HOST):
+        """``lend[start:start + nbytes]`` in place (memory of ``kind``, work.HostMemory's protocol),
+        else this transport's own buffer (>= nbytes)."""
         if lend is None:
             if self._own is None or self._own.nbytes < nbytes:
                 self._own = np.empty(_grow(nbytes), np.uint8)
-            self._work = self._own
+            self._work, self._kind = self._own, HOST
         else:
-            self._work = lend[start:start + nbytes]
+            self._work, self._kind = lend[start:start + nbytes], kind
         return self._work
 
     def set_tag(self, desc, recv_desc=None):
@@ -194,9 +197,7 @@ class TcpTransport(_OwnBuffer, _Waits):
         if self.failure is not None:
             raise self.failure
         header = _FRAME.pack(_KIND_DATA, 0, nbytes) + self._desc
-        chunk = self._work[offset:offset + nbytes]
-        if not isinstance(chunk, np.ndarray):
-            chunk = chunk.get()          # a GPU work area (CuPy): copied out in stream order
+        chunk = self._kind.read(self._work[offset:offset + nbytes])
         if nbytes <= 65536:
             self._send_bytes(peer, header + chunk.tobytes())
         else:
