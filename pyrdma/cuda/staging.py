@@ -42,7 +42,24 @@ def chunk_spans(nbytes, chunk_bytes, itemsize=1):
     return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
 
 
-class CupyStagingBackend:
+class _StreamsAndEvents:
+    """The stream and event calls of a staging backend whose streams and events have CuPy's (and
+    torch's, which are alike) methods."""
+
+    def record(self, event, stream):
+        event.record(stream)
+
+    def wait(self, stream, event):
+        stream.wait_event(event)
+
+    def synchronize(self, event):
+        event.synchronize()
+
+    def synchronize_stream(self, stream):
+        stream.synchronize()
+
+
+class CupyStagingBackend(_StreamsAndEvents):
     """The CUDA side of the pipeline, through CuPy: streams, events, async copies, pinned memory.
 
     Host slots are numpy views of pinned (cudaHostAlloc) memory: stable addresses a host collective
@@ -92,18 +109,6 @@ class CupyStagingBackend:
         with self.cp.cuda.Device(device_id):
             return self.cp.asarray(host)
 
-    def record(self, event, stream):
-        event.record(stream)
-
-    def wait(self, stream, event):
-        stream.wait_event(event)
-
-    def synchronize(self, event):
-        event.synchronize()
-
-    def synchronize_stream(self, stream):
-        stream.synchronize()
-
 
 class _DeviceBytes:
     """``nbytes`` of GPU memory at ``ptr``, exported by __cuda_array_interface__ (for torch.as_tensor)."""
@@ -113,7 +118,7 @@ class _DeviceBytes:
                                          "version": 3, "strides": None}
 
 
-class TorchStagingBackend:
+class TorchStagingBackend(_StreamsAndEvents):
     """The CUDA side of the pipeline through PyTorch, for torch users without CuPy: torch's streams,
     events and pinned memory, copies as tensors over the raw addresses (no CuPy anywhere)."""
 
@@ -182,18 +187,6 @@ class TorchStagingBackend:
     def device_array(self, host, device_id):
         """A new torch tensor on GPU ``device_id`` holding ``host``'s values."""
         return self.torch.from_numpy(np.ascontiguousarray(host)).to(f"cuda:{device_id}")
-
-    def record(self, event, stream):
-        event.record(stream)
-
-    def wait(self, stream, event):
-        stream.wait_event(event)
-
-    def synchronize(self, event):
-        event.synchronize()
-
-    def synchronize_stream(self, stream):
-        stream.synchronize()
 
 
 STAGING_BACKENDS = ("cupy", "torch")
