@@ -1,3 +1,4 @@
+from libc.stdint cimport uint32_t
 from pyrdma._verbs.libibverbs cimport ibv_send_wr, ibv_recv_wr, ibv_sge
 from pyrdma._verbs.mr cimport MemoryRegion
 from pyrdma._verbs.ah cimport AddressHandle
@@ -38,3 +39,4 @@ cdef class RecvWRList:
     cdef int _link(self, int count) except -1
 
 cdef int fill_sge(ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset, Py_ssize_t length) except -1
+cdef uint32_t imm_data_be(imm) except? 0

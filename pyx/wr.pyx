@@ -47,6 +47,13 @@ cdef inline uint32_t htonl(uint32_t x) noexcept nogil:
     return ((x & 0xff) << 24) | ((x & 0xff00) << 8) | ((x >> 8) & 0xff00) | (x >> 24)
 
 
+cdef uint32_t imm_data_be(imm) except? 0:
+    """``imm`` as a work request's immediate data: 32 bits, in network byte order."""
+    if not 0 <= imm <= 0xFFFFFFFF:
+        raise UsageError(f"imm {imm} does not fit in 32 bits")
+    return htonl(<uint32_t>imm)
+
+
 cdef int fill_sge(ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset, Py_ssize_t length) except -1:
     """Point ``sge`` at [offset, offset+length) of ``mr``, refusing anything outside the region."""
     if mr.mr == NULL:
