@@ -17,7 +17,7 @@ HEADER_DIRS = ["/usr/include", "/usr/local/include"]
 
 # Low-level modules, one per verbs object (cm: rdma_cm; loader: the libraries themselves):
 # pyx/<name>.pyx -> pyrdma._verbs.<name>
-VERBS_MODULES = ["base", "loader", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp", "cm"]
+VERBS_MODULES = ["base", "loader", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp", "qpex", "cm"]
 # Other compiled modules: pyx/<name>.pyx -> pyrdma.<name>
 OTHER_MODULES = {"reduce": "pyrdma._reduce", "engine": "pyrdma._engine", "hostcalls": "pyrdma._hostcalls"}
 # Linked into every module: the entry points of libibverbs and librdmacm, opened at run time (a module

@@ -32,7 +32,8 @@ from pyrdma._verbs.ah import AddressHandle
 from pyrdma._verbs.mw import MemoryWindow, MWType, MW_TYPE_1, MW_TYPE_2
 from pyrdma._verbs.qp import (QueuePair, qp_state_name, QPT_RC, QPT_UC, QPT_UD, QPS_RESET, QPS_INIT,
                               QPS_RTR, QPS_RTS, QPS_SQD, QPS_SQE, QPS_ERR, DEFAULT_QKEY, UD_GRH_BYTES, QPType,
-                              QPState, SendOps)
+                              QPState)
+from pyrdma._verbs.qpex import QueuePairEx, SendOps
 from pyrdma._verbs.cm import CMEventChannel, CMID, CMEvent, CMEventType, PortSpace
 from pyrdma.connect import Connection, accept, connect
 

@@ -21,10 +21,8 @@ Communicator's GPU paths (staged through pinned host memory after torch's curren
 or by torch's own streams and pinned memory without CuPy). Non-contiguous ones go through a
 contiguous copy that is written back when the collective completes.
 """
-import ipaddress
 import math
 import os
-import socket
 import threading
 import time
 
@@ -38,72 +36,15 @@ except ImportError as _exc:
     raise ImportError(f"pyrdma.torch needs PyTorch with torch.distributed (pip install 'pyrdma[torch]'): "
                       f"{_exc}") from _exc
 
+from pyrdma.collectives.bootstrap import StoreExchange, advertise_host  # noqa: F401 - advertise_host: this module's name too
 from pyrdma.collectives.communicator import Communicator, TRANSPORTS
-from pyrdma.errors import PeerError, RDMATimeoutError, UsageError
+from pyrdma.errors import PeerError, UsageError
 
 BACKEND = "pyrdma"
 
 _OPS = {"SUM": "sum", "AVG": "avg", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
 _DTYPES = {torch.int8: None, torch.uint8: None, torch.int32: None, torch.int64: None, torch.float16: None,
            torch.float32: None, torch.float64: None, torch.bfloat16: "bfloat16"}
-
-
-class StoreExchange:
-    """The Communicator's rendezvous (``allgather(bytes) -> [bytes]``) through a c10d Store: each
-    round, every rank sets its key and waits for the others' until ``timeout``."""
-
-    def __init__(self, store, rank, size, timeout, environ=None):
-        self.store, self.rank, self.size = store, rank, size
-        self.timeout = timeout
-        self.advertise_host = advertise_host(os.environ if environ is None else environ)
-        self._round = 0
-
-    def _key(self, rnd, rank):
-        return f"pyrdma/{rnd}/{rank}"
-
-    def allgather(self, record):
-        rnd = self._round
-        self._round += 1
-        self.store.set(self._key(rnd, self.rank), bytes(record))
-        keys = [self._key(rnd, r) for r in range(self.size)]
-        try:
-            self.store.wait(keys, self.timeout)
-        except RuntimeError as exc:     # torch's DistStoreError (a timeout) or a lost store
-            missing = [r for r, k in enumerate(keys) if not self._has(k)]
-            raise RDMATimeoutError(f"rank {self.rank}: ranks {missing} did not join the pyrdma rendezvous within "
-                                   f"{self.timeout.total_seconds():g} s ({exc})", call="init_process_group") from None
-        return [bytes(self.store.get(k)) for k in keys]
-
-    def _has(self, key):
-        try:
-            return self.store.check([key])
-        except RuntimeError:
-            return False
-
-    def barrier(self):
-        self.allgather(b"")
-
-    def close(self):
-        pass
-
-
-def advertise_host(environ):
-    """Where this rank's TCP transport listens: PYRDMA_TCP_HOST, else the local address that routes
-    to MASTER_ADDR (loopback when MASTER_ADDR is loopback or unset)."""
-    if environ.get("PYRDMA_TCP_HOST"):
-        return environ["PYRDMA_TCP_HOST"]
-    master = environ.get("MASTER_ADDR")
-    if not master:
-        return "127.0.0.1"
-    try:
-        ip = socket.getaddrinfo(master, None, socket.AF_INET)[0][4][0]
-        if ipaddress.ip_address(ip).is_loopback:
-            return "127.0.0.1"
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((ip, 9))           # no packet is sent: this only asks the routing table
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 def _host_array(t):

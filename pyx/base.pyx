@@ -51,6 +51,11 @@ cdef class VerbsObject:
         self._parents = []
         return 0
 
+    # Each subclass writes out its own creation (adopt, the one C call, release; on NULL _abandon and
+    # raise) and _destroy (the one C call on its handle, the handle NULLed, raise on failure): the
+    # same shape in pd.pyx, cq.pyx, srq.pyx, ah.pyx, mw.pyx, mr.pyx and qp.pyx, kept as many copies
+    # on purpose. A shared one would take the handle as void * and the call as a function pointer,
+    # and the line a reader looks for, which verbs call makes or destroys this object, would be gone.
     cdef int _destroy(self) except -1:
         return 0
 

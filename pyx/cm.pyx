@@ -563,14 +563,7 @@ cdef class CMID(VerbsObject):
         cdef rdma_conn_param p
         cdef bytes data = _private(private_data, 56 if self.ps == RDMA_PS_TCP else 180)
         cdef int rc, err = 0
-        _check_conn(responder_resources, initiator_depth, retry_count, rnr_retry_count)
-        memset(&p, 0, sizeof(p))
-        p.private_data = <const char *>data if data else NULL
-        p.private_data_len = len(data)
-        p.responder_resources = responder_resources
-        p.initiator_depth = initiator_depth
-        p.retry_count = retry_count
-        p.rnr_retry_count = rnr_retry_count
+        _conn_param(&p, data, responder_resources, initiator_depth, retry_count, rnr_retry_count)
         use(self)
         with nogil:
             rc = rdma_connect(self.id, &p)
@@ -588,14 +581,7 @@ cdef class CMID(VerbsObject):
         cdef bytes data = _private(private_data, 196 if self.ps == RDMA_PS_TCP else 136)
         cdef int rc, err = 0
         self._check_open()
-        _check_conn(responder_resources, initiator_depth, retry_count, rnr_retry_count)
-        memset(&p, 0, sizeof(p))
-        p.private_data = <const char *>data if data else NULL
-        p.private_data_len = len(data)
-        p.responder_resources = responder_resources
-        p.initiator_depth = initiator_depth
-        p.retry_count = retry_count
-        p.rnr_retry_count = rnr_retry_count
+        _conn_param(&p, data, responder_resources, initiator_depth, retry_count, rnr_retry_count)
         if self.id.qp != NULL:
             p.qp_num = self.id.qp.qp_num
         use(self)
@@ -633,13 +619,22 @@ cdef class CMID(VerbsObject):
         self._call(rc, err, "rdma_disconnect")
 
 
-cdef int _check_conn(int responder_resources, int initiator_depth, int retry_count,
-                     int rnr_retry_count) except -1:
+cdef int _conn_param(rdma_conn_param *p, bytes data, int responder_resources, int initiator_depth,
+                     int retry_count, int rnr_retry_count) except -1:
+    """Fill ``p`` for rdma_connect / rdma_accept, refusing values its narrow fields would cut. It
+    points into ``data``: the caller keeps that until the call."""
     for name, value, hi in (("responder_resources", responder_resources, 255),
                             ("initiator_depth", initiator_depth, 255), ("retry_count", retry_count, 7),
                             ("rnr_retry_count", rnr_retry_count, 7)):
         if not 0 <= value <= hi:
             raise UsageError(f"{name} must be within 0..{hi}, got {value}")
+    memset(p, 0, sizeof(p[0]))
+    p.private_data = <const char *>data if data else NULL
+    p.private_data_len = len(data)
+    p.responder_resources = responder_resources
+    p.initiator_depth = initiator_depth
+    p.retry_count = retry_count
+    p.rnr_retry_count = rnr_retry_count
     return 0
 
 

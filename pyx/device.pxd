@@ -1,5 +1,5 @@
 from pyrdma._verbs.base cimport VerbsObject
-from pyrdma._verbs.libibverbs cimport ibv_context, ibv_async_event
+from pyrdma._verbs.libibverbs cimport ibv_context, ibv_async_event, ibv_pd
 
 cdef class Context(VerbsObject):
     cdef ibv_context *ctx
@@ -13,3 +13,4 @@ cdef class Context(VerbsObject):
     cdef object _take_event(self, ibv_async_event *ev)
 
 cdef Context borrow_context(ibv_context *ctx)
+cdef bint reg_dmabuf_mr_works(ibv_pd *pd) noexcept

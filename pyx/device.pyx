@@ -2,11 +2,11 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memset
-from libc.errno cimport errno, ENOSYS, EOPNOTSUPP
+from libc.errno cimport errno, EBADF, ENOSYS, EOPNOTSUPP
 from posix.fcntl cimport fcntl, F_GETFL, F_SETFL, O_NONBLOCK
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, refuse, use, unuse, monotonic_now, wait_fd, wait_seconds
-from pyrdma._verbs.loader cimport require_library, require_entry_point, PYRDMA_DL_VERBS
+from pyrdma._verbs.loader cimport require_library, require_entry_point, pyrdma_dl_has, PYRDMA_DL_VERBS
 import enum
 import ipaddress
 import os
@@ -438,11 +438,30 @@ cdef class Context(VerbsObject):
                           ud=ops(a.odp_caps.per_transport_caps.ud_odp_caps))
 
     def dmabuf_supported(self):
-        """Probe once, as NCCL does, whether ibv_reg_dmabuf_mr is implemented (needs a PD)."""
-        from pyrdma._verbs.pd import ProtectionDomain
-        from pyrdma._verbs.mr import probe_dmabuf
-        with ProtectionDomain(self) as pd:
-            return probe_dmabuf(pd)
+        """Probe once, as NCCL does, whether ibv_reg_dmabuf_mr is implemented (on a PD of its own)."""
+        cdef ibv_pd *pd
+        cdef bint works
+        # A bare ibv_pd, not a ProtectionDomain: device.pyx is below pd.pyx and mr.pyx and imports
+        # neither. The calls hold the GIL, so nothing closes the context under them.
+        self._check_open()
+        pd = ibv_alloc_pd(self.ctx)
+        if pd == NULL:
+            raise_errno("ibv_alloc_pd", errno, repr(self))
+        works = reg_dmabuf_mr_works(pd)
+        ibv_dealloc_pd(pd)
+        return works
+
+
+cdef bint reg_dmabuf_mr_works(ibv_pd *pd) noexcept:
+    """Whether the provider implements ibv_reg_dmabuf_mr: given fd -1 it fails with EBADF."""
+    cdef ibv_mr *mr
+    if not pyrdma_dl_has("ibv_reg_dmabuf_mr", NULL):    # rdma-core before IBVERBS_1.12
+        return False
+    mr = ibv_reg_dmabuf_mr(pd, 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE)
+    if mr != NULL:
+        ibv_dereg_mr(mr)
+        return True
+    return errno == EBADF
 
 
 cdef Context borrow_context(ibv_context *ctx):

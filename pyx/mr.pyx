@@ -2,13 +2,14 @@
 cimport cython
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_C_CONTIGUOUS,
                              PyBUF_WRITABLE, PyBUF_SIMPLE, PyBUF_ANY_CONTIGUOUS)
-from libc.errno cimport errno, EBADF
+from libc.errno cimport errno
 from libc.stdint cimport uintptr_t, uint64_t
 import enum
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release
-from pyrdma._verbs.loader cimport require_entry_point, pyrdma_dl_has, PYRDMA_DL_VERBS
+from pyrdma._verbs.loader cimport require_entry_point, PYRDMA_DL_VERBS
 from pyrdma._verbs.pd cimport ProtectionDomain
+from pyrdma._verbs.device cimport reg_dmabuf_mr_works
 import numpy as np
 
 cdef extern from "Python.h":
@@ -225,13 +226,6 @@ cdef _explain_buffer_error(buf, int access, exc):
 
 
 def probe_dmabuf(ProtectionDomain pd not None):
-    """True when the provider implements ibv_reg_dmabuf_mr: with fd -1 it fails with EBADF."""
-    cdef ibv_mr *mr
+    """True when the provider implements ibv_reg_dmabuf_mr (Context.dmabuf_supported on a given PD)."""
     pd._check_open()     # the call below holds the GIL, so pd cannot be closed under it
-    if not pyrdma_dl_has("ibv_reg_dmabuf_mr", NULL):    # rdma-core before IBVERBS_1.12
-        return False
-    mr = ibv_reg_dmabuf_mr(pd.pd, 0, 4096, 0, -1, IBV_ACCESS_LOCAL_WRITE)
-    if mr != NULL:
-        ibv_dereg_mr(mr)
-        return True
-    return errno == EBADF
+    return reg_dmabuf_mr_works(pd.pd)

@@ -2,7 +2,7 @@ from pyrdma._verbs.base cimport VerbsObject
 from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.srq cimport SharedReceiveQueue
-from pyrdma._verbs.libibverbs cimport ibv_qp, ibv_qp_ex, ibv_send_wr, ibv_recv_wr, ibv_qp_attr, ibv_sge
+from pyrdma._verbs.libibverbs cimport ibv_qp, ibv_qp_init_attr, ibv_send_wr, ibv_recv_wr, ibv_qp_attr, ibv_sge
 from pyrdma._verbs.mr cimport MemoryRegion
 from pyrdma._verbs.wr cimport SendWR
 
@@ -21,19 +21,12 @@ cdef class QueuePair(VerbsObject):
     cdef readonly dict cap
     cdef readonly object remote
     cdef int _state
-    # the extended post API (send_ops=...): the batch between wr_start() and wr_complete()
-    cdef ibv_qp_ex *qpx
-    cdef readonly unsigned long long send_ops
-    cdef bint _wr_open
-    cdef bint _wr_needs_data
-    cdef bint _wr_needs_addr    # UD: the last operation has no wr_set_ud_addr yet
-    cdef bint _wr_inline        # the last operation was flagged SEND_INLINE: its data comes inline
-    cdef list _wr_keep
-    cdef int _wr_op(self, unsigned long long op, void *fn, str name, unsigned long long wr_id, unsigned int flags, bint data) except -1
-    cdef int _wr_data(self, void *fn, str name) except -1
     # A QP that librdmacm created on a CM id (rdma_create_qp): destroyed through _cm_destroy_qp(_cm_id)
     cdef void *_cm_id
     cdef void (*_cm_destroy_qp)(void *cm_id) noexcept nogil
+    cdef ibv_qp *_create(self, ProtectionDomain pd, ibv_qp_init_attr *attr) noexcept
+    cdef int _create_failed(self, int err, str what) except -1
+    cdef int _require_rts(self, str what) except -1
     cdef int _post_send(self, ibv_send_wr *wr, list ahs=*) except -1
     cdef int _post_recv(self, ibv_recv_wr *wr) except -1
     cdef int _post_send_ahs(self, ibv_send_wr *chain, list owners) except -1

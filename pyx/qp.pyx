@@ -4,19 +4,16 @@ from libc.errno cimport errno
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset, memcpy
 from libc.stdint cimport uint32_t, uint64_t
-import contextlib
 import enum
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport VerbsObject, raise_errno, adopt, release, use, unuse, refuse
-from pyrdma._verbs.loader cimport require_entry_point, PYRDMA_DL_VERBS
 from pyrdma._verbs.pd cimport ProtectionDomain
 from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.srq cimport SharedReceiveQueue
 from pyrdma._verbs.mr cimport MemoryRegion
 from pyrdma._verbs.ah cimport AddressHandle
 from pyrdma._verbs.mw cimport MemoryWindow
-from pyrdma._verbs.wr cimport SendWR, RecvWR, SendWRList, RecvWRList, fill_sge
+from pyrdma._verbs.wr cimport SendWR, RecvWR, SendWRList, RecvWRList, fill_sge, imm_data_be
 import secrets
 import weakref
 
@@ -42,20 +39,6 @@ class QPState(enum.IntEnum):
     ERR = IBV_QPS_ERR
 
 
-class SendOps(enum.IntFlag):
-    """ibv_qp_create_send_ops_flags: the ibv_wr_* operations an extended QP (send_ops=) offers."""
-    RDMA_WRITE = IBV_QP_EX_WITH_RDMA_WRITE
-    RDMA_WRITE_WITH_IMM = IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
-    SEND = IBV_QP_EX_WITH_SEND
-    SEND_WITH_IMM = IBV_QP_EX_WITH_SEND_WITH_IMM
-    RDMA_READ = IBV_QP_EX_WITH_RDMA_READ
-    ATOMIC_CMP_AND_SWP = IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
-    ATOMIC_FETCH_AND_ADD = IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
-    LOCAL_INV = IBV_QP_EX_WITH_LOCAL_INV
-    BIND_MW = IBV_QP_EX_WITH_BIND_MW
-    SEND_WITH_INV = IBV_QP_EX_WITH_SEND_WITH_INV
-
-
 QPT_RC, QPT_UC, QPT_UD = QPType.RC, QPType.UC, QPType.UD
 QPS_RESET, QPS_INIT, QPS_RTR, QPS_RTS = QPState.RESET, QPState.INIT, QPState.RTR, QPState.RTS
 QPS_SQD, QPS_SQE, QPS_ERR = QPState.SQD, QPState.SQE, QPState.ERR
@@ -65,10 +48,6 @@ UD_GRH_BYTES = 40   # a UD receive buffer starts with room for the global routin
 _QP_TYPE_NAMES = {m.value: m.name for m in QPType}
 _STATE_NAMES = {m.value: m.name for m in QPState}
 cdef int _REMOTE_ACCESS = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC
-
-
-cdef inline uint32_t htonl(uint32_t x) noexcept nogil:
-    return ((x & 0xff) << 24) | ((x & 0xff00) << 8) | ((x >> 8) & 0xff00) | (x >> 24)
 
 
 # ibv_qp_attr keeps these in narrow bit fields: a larger value would be cut, not refused
@@ -82,29 +61,20 @@ cdef _check_field(name, int value):
         raise UsageError(f"{name} must be within 0..{hi}, got {value}")
 
 
-cdef inline uint32_t _imm32(imm) except? 0:
-    if not 0 <= imm <= 0xFFFFFFFF:
-        raise UsageError(f"imm {imm} does not fit in 32 bits")
-    return <uint32_t>imm
-
-
 def qp_state_name(int state):
     return _STATE_NAMES.get(state, f"STATE_{state}")
 
 
 @cython.no_gc_clear
 cdef class QueuePair(VerbsObject):
-    """A queue pair. ``connect(remote)`` takes it from RESET to RTS; the post_* methods post work."""
+    """A queue pair. ``connect(remote)`` takes it from RESET to RTS; the post_* methods post work (the
+    ibv_wr_* batch API is QueuePairEx's, a subclass in qpex.pyx)."""
 
     def __init__(self, ProtectionDomain pd not None, int qp_type, CompletionQueue send_cq not None,
                  CompletionQueue recv_cq=None, int max_send_wr=128, int max_recv_wr=128,
                  int max_send_sge=1, int max_recv_sge=1, int max_inline_data=0,
-                 SharedReceiveQueue srq=None, bint sq_sig_all=False, int port=1, gid_index=None,
-                 send_ops=0):
-        """``send_ops`` (SendOps flags): create an extended QP (ibv_create_qp_ex) whose ibv_wr_* post
-        API (wr_start() ... wr_complete(), or ``with qp.wr_batch():``) offers those operations."""
+                 SharedReceiveQueue srq=None, bint sq_sig_all=False, int port=1, gid_index=None):
         cdef ibv_qp_init_attr attr
-        cdef ibv_qp_init_attr_ex attrx
         cdef int err = 0
         self._begin_init()
         pd._check_open()
@@ -123,11 +93,6 @@ cdef class QueuePair(VerbsObject):
                 raise UsageError(f"{name}={value} outside 1..{limit} (device limit)", obj=repr(pd.context))
         if max_inline_data < 0:
             raise UsageError(f"max_inline_data must be >= 0, got {max_inline_data}")
-        send_ops = int(send_ops)
-        if send_ops & ~int(_ALL_SEND_OPS) or send_ops < 0:
-            raise UsageError(f"unknown send_ops flags 0x{send_ops:x}; use pyrdma.SendOps")
-        if send_ops:
-            require_entry_point(PYRDMA_DL_VERBS, "ibv_qp_to_qp_ex", "ibv_create_qp_ex")
         if srq is not None:
             srq._check_open()
         # The kernel finds a CQ or SRQ by its handle number within the PD's context: one of another
@@ -156,23 +121,9 @@ cdef class QueuePair(VerbsObject):
         attr.cap.max_inline_data = max_inline_data
         attr.qp_type = qp_type
         attr.sq_sig_all = sq_sig_all
-        if send_ops:
-            memset(&attrx, 0, sizeof(attrx))
-            attrx.send_cq, attrx.recv_cq, attrx.srq = attr.send_cq, attr.recv_cq, attr.srq
-            attrx.cap = attr.cap
-            attrx.qp_type, attrx.sq_sig_all = attr.qp_type, attr.sq_sig_all
-            attrx.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS
-            attrx.pd = pd.pd
-            attrx.send_ops_flags = send_ops
-            self.qp = ibv_create_qp_ex(pd.context.ctx, &attrx)
-            if self.qp != NULL:
-                self.qpx = ibv_qp_to_qp_ex(self.qp)
-                attr.cap = attrx.cap
-        else:
-            self.qp = ibv_create_qp(pd.pd, &attr)
+        self.qp = self._create(pd, &attr)
         if self.qp != NULL:
             self._closed = False
-            self.send_ops = send_ops
         else:
             err = errno
         release(parents)
@@ -180,9 +131,7 @@ cdef class QueuePair(VerbsObject):
             self._abandon()
             hint = f" (max_inline_data={max_inline_data} may exceed what the device supports)" \
                 if max_inline_data else ""
-            raise_errno("ibv_create_qp_ex" if send_ops else "ibv_create_qp", err,
-                        f"{_QP_TYPE_NAMES[qp_type]} QP in {pd!r}{hint}"
-                        + (f" with send_ops {SendOps(send_ops)!r}" if send_ops else ""))
+            self._create_failed(err, f"{_QP_TYPE_NAMES[qp_type]} QP in {pd!r}{hint}")
         self.pd, self.send_cq, self.recv_cq, self.srq = pd, send_cq, recv_cq, srq
         self.qp_type = qp_type
         self.qp_num = self.qp.qp_num
@@ -198,13 +147,15 @@ cdef class QueuePair(VerbsObject):
     def __dealloc__(self):
         self.close()    # the one teardown path (unreachable: no child and no call is left)
 
+    cdef ibv_qp *_create(self, ProtectionDomain pd, ibv_qp_init_attr *attr) noexcept:
+        # C only: the parents are in use until release(). QueuePairEx creates it with ibv_create_qp_ex.
+        return ibv_create_qp(pd.pd, attr)
+
+    cdef int _create_failed(self, int err, str what) except -1:
+        return raise_errno("ibv_create_qp", err, what)
+
     cdef int _destroy(self) except -1:
         cdef int rc
-        if self.qpx != NULL and self._wr_open:
-            ibv_wr_abort(self.qpx)
-            self._wr_open = False
-        self.qpx = NULL
-        self._wr_keep = None
         if self.qp != NULL and self._cm_id != NULL:
             self.qp = NULL
             self._cm_destroy_qp(self._cm_id)    # rdma_destroy_qp: ibv_destroy_qp, and the id forgets it
@@ -402,6 +353,16 @@ cdef class QueuePair(VerbsObject):
 
     # ---- posting -------------------------------------------------------------------------------
 
+    cdef int _require_rts(self, str what) except -1:
+        # the slow path of a send's state test: refuse a closed QP, and read the state again, since
+        # librdmacm moves a CM id's QP itself (ibv_modify_qp records it)
+        self._check_open()
+        self._state = self.qp.state
+        if self._state < IBV_QPS_RTS:
+            raise UsageError(f"cannot {what} on a QP in {_STATE_NAMES.get(self._state)}; "
+                             f"bring it to RTS first (connect())", obj=repr(self))
+        return 0
+
     cdef int _post_send(self, ibv_send_wr *wr, list ahs=None) except -1:
         # ``ahs``: the AddressHandles the chain's UD WRs point at, checked open here, at post time
         cdef ibv_send_wr *bad = NULL
@@ -411,11 +372,7 @@ cdef class QueuePair(VerbsObject):
         # One test on the hot path: a closed QP keeps its last state (RTS), so its NULL handle is
         # what refuses it.
         if self.qp == NULL or self._closing or self._state < IBV_QPS_RTS:
-            self._check_open()
-            self._state = self.qp.state    # librdmacm moves a CM id's QP itself (ibv_modify_qp records it)
-        if self._state < IBV_QPS_RTS:
-            raise UsageError(f"cannot post a send on a QP in {_STATE_NAMES.get(self._state)}; "
-                             f"bring it to RTS first (connect())", obj=repr(self))
+            self._require_rts("post a send")
         if ahs is not None:
             for ah in ahs:
                 if ah._closed or ah._closing:
@@ -585,7 +542,7 @@ cdef class QueuePair(VerbsObject):
             wr.opcode = IBV_WR_RDMA_WRITE
         else:
             wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM
-            wr.imm_data = htonl(_imm32(imm))
+            wr.imm_data = imm_data_be(imm)
         wr.wr.rdma.remote_addr = remote_addr
         wr.wr.rdma.rkey = rkey
         self._post_send(&wr)
@@ -616,7 +573,7 @@ cdef class QueuePair(VerbsObject):
             wr.opcode = IBV_WR_SEND
         else:
             wr.opcode = IBV_WR_SEND_WITH_IMM
-            wr.imm_data = htonl(_imm32(imm))
+            wr.imm_data = imm_data_be(imm)
         if solicited:
             wr.send_flags |= IBV_SEND_SOLICITED
         if self.qp_type == IBV_QPT_UD:
@@ -719,11 +676,7 @@ cdef class QueuePair(VerbsObject):
             raise UsageError("a type 2 window is revoked with post_local_invalidate(mw.rkey), not by an empty bind",
                              obj=repr(self))
         if self.qp == NULL or self._closing or self._state < IBV_QPS_RTS:
-            self._check_open()
-            self._state = self.qp.state    # librdmacm moves a CM id's QP itself
-        if self._state < IBV_QPS_RTS:
-            raise UsageError(f"cannot bind a window on a QP in {_STATE_NAMES.get(self._state)}; bring it to RTS "
-                             f"first", obj=repr(self))
+            self._require_rts("bind a window")
         if mw.type == IBV_MW_TYPE_1:
             bind.wr_id = wr_id
             bind.send_flags = IBV_SEND_SIGNALED if signaled else 0
@@ -780,218 +733,6 @@ cdef class QueuePair(VerbsObject):
         if mw is not None:
             mw._set_bound(None, 0, 0, mw.mw.rkey)
 
-    # ---- the extended post API (ibv_wr_*) ------------------------------------------------------------
-    # One batch at a time: wr_start(), then per work request an operation followed by its data
-    # (wr_set_sge / wr_set_inline_data, and wr_set_ud_addr on UD), then wr_complete() posts them all.
-    # The provider's op pointers are NULL for operations the QP was not created with: refused here.
-
-    def wr_start(self):
-        """Open a batch of work requests (ibv_wr_start)."""
-        if self.qpx == NULL:
-            self._check_open()
-            raise UsageError("the ibv_wr_* API needs a QP created with send_ops=SendOps...", obj=repr(self))
-        if self._closing or self._state < IBV_QPS_RTS:
-            self._check_open()
-            raise UsageError(f"cannot post on a QP in {_STATE_NAMES.get(self._state)}; bring it to RTS first",
-                             obj=repr(self))
-        if self._wr_open:
-            raise UsageError("wr_start() inside an open batch; wr_complete() or wr_abort() it first", obj=repr(self))
-        ibv_wr_start(self.qpx)
-        self._wr_open = True
-        self._wr_needs_data = self._wr_needs_addr = False
-        self._wr_keep = []
-
-    def wr_complete(self):
-        """Post the batch (ibv_wr_complete); on an error none of it is posted."""
-        cdef int rc
-        if not self._wr_open:
-            raise UsageError("wr_complete() without wr_start()", obj=repr(self))
-        if self._wr_needs_data or self._wr_needs_addr:
-            self.wr_abort()
-            raise UsageError("the last work request of the batch has no "
-                             f"{'data (wr_set_sge / wr_set_inline_data)' if self._wr_needs_data else 'destination (wr_set_ud_addr)'}"
-                             "; the batch was aborted", obj=repr(self))
-        self._users += 1
-        with nogil:
-            rc = ibv_wr_complete(self.qpx)
-        self._users -= 1
-        self._wr_open = False
-        self._wr_keep = None
-        if rc:
-            raise_errno("ibv_wr_complete", rc, repr(self))
-
-    def wr_abort(self):
-        """Drop the open batch (ibv_wr_abort); nothing of it is posted."""
-        if self._wr_open and self.qpx != NULL:
-            ibv_wr_abort(self.qpx)
-        self._wr_open = False
-        self._wr_keep = None
-
-    def wr_batch(self):
-        """``with qp.wr_batch(): ...``: wr_start() on entry, wr_complete() on exit, wr_abort() on an exception."""
-        return _wr_batch(self)
-
-    cdef int _wr_op(self, unsigned long long op, void *fn, str name, unsigned long long wr_id, unsigned int flags,
-                    bint data) except -1:
-        if not self._wr_open:
-            if self.qpx == NULL:
-                self._check_open()
-            raise UsageError(f"{name}() outside a batch; call wr_start() first", obj=repr(self))
-        if not self.send_ops & op or fn == NULL:
-            raise UsageError(f"{name}() needs {SendOps(op)!r} in the QP's send_ops", obj=repr(self))
-        if self._wr_needs_data or self._wr_needs_addr:
-            raise UsageError(f"{name}(): the previous work request has no "
-                             f"{'data yet (wr_set_sge / wr_set_inline_data)' if self._wr_needs_data else 'destination (wr_set_ud_addr)'}",
-                             obj=repr(self))
-        if flags & ~(IBV_SEND_FENCE | IBV_SEND_SIGNALED | IBV_SEND_SOLICITED | IBV_SEND_INLINE):
-            raise UsageError(f"unknown send flags 0x{flags:x}; use pyrdma.SEND_*", obj=repr(self))
-        self.qpx.wr_id = wr_id
-        self.qpx.wr_flags = flags
-        self._wr_needs_data = data
-        self._wr_needs_addr = self.qp_type == IBV_QPT_UD
-        self._wr_inline = flags & IBV_SEND_INLINE != 0
-        return 0
-
-    cdef int _wr_data(self, void *fn, str name) except -1:
-        if not self._wr_open or not self._wr_needs_data:
-            raise UsageError(f"{name}() must follow an operation that takes data, inside a batch", obj=repr(self))
-        if fn == NULL:
-            raise UsageError(f"{name}() is not offered by this device's provider", obj=repr(self))
-        return 0
-
-    def wr_rdma_write(self, uint32_t rkey, uint64_t remote_addr, uint64_t wr_id=0,
-                      unsigned int flags=IBV_SEND_SIGNALED, imm=None):
-        """RDMA WRITE (WITH_IMM when ``imm`` is given); its data follows."""
-        if imm is None:
-            self._wr_op(IBV_QP_EX_WITH_RDMA_WRITE, self.qpx.wr_rdma_write if self.qpx else NULL,
-                        "wr_rdma_write", wr_id, flags, True)
-            ibv_wr_rdma_write(self.qpx, rkey, remote_addr)
-        else:
-            self._wr_op(IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM, self.qpx.wr_rdma_write_imm if self.qpx else NULL,
-                        "wr_rdma_write", wr_id, flags, True)
-            ibv_wr_rdma_write_imm(self.qpx, rkey, remote_addr, htonl(_imm32(imm)))
-
-    def wr_rdma_read(self, uint32_t rkey, uint64_t remote_addr, uint64_t wr_id=0,
-                     unsigned int flags=IBV_SEND_SIGNALED):
-        """RDMA READ into the SGE that follows."""
-        self._wr_op(IBV_QP_EX_WITH_RDMA_READ, self.qpx.wr_rdma_read if self.qpx else NULL, "wr_rdma_read",
-                    wr_id, flags, True)
-        ibv_wr_rdma_read(self.qpx, rkey, remote_addr)
-
-    def wr_send(self, uint64_t wr_id=0, unsigned int flags=IBV_SEND_SIGNALED, imm=None, invalidate_rkey=None):
-        """SEND (WITH_IMM when ``imm`` is given, WITH_INV with ``invalidate_rkey``); its data follows."""
-        if imm is not None and invalidate_rkey is not None:
-            raise UsageError("a send carries imm or invalidate_rkey, not both", obj=repr(self))
-        if imm is not None:
-            self._wr_op(IBV_QP_EX_WITH_SEND_WITH_IMM, self.qpx.wr_send_imm if self.qpx else NULL, "wr_send",
-                        wr_id, flags, True)
-            ibv_wr_send_imm(self.qpx, htonl(_imm32(imm)))
-        elif invalidate_rkey is not None:
-            self._wr_op(IBV_QP_EX_WITH_SEND_WITH_INV, self.qpx.wr_send_inv if self.qpx else NULL, "wr_send",
-                        wr_id, flags, True)
-            ibv_wr_send_inv(self.qpx, <uint32_t>invalidate_rkey)
-        else:
-            self._wr_op(IBV_QP_EX_WITH_SEND, self.qpx.wr_send if self.qpx else NULL, "wr_send", wr_id, flags, True)
-            ibv_wr_send(self.qpx)
-
-    def wr_atomic_fetch_add(self, uint32_t rkey, uint64_t remote_addr, uint64_t add, uint64_t wr_id=0,
-                            unsigned int flags=IBV_SEND_SIGNALED):
-        """Atomic fetch-and-add; an 8-byte SGE for the old value follows."""
-        if remote_addr % 8:
-            raise UsageError("atomics need an 8-byte aligned remote address", obj=repr(self))
-        self._wr_op(IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD, self.qpx.wr_atomic_fetch_add if self.qpx else NULL,
-                    "wr_atomic_fetch_add", wr_id, flags, True)
-        ibv_wr_atomic_fetch_add(self.qpx, rkey, remote_addr, add)
-
-    def wr_atomic_cmp_swp(self, uint32_t rkey, uint64_t remote_addr, uint64_t compare, uint64_t swap,
-                          uint64_t wr_id=0, unsigned int flags=IBV_SEND_SIGNALED):
-        """Atomic compare-and-swap; an 8-byte SGE for the old value follows."""
-        if remote_addr % 8:
-            raise UsageError("atomics need an 8-byte aligned remote address", obj=repr(self))
-        self._wr_op(IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP, self.qpx.wr_atomic_cmp_swp if self.qpx else NULL,
-                    "wr_atomic_cmp_swp", wr_id, flags, True)
-        ibv_wr_atomic_cmp_swp(self.qpx, rkey, remote_addr, compare, swap)
-
-    def wr_local_inv(self, uint32_t invalidate_rkey, uint64_t wr_id=0, unsigned int flags=IBV_SEND_SIGNALED):
-        """LOCAL_INV of a type 2 window's (or an MR's) rkey."""
-        self._wr_op(IBV_QP_EX_WITH_LOCAL_INV, self.qpx.wr_local_inv if self.qpx else NULL, "wr_local_inv",
-                    wr_id, flags, False)
-        ibv_wr_local_inv(self.qpx, invalidate_rkey)
-
-    def wr_bind_mw(self, MemoryWindow mw not None, MemoryRegion mr not None, Py_ssize_t offset, Py_ssize_t length,
-                   int access=IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ, uint64_t wr_id=0,
-                   unsigned int flags=IBV_SEND_SIGNALED):
-        """BIND_MW of a type 2 window to mr[offset:offset+length]; returns the window's new rkey."""
-        cdef ibv_mw_bind_info info
-        cdef uint32_t rkey
-        mw._check_open()
-        mr._check_open()
-        if mw.type != IBV_MW_TYPE_2:
-            raise UsageError("wr_bind_mw binds type 2 windows; bind type 1 with bind_mw()", obj=repr(self))
-        if mw.pd is not self.pd or mr.pd is not self.pd:
-            raise UsageError("the window and the MR must belong to the QP's protection domain", obj=repr(self))
-        if not mr.access & IBV_ACCESS_MW_BIND:
-            raise UsageError("the MR was registered without ACCESS_MW_BIND", obj=repr(mr))
-        if access & ~_REMOTE_ACCESS:
-            raise UsageError(f"window access 0x{access:x}: use ACCESS_REMOTE_* flags", obj=repr(self))
-        if offset < 0 or length <= 0 or <size_t>offset > mr.length or <size_t>length > mr.length - offset:
-            raise UsageError(f"window [{offset}, {offset}+{length}) is outside the MR of {mr.length} bytes",
-                             obj=repr(self))
-        self._wr_op(IBV_QP_EX_WITH_BIND_MW, self.qpx.wr_bind_mw if self.qpx else NULL, "wr_bind_mw", wr_id,
-                    flags, False)
-        info.mr = mr.mr
-        info.addr = mr.addr + offset
-        info.length = length
-        info.mw_access_flags = access
-        rkey = ibv_inc_rkey(mw.mw.rkey)
-        ibv_wr_bind_mw(self.qpx, mw.mw, rkey, &info)
-        self._wr_keep.append(mw)
-        self._wr_keep.append(mr)
-        mw._set_bound(mr, info.addr, length, rkey, self)
-        return rkey
-
-    def wr_set_sge(self, MemoryRegion mr not None, Py_ssize_t offset, Py_ssize_t length):
-        """The data of the last operation: mr[offset:offset+length]."""
-        cdef ibv_sge sge
-        self._wr_data(self.qpx.wr_set_sge if self.qpx else NULL, "wr_set_sge")
-        if self._wr_inline:   # the provider would send its (empty) inline buffer instead
-            raise UsageError("wr_set_sge() after an operation flagged SEND_INLINE; use wr_set_inline_data()",
-                             obj=repr(self))
-        fill_sge(&sge, mr, offset, length)
-        self._wr_keep.append(mr)
-        ibv_wr_set_sge(self.qpx, sge.lkey, sge.addr, sge.length)
-        self._wr_needs_data = False
-
-    def wr_set_inline_data(self, data):
-        """The data of the last operation, copied into the work request now (at most max_inline_data bytes)."""
-        cdef Py_buffer view
-        self._wr_data(self.qpx.wr_set_inline_data if self.qpx else NULL, "wr_set_inline_data")
-        if not self._wr_inline:   # without the flag the provider reads the data as an SGE list
-            raise UsageError("wr_set_inline_data() needs the operation flagged SEND_INLINE "
-                             "(flags=SEND_SIGNALED | SEND_INLINE)", obj=repr(self))
-        PyObject_GetBuffer(data, &view, PyBUF_SIMPLE)
-        try:
-            if <size_t>view.len > self.max_inline_data:
-                raise UsageError(f"inline data of {view.len} bytes exceeds max_inline_data={self.max_inline_data}",
-                                 obj=repr(self))
-            ibv_wr_set_inline_data(self.qpx, view.buf, view.len)
-        finally:
-            PyBuffer_Release(&view)
-        self._wr_needs_data = False
-
-    def wr_set_ud_addr(self, AddressHandle ah not None, uint32_t remote_qpn, uint32_t remote_qkey=DEFAULT_QKEY):
-        """The destination of the last operation on a UD QP."""
-        if self.qp_type != IBV_QPT_UD:
-            raise UsageError("wr_set_ud_addr is for UD QPs", obj=repr(self))
-        if not self._wr_open or self.qpx.wr_set_ud_addr == NULL:
-            raise UsageError("wr_set_ud_addr() must follow an operation, inside a batch", obj=repr(self))
-        ah._check_open()
-        if ah.pd is not self.pd:
-            raise UsageError(f"{ah!r} belongs to another protection domain than the QP's {self.pd!r}", obj=repr(self))
-        self._wr_keep.append(ah)
-        ibv_wr_set_ud_addr(self.qpx, ah.ah, remote_qpn, remote_qkey)
-        self._wr_needs_addr = False
-
     cdef int _fill_local(self, ibv_send_wr *wr, ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset,
                          Py_ssize_t length, unsigned long long wr_id, bint signaled, bint inline) except -1:
         fill_sge(sge, mr, offset, length)
@@ -1003,22 +744,6 @@ cdef class QueuePair(VerbsObject):
         wr.num_sge = 1 if length > 0 else 0
         wr.send_flags = (IBV_SEND_SIGNALED if signaled else 0) | (IBV_SEND_INLINE if inline else 0)
         return 0
-
-
-_ALL_SEND_OPS = SendOps(0)
-for _op in SendOps:
-    _ALL_SEND_OPS |= _op
-
-
-@contextlib.contextmanager
-def _wr_batch(QueuePair qp):
-    qp.wr_start()
-    try:
-        yield qp
-    except BaseException:
-        qp.wr_abort()
-        raise
-    qp.wr_complete()
 
 
 cdef QueuePair wrap_cm_qp(ibv_qp *qp, void *cm_id, void (*destroy)(void *) noexcept nogil, list parents,

@@ -47,6 +47,13 @@ cdef inline uint32_t htonl(uint32_t x) noexcept nogil:
     return ((x & 0xff) << 24) | ((x & 0xff00) << 8) | ((x >> 8) & 0xff00) | (x >> 24)
 
 
+cdef uint32_t imm_data_be(imm) except? 0:
+    """``imm`` as a work request's immediate data: 32 bits, in network byte order."""
+    if not 0 <= imm <= 0xFFFFFFFF:
+        raise UsageError(f"imm {imm} does not fit in 32 bits")
+    return htonl(<uint32_t>imm)
+
+
 cdef int fill_sge(ibv_sge *sge, MemoryRegion mr, Py_ssize_t offset, Py_ssize_t length) except -1:
     """Point ``sge`` at [offset, offset+length) of ``mr``, refusing anything outside the region."""
     if mr.mr == NULL:
@@ -142,20 +149,32 @@ cdef ibv_sge *_copy_sg_list(sg_list, list keepalive, int *num) except? NULL:
     return sges
 
 
-cdef class SendWR:
-    """A send work request (SEND, WRITE, READ, atomics; with immediate data, UD addressing)."""
+cdef class _WorkRequest:
+    """What SendWR and RecvWR share: the WR's SGEs in C memory, and what keeps their memory alive."""
 
-    def __init__(self, int opcode=IBV_WR_SEND, sg_list=(), uint64_t wr_id=0, int flags=IBV_SEND_SIGNALED,
-                 imm_data=None, uint64_t remote_addr=0, uint32_t rkey=0, uint64_t compare_add=0,
-                 uint64_t swap=0, AddressHandle ah=None, uint32_t remote_qpn=0, uint32_t remote_qkey=0):
+    cdef int _take_sg_list(self, sg_list) except -1:
+        """Copy ``sg_list`` (SGEs or MemoryRegions) into this WR's SGE array; returns their number."""
         cdef int num = 0
-        cdef ibv_sge *sges
-        _check_opcode(opcode, flags, imm_data)
         keepalive = []
         sges = _copy_sg_list(sg_list, keepalive, &num)
         free(self.sges)    # __init__ called again: the old list goes only once the new one exists
         self.sges = sges
         self.keepalive = keepalive
+        return num
+
+    def __dealloc__(self):
+        free(self.sges)
+
+
+cdef class SendWR(_WorkRequest):
+    """A send work request (SEND, WRITE, READ, atomics; with immediate data, UD addressing)."""
+
+    def __init__(self, int opcode=IBV_WR_SEND, sg_list=(), uint64_t wr_id=0, int flags=IBV_SEND_SIGNALED,
+                 imm_data=None, uint64_t remote_addr=0, uint32_t rkey=0, uint64_t compare_add=0,
+                 uint64_t swap=0, AddressHandle ah=None, uint32_t remote_qpn=0, uint32_t remote_qkey=0):
+        cdef int num
+        _check_opcode(opcode, flags, imm_data)
+        num = self._take_sg_list(sg_list)
         self.ah = None
         memset(&self.wr, 0, sizeof(self.wr))
         self.wr.wr_id = wr_id
@@ -185,13 +204,8 @@ cdef class SendWR:
             self.wr.wr.rdma.remote_addr = remote_addr
             self.wr.wr.rdma.rkey = rkey
 
-    def __dealloc__(self):
-        free(self.sges)
-
     @property
-
     def wr_id(self):
-
         return self.wr.wr_id
 
     @property
@@ -211,29 +225,18 @@ cdef class SendWR:
                 f"flags=0x{self.wr.send_flags:x})")
 
 
-cdef class RecvWR:
+cdef class RecvWR(_WorkRequest):
     """A receive work request: where an incoming SEND lands."""
 
     def __init__(self, sg_list=(), uint64_t wr_id=0):
-        cdef int num = 0
-        cdef ibv_sge *sges
-        keepalive = []
-        sges = _copy_sg_list(sg_list, keepalive, &num)
-        free(self.sges)    # __init__ called again: the old list goes only once the new one exists
-        self.sges = sges
-        self.keepalive = keepalive
+        cdef int num = self._take_sg_list(sg_list)
         memset(&self.wr, 0, sizeof(self.wr))
         self.wr.wr_id = wr_id
         self.wr.sg_list = self.sges
         self.wr.num_sge = num
 
-    def __dealloc__(self):
-        free(self.sges)
-
     @property
-
     def wr_id(self):
-
         return self.wr.wr_id
 
     @property
@@ -264,7 +267,56 @@ cdef int _check_list_size(int capacity, int max_sge, size_t wr_size) except -1:
     return 0
 
 
-cdef class SendWRList:
+ctypedef fused any_wr:
+    ibv_send_wr
+    ibv_recv_wr
+
+
+cdef int _chain(any_wr *wrs, int count) noexcept:
+    """Link wrs[0..count) into the one chain a post takes; returns count."""
+    cdef int i
+    for i in range(count):
+        wrs[i].next = &wrs[i + 1] if i + 1 < count else NULL
+    return count
+
+
+cdef class _WorkRequestSlots:
+    """What SendWRList and RecvWRList share: ``capacity`` slots of ``max_sge`` SGEs each, and per slot
+    the object that keeps its memory alive. Each subclass holds its own typed array of WRs."""
+
+    cdef int _allocate(self, int capacity, int max_sge, size_t wr_size) except -1:
+        _check_list_size(capacity, max_sge, wr_size)
+        self.sges = <ibv_sge *>calloc(<size_t>capacity * <size_t>max_sge, sizeof(ibv_sge))
+        if self.sges == NULL:
+            raise MemoryError()
+        self.capacity = capacity
+        self.max_sge = max_sge
+        self.keepalive = [None] * capacity
+        return 0
+
+    def __dealloc__(self):
+        free(self.sges)
+
+    def __len__(self):
+        return self.count
+
+    cdef ibv_sge *_copy_sges(self, int i, ibv_sge *sges, int num_sge) except NULL:
+        """Copy a WR's SGEs into slot ``i``'s; returns where they now are."""
+        if not 0 <= i < self.capacity:
+            raise UsageError(f"index {i} outside 0..{self.capacity - 1}")
+        if num_sge > self.max_sge:
+            raise UsageError(f"WR has {num_sge} SGEs, list allows {self.max_sge}")
+        memcpy(&self.sges[<size_t>i * self.max_sge], sges, <size_t>num_sge * sizeof(ibv_sge))
+        return &self.sges[<size_t>i * self.max_sge]
+
+    cdef int _fill_count(self, offsets) except -1:
+        n = np.size(offsets)
+        if not 1 <= n <= self.capacity:
+            raise UsageError(f"{n} WRs do not fit in a list of capacity {self.capacity}")
+        return n
+
+
+cdef class SendWRList(_WorkRequestSlots):
     """SendWRList(int capacity, int max_sge=1)
 
     ``capacity`` send WRs in C memory, chained, posted in one ibv_post_send (see QueuePair.post_send_list).
@@ -272,28 +324,13 @@ cdef class SendWRList:
     Fill them one by one with ``set(i, SendWR)`` or all at once, vectorised, with ``fill(...)``."""
 
     def __cinit__(self, int capacity, int max_sge=1):
-        _check_list_size(capacity, max_sge, sizeof(ibv_send_wr))
+        self._allocate(capacity, max_sge, sizeof(ibv_send_wr))
         self.wrs = <ibv_send_wr *>calloc(capacity, sizeof(ibv_send_wr))
-        self.sges = <ibv_sge *>calloc(<size_t>capacity * <size_t>max_sge, sizeof(ibv_sge))
-        if self.wrs == NULL or self.sges == NULL:
+        if self.wrs == NULL:
             raise MemoryError()
-        self.capacity = capacity
-        self.max_sge = max_sge
-        self.keepalive = [None] * capacity
 
     def __dealloc__(self):
         free(self.wrs)
-        free(self.sges)
-
-    def __len__(self):
-        return self.count
-
-    cdef int _link(self, int count) except -1:
-        cdef int i
-        for i in range(count):
-            self.wrs[i].next = &self.wrs[i + 1] if i + 1 < count else NULL
-        self.count = count
-        return 0
 
     cdef int _hold(self, int i, object obj) except -1:
         # keep slot i's owner alive, counting the slots whose WR carries an AddressHandle
@@ -307,15 +344,11 @@ cdef class SendWRList:
 
     def set(self, int i, SendWR wr not None):
         """Copy ``wr`` into slot ``i``; the list then holds slots 0..max(i, count-1)."""
-        if not 0 <= i < self.capacity:
-            raise UsageError(f"index {i} outside 0..{self.capacity - 1}")
-        if wr.wr.num_sge > self.max_sge:
-            raise UsageError(f"WR has {wr.wr.num_sge} SGEs, list allows {self.max_sge}")
+        cdef ibv_sge *sges = self._copy_sges(i, wr.sges, wr.wr.num_sge)
         memcpy(&self.wrs[i], &wr.wr, sizeof(ibv_send_wr))
-        memcpy(&self.sges[<size_t>i * self.max_sge], wr.sges, <size_t>wr.wr.num_sge * sizeof(ibv_sge))
-        self.wrs[i].sg_list = &self.sges[<size_t>i * self.max_sge]
+        self.wrs[i].sg_list = sges
         self._hold(i, wr)
-        self._link(max(i + 1, self.count))
+        self.count = _chain(self.wrs, max(i + 1, self.count))
 
     def fill(self, int opcode, MemoryRegion mr not None, offsets, lengths, remote_addrs=0, uint32_t rkey=0,
              wr_ids=None, flags=IBV_SEND_SIGNALED, imm=None, compare_add=0, swap=0):
@@ -326,9 +359,7 @@ cdef class SendWRList:
         cdef uint64_t[::1] raddr, ids, cadd, swp
         cdef int32_t[::1] fl
         cdef uint32_t[::1] imms
-        n = np.size(offsets)
-        if not 1 <= n <= self.capacity:
-            raise UsageError(f"{n} WRs do not fit in a list of capacity {self.capacity}")
+        n = self._fill_count(offsets)
         _check_opcode(opcode, flags if np.ndim(flags) == 0 else int(np.bitwise_or.reduce(np.asarray(flags))),
                       None if imm is None else (imm if np.ndim(imm) == 0 else int(np.max(imm))))
         if imm is not None and np.ndim(imm) and np.size(imm) and int(np.min(imm)) < 0:
@@ -362,56 +393,35 @@ cdef class SendWRList:
                 self.wrs[i].wr.rdma.remote_addr = raddr[i]
                 self.wrs[i].wr.rdma.rkey = rkey
             self._hold(i, mr)
-        self._link(n)
+        self.count = _chain(self.wrs, n)
 
 
-cdef class RecvWRList:
+cdef class RecvWRList(_WorkRequestSlots):
     """RecvWRList(int capacity, int max_sge=1)
 
     ``capacity`` receive WRs in C memory, posted in one call (QueuePair/SRQ.post_recv_list)."""
 
     def __cinit__(self, int capacity, int max_sge=1):
-        _check_list_size(capacity, max_sge, sizeof(ibv_recv_wr))
+        self._allocate(capacity, max_sge, sizeof(ibv_recv_wr))
         self.wrs = <ibv_recv_wr *>calloc(capacity, sizeof(ibv_recv_wr))
-        self.sges = <ibv_sge *>calloc(<size_t>capacity * <size_t>max_sge, sizeof(ibv_sge))
-        if self.wrs == NULL or self.sges == NULL:
+        if self.wrs == NULL:
             raise MemoryError()
-        self.capacity = capacity
-        self.max_sge = max_sge
-        self.keepalive = [None] * capacity
 
     def __dealloc__(self):
         free(self.wrs)
-        free(self.sges)
-
-    def __len__(self):
-        return self.count
-
-    cdef int _link(self, int count) except -1:
-        cdef int i
-        for i in range(count):
-            self.wrs[i].next = &self.wrs[i + 1] if i + 1 < count else NULL
-        self.count = count
-        return 0
 
     def set(self, int i, RecvWR wr not None):
-        if not 0 <= i < self.capacity:
-            raise UsageError(f"index {i} outside 0..{self.capacity - 1}")
-        if wr.wr.num_sge > self.max_sge:
-            raise UsageError(f"WR has {wr.wr.num_sge} SGEs, list allows {self.max_sge}")
+        cdef ibv_sge *sges = self._copy_sges(i, wr.sges, wr.wr.num_sge)
         memcpy(&self.wrs[i], &wr.wr, sizeof(ibv_recv_wr))
-        memcpy(&self.sges[<size_t>i * self.max_sge], wr.sges, <size_t>wr.wr.num_sge * sizeof(ibv_sge))
-        self.wrs[i].sg_list = &self.sges[<size_t>i * self.max_sge]
+        self.wrs[i].sg_list = sges
         self.keepalive[i] = wr
-        self._link(max(i + 1, self.count))
+        self.count = _chain(self.wrs, max(i + 1, self.count))
 
     def fill(self, MemoryRegion mr not None, offsets, lengths, wr_ids=None):
         cdef int i, n
         cdef int64_t[::1] off, ln
         cdef uint64_t[::1] ids
-        n = np.size(offsets)
-        if not 1 <= n <= self.capacity:
-            raise UsageError(f"{n} WRs do not fit in a list of capacity {self.capacity}")
+        n = self._fill_count(offsets)
         off = _as_array(offsets, n, np.int64, "offsets")
         ln = _as_array(lengths, n, np.int64, "lengths")
         ids = _as_array(np.arange(n) if wr_ids is None else wr_ids, n, np.uint64, "wr_ids")
@@ -421,4 +431,4 @@ cdef class RecvWRList:
             self.wrs[i].sg_list = &self.sges[<size_t>i * self.max_sge]
             self.wrs[i].num_sge = 1
             self.keepalive[i] = mr
-        self._link(n)
+        self.count = _chain(self.wrs, n)

@@ -19,7 +19,7 @@ def build_stack():
     cq = rd.CompletionQueue(ctx, 16, channel=ch)
     srq = rd.SharedReceiveQueue(pd, 8)
     mr = rd.MemoryRegion.allocate(pd, 4096, rd.ACCESS_ALL | rd.ACCESS_MW_BIND)
-    qp = rd.QueuePair(pd, rd.QPT_RC, cq, send_ops=rd.SendOps.RDMA_WRITE | rd.SendOps.BIND_MW)
+    qp = rd.QueuePairEx(pd, rd.QPT_RC, cq, send_ops=rd.SendOps.RDMA_WRITE | rd.SendOps.BIND_MW)
     qp.connect(qp.endpoint())
     ud = rd.QueuePair(pd, rd.QPT_UD, cq, srq=srq)
     ud.connect()

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("mypy", reason="mypy is not installed (scripts/setup.sh installs it)")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = ["pyrdma._verbs." + m for m in ("base", "loader", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp", "cm")]
+MODULES = ["pyrdma._verbs." + m for m in ("base", "loader", "device", "pd", "mr", "cq", "wr", "srq", "ah", "mw", "qp", "qpex", "cm")]
 MODULES += ["pyrdma._engine", "pyrdma._hostcalls", "pyrdma._reduce"]
 TIMEOUT = 300
 

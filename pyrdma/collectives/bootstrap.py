@@ -1,9 +1,10 @@
 """Rendezvous: every rank learns every other rank's record (its endpoints) before connecting.
 
-Three ways in, as launchers provide them:
+Four ways in, as launchers provide them:
 - torchrun-style environment: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE (``env_config``,
   ``TCPStore.from_env``);
 - an mpi4py communicator (``MPIExchange``): an allgather of the records;
+- a c10d Store that torch hands a backend (``StoreExchange``): a key per rank and round;
 - explicit ``host:port`` of rank 0 plus rank and size (``TCPStore(host, port, rank, size)``).
 
 The TCP store is a small server on rank 0. ``allgather(record)`` sends this rank's record to it
@@ -14,6 +15,7 @@ peer is refused. Rank 0 serves joins concurrently and drops strangers without fa
 Every wait has a timeout; rank 0 names the ranks that never joined (and the connections it
 refused) and tells the ranks that did why the rendezvous failed.
 """
+import ipaddress
 import os
 import socket
 import struct
@@ -270,6 +272,64 @@ def _loopback_or(host):
         return socket.gethostbyname(host)
     except OSError:
         return host
+
+
+class StoreExchange:
+    """The Communicator's rendezvous (``allgather(bytes) -> [bytes]``) through a c10d Store: each
+    round, every rank sets its key and waits for the others' until ``timeout``."""
+
+    def __init__(self, store, rank, size, timeout, environ=None):
+        self.store, self.rank, self.size = store, rank, size
+        self.timeout = timeout
+        self.advertise_host = advertise_host(os.environ if environ is None else environ)
+        self._round = 0
+
+    def _key(self, rnd, rank):
+        return f"pyrdma/{rnd}/{rank}"
+
+    def allgather(self, record):
+        rnd = self._round
+        self._round += 1
+        self.store.set(self._key(rnd, self.rank), bytes(record))
+        keys = [self._key(rnd, r) for r in range(self.size)]
+        try:
+            self.store.wait(keys, self.timeout)
+        except RuntimeError as exc:     # torch's DistStoreError (a timeout) or a lost store
+            missing = [r for r, k in enumerate(keys) if not self._has(k)]
+            raise RDMATimeoutError(f"rank {self.rank}: ranks {missing} did not join the pyrdma rendezvous within "
+                                   f"{self.timeout.total_seconds():g} s ({exc})", call="init_process_group") from None
+        return [bytes(self.store.get(k)) for k in keys]
+
+    def _has(self, key):
+        try:
+            return self.store.check([key])
+        except RuntimeError:
+            return False
+
+    def barrier(self):
+        self.allgather(b"")
+
+    def close(self):
+        pass
+
+
+def advertise_host(environ):
+    """Where this rank's TCP transport listens: PYRDMA_TCP_HOST, else the local address that routes
+    to MASTER_ADDR (loopback when MASTER_ADDR is loopback or unset)."""
+    if environ.get("PYRDMA_TCP_HOST"):
+        return environ["PYRDMA_TCP_HOST"]
+    master = environ.get("MASTER_ADDR")
+    if not master:
+        return "127.0.0.1"
+    try:
+        ip = socket.getaddrinfo(master, None, socket.AF_INET)[0][4][0]
+        if ipaddress.ip_address(ip).is_loopback:
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((ip, 9))           # no packet is sent: this only asks the routing table
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 class MPIExchange:

@@ -48,7 +48,7 @@ import numpy as np
 
 from pyrdma._hostcalls import communicator_recv, communicator_send
 from pyrdma.collectives import specs
-from pyrdma.collectives.bootstrap import MPIExchange, TCPStore, check_rank, env_config, parse_address
+from pyrdma.collectives.bootstrap import MPIExchange, StoreExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import CostModel
 from pyrdma.collectives.executor import Executor, Handle  # noqa: F401 - Handle: the package's name
 from pyrdma.collectives.pieces import segment_bounds
@@ -288,7 +288,6 @@ class Communicator:
         if environ.get("TORCHELASTIC_RUN_ID"):
             import datetime
             from torch.distributed import TCPStore as C10dStore
-            from pyrdma.torch import StoreExchange
             wait = datetime.timedelta(seconds=kwargs.get("timeout", 60.0))
             store = C10dStore(host, port, size, is_master=False, timeout=wait)
             return cls(exchange=StoreExchange(store, rank, size, wait, environ), **kwargs)
