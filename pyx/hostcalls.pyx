@@ -211,12 +211,12 @@ cdef class HostCollectives:
     cdef MemoryRegion lent                                # the last registration of a buffer in place
     cdef list sent, received                              # the communicator's messages per peer so far
 
-    def __init__(self, Engine engine not None, executor, comm, transport):
+    def __init__(self, Engine engine not None, executor, comm, transport, plans):
         """``executor``: the communicator's pyrdma.collectives.executor.Executor (the order of calls,
         their numbers, the failure state, the lock); ``comm``: the Communicator, whose calls
-        pyrdma.collectives.hostplans prepares."""
-        from pyrdma.collectives import hostplans
-        self.engine, self.ex, self.comm, self.transport, self.plans = engine, executor, comm, transport, hostplans
+        ``plans`` (pyrdma.collectives.hostplans, which imports this module: handed in, not imported
+        back) prepares."""
+        self.engine, self.ex, self.comm, self.transport, self.plans = engine, executor, comm, transport, plans
         self.lock = executor.lock
         self.calls = {}
         self.sent, self.received = comm._p2p_sent, comm._p2p_received

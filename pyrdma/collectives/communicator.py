@@ -248,8 +248,9 @@ class Communicator:
             # blocking host allreduces, all-to-alls and barriers are one C call each, which takes
             # the executor's lock without a Python call
             from pyrdma._hostcalls import ExecLock, HostCollectives
+            from pyrdma.collectives import hostplans
             self._exec = Executor(rank, size, self.transport, ExecLock())
-            self._host = HostCollectives(self.transport.engine, self._exec, self, self.transport)
+            self._host = HostCollectives(self.transport.engine, self._exec, self, self.transport, hostplans)
         else:
             self._exec = Executor(rank, size, self.transport, threading.RLock())
 
