@@ -10,7 +10,8 @@ import numpy as np
 from pyrdma import _reduce
 from pyrdma._hostcalls import HostCall
 from pyrdma.buffers import host_array
-from pyrdma.collectives import algorithms, ring, specs, tree
+from pyrdma.collectives import algorithms, specs
+from pyrdma.collectives.algorithms import ring, tree
 from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.specs import ALGORITHMS, OPS

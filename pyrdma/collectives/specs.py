@@ -13,7 +13,8 @@ import functools
 import numpy as np
 
 from pyrdma import _reduce
-from pyrdma.collectives import algorithms, ring, tree
+from pyrdma.collectives import algorithms
+from pyrdma.collectives.algorithms import ring, tree
 from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS
 from pyrdma.collectives.pieces import segment_bounds

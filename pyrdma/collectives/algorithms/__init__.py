@@ -10,7 +10,7 @@ blocks of others), else only the root's does and the others work on their own bl
 """
 from collections import namedtuple
 
-from pyrdma.collectives import ring, tree
+from pyrdma.collectives.algorithms import ring, tree
 from pyrdma.collectives.algorithms import exchange, rooted
 
 Algorithm = namedtuple("Algorithm", "planner full_area double_area", defaults=(False, False))

@@ -18,7 +18,7 @@ data into rank r - p, sit out the power-of-two algorithm, and get the result bac
 import functools
 
 from pyrdma.collectives.pieces import chunk_ranges, nchunks_for, segment_bounds
-from pyrdma.collectives.ring import whole_chunks
+from pyrdma.collectives.algorithms.ring import whole_chunks
 from pyrdma.collectives.schedule import COPY, NONE, REDUCE, REDUCE_LOWER, REDUCE_UPPER, Builder
 
 _cached = functools.lru_cache(maxsize=512)
