@@ -19,7 +19,7 @@ import pyrdma
 from pyrdma.collectives import Communicator, CostModel, MPIExchange, TCPStore, env_config, init_from_env
 from pyrdma import wire
 from pyrdma.testing import free_port
-from pyrdma.collectives import bootstrap, segment_bounds
+from pyrdma.collectives import algorithms, bootstrap, segment_bounds
 
 
 def in_threads(size, fn, timeout=60):
@@ -346,11 +346,11 @@ def test_cost_model_choices_and_overrides(monkeypatch):
         ["direct", "direct", "read", "read"]
     assert soft.choose_copy("scatter", 1 << 20, 2, 1 << 20) == "direct"      # one block: nothing to share
     assert {soft.choose_copy("gather", b, 4, 1 << 20) for b in (8, 32768, 1 << 20)} == {"direct"}
-    # every estimate grows with the size
-    for algo in ("ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "direct", "binomial_tree",
-                 "read"):
-        costs = [getattr(m, algo)(n, 5, 65536) for n in (1, 1 << 10, 1 << 20, 1 << 26)]
-        assert costs == sorted(costs), algo
+    # every estimate grows with the size (each algorithm's, from the registry)
+    for collective in algorithms.ALGORITHMS:
+        for entry in algorithms.entries(collective):
+            costs = [entry.cost(m, n, 5, 65536) for n in (1, 1 << 10, 1 << 20, 1 << 26)]
+            assert costs == sorted(costs), (collective, entry.name)
     monkeypatch.setenv("PYRDMA_ALLREDUCE_ALGORITHM", "tree")
     assert CostModel().choose_allreduce(64 << 20, 8, 256 * 1024) == "halving_doubling"   # read when made
 
@@ -485,6 +485,30 @@ def test_cost_model_choices_are_the_ones_before_the_registry():
             got = [choose(nbytes, n, max_message) for nbytes in _CHOICE_SIZES]
             assert got == [_CHOICE_LETTERS[c] for c in word], (model, max_message, what, n)
             assert {m.choose_copy("alltoall", nbytes, n, max_message) for nbytes in _CHOICE_SIZES} == {"pairwise"}
+
+
+def test_registry_entries_and_wire_ids():
+    # the ids every message's description carries: any change here changes the wire
+    assert algorithms.WIRE_NAMES == ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial",
+                                     "dissemination", "direct", "pairwise", "read")
+    from pyrdma.collectives import transport
+    assert transport.DESC_ALGORITHMS is algorithms.WIRE_NAMES
+    for collective, entries in algorithms.ALGORITHMS.items():
+        for name, entry in entries.items():
+            assert entry.name == name and callable(entry.planner) and callable(entry.cost), (collective, name)
+            assert entry.wire_name in algorithms.WIRE_NAMES
+    assert {c: algorithms.only(c).wire_id for c in ("allgather", "reduce_scatter", "barrier", "alltoall")} == \
+        {"allgather": 0, "reduce_scatter": 0, "barrier": 6, "alltoall": 8}
+    assert algorithms.aliases("allreduce") == {"tree": "halving_doubling", "hd": "halving_doubling",
+                                               "rd": "recursive_doubling"}
+    assert algorithms.canonical("allreduce", "rd") == "recursive_doubling"
+    assert algorithms.canonical("allreduce", "ring") == "ring" and algorithms.canonical("gather", "x") == "x"
+    rd = algorithms.ALGORITHMS["allreduce"]["recursive_doubling"]
+    assert rd.double_area and rd.in_place_instead in algorithms.ALGORITHMS["allreduce"]
+    assert pyrdma.collectives.ALGORITHMS == ("auto", "ring", "halving_doubling", "recursive_doubling", "tree", "hd",
+                                             "rd")
+    with pytest.raises(ValueError):
+        algorithms.only("allreduce")
 
 
 class _AlwaysRing(CostModel):
