@@ -18,7 +18,7 @@ import pyrdma
 from pyrdma.collectives import Communicator, CostModel, MPIExchange, TCPStore, env_config, init_from_env
 from pyrdma import wire
 from pyrdma.testing import free_port
-from pyrdma.collectives import bootstrap, segment_bounds
+from pyrdma.collectives import algorithms, bootstrap, segment_bounds
 from pyrdma.collectives.work import HostMemory
 
 
@@ -346,11 +346,11 @@ def test_cost_model_choices_and_overrides(monkeypatch):
         ["direct", "direct", "read", "read"]
     assert soft.choose_copy("scatter", 1 << 20, 2, 1 << 20) == "direct"      # one block: nothing to share
     assert {soft.choose_copy("gather", b, 4, 1 << 20) for b in (8, 32768, 1 << 20)} == {"direct"}
-    # every estimate grows with the size
-    for algo in ("ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "direct", "binomial_tree",
-                 "read"):
-        costs = [getattr(m, algo)(n, 5, 65536) for n in (1, 1 << 10, 1 << 20, 1 << 26)]
-        assert costs == sorted(costs), algo
+    # every estimate grows with the size (each algorithm's, from the registry)
+    for collective in algorithms.ALGORITHMS:
+        for entry in algorithms.entries(collective):
+            costs = [entry.cost(m, n, 5, 65536) for n in (1, 1 << 10, 1 << 20, 1 << 26)]
+            assert costs == sorted(costs), (collective, entry.name)
     monkeypatch.setenv("PYRDMA_ALLREDUCE_ALGORITHM", "tree")
     assert CostModel().choose_allreduce(64 << 20, 8, 256 * 1024) == "halving_doubling"   # read when made
 
@@ -363,6 +363,152 @@ def test_cost_model_choices_follow_changed_constants():
     assert m.choose_allreduce(256 << 10, 8, 256 * 1024) == "ring"
     m.alpha = 1.0                     # messages are all that counts: fewest steps
     assert m.choose_allreduce(256 << 10, 8, 256 * 1024) == "recursive_doubling"
+
+
+# The choices of the cost model before its estimates moved into the registry (costs were CostModel
+# methods looked up by name), the old code's answers pasted: per model, max_message and collective, one
+# word per rank count of _CHOICE_RANKS, one letter (_CHOICE_LETTERS) per size of _CHOICE_SIZES.
+_CHOICE_SIZES = (0, 1, 8, 100, 1000, 4096, 10000, 32768, 65536, 100000, 262144, 1 << 20, 3 << 20, 1 << 23,
+                 1 << 26)
+_CHOICE_RANKS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 33, 64)
+_CHOICE_LETTERS = {"R": "ring", "H": "halving_doubling", "D": "recursive_doubling", "C": "chain", "B": "binomial",
+                   "d": "direct", "r": "read"}
+_CHOICE_MODELS = {"rdma": {}, "tcp": {"transport": "tcp"}, "soft": {"software": True},
+                  "custom": {"alpha": 5e-6, "beta": 1e-10}}
+_CHOICES = {
+    ("rdma", 65536, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDRRRRRRR DDDDDDDRRRRRRRR DDDDDDDDHHRRRRR DDDDDDDDRRRRRRR DDDDDDDDRRRRRRR "
+        "DDDDDDDDHRRRRRR DDDDDDDDHHHRRRR DDDDDDDDHHRRRRR DDDDDDDDHHHRRRR DDDDDDDHHHHRRRR DDDDDDDHHHHHHRR",
+    ("rdma", 65536, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC "
+        "BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC",
+    ("rdma", 65536, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBBdddddddddd",
+    ("rdma", 65536, "scatter"):
+        "ddddddddddddddd ddddddddddddddd dddddddddddrrrr dddddddddddrrrr dddddddddddrrrr dddddddddddrrrr "
+        "dddddddddddrrrr dddddddddddrrrr ddddddddddrrrrr ddddddddddrrrrr ddddddddddrrrrr BBBBBdddddrrrrr",
+    ("rdma", 1048576, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDRRRRRRR DDDDDDDRRRRRRRR DDDDDDDDHHHRRRR DDDDDDDDRRRRRRR DDDDDDDDRRRRRRR "
+        "DDDDDDDDHRRRRRR DDDDDDDDHHHHRRR DDDDDDDDHHRRRRR DDDDDDDDHHHHHRR DDDDDDDHHHHRRRR DDDDDDDHHHHHHHR",
+    ("rdma", 1048576, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC "
+        "BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBBC",
+    ("rdma", 1048576, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBBdddddddddd",
+    ("rdma", 1048576, "scatter"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddr dddddddddddddrr dddddddddddddrr dddddddddddddrr "
+        "dddddddddddddrr dddddddddddddrr dddddddddddddrr dddddddddddddrr ddddddddddddrrr BBBBBdddddddrrr",
+    ("tcp", 65536, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDDRRRRRR DDDDDDDRRRRRRRR DDDDDDDDDHRRRRR DDDDDDDDDRRRRRR DDDDDDDDDRRRRRR "
+        "DDDDDDDDDHRRRRR DDDDDDDDDHHRRRR DDDDDDDDDHRRRRR DDDDDDDDDHHRRRR DDDDDDDDDHHRRRR DDDDDDDDDHHHHRR",
+    ("tcp", 65536, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC "
+        "BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC",
+    ("tcp", 65536, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBBBddddddddd",
+    ("tcp", 65536, "scatter"):
+        "ddddddddddddddd ddddddddddddddd dddddddddddrrrr dddddddddddrrrr dddddddddddrrrr dddddddddddrrrr "
+        "dddddddddddrrrr dddddddddddrrrr ddddddddddrrrrr ddddddddddrrrrr ddddddddddrrrrr BBBBBBddddrrrrr",
+    ("tcp", 1048576, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDDDRRRRR DDDDDDDRRRRRRRR DDDDDDDDDDHHRRR DDDDDDDDDRRRRRR DDDDDDDDDDRRRRR "
+        "DDDDDDDDDDRRRRR DDDDDDDDDDHHHRR DDDDDDDDDDHRRRR DDDDDDDDDHHHHHR DDDDDDDDDHHHRRR DDDDDDDDDHHHHHR",
+    ("tcp", 1048576, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC "
+        "BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBBC",
+    ("tcp", 1048576, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBBBddddddddd",
+    ("tcp", 1048576, "scatter"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddr dddddddddddddrr dddddddddddddrr dddddddddddddrr "
+        "dddddddddddddrr dddddddddddddrr dddddddddddddrr dddddddddddddrr ddddddddddddrrr BBBBBBddddddrrr",
+    ("soft", 65536, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDRRRRRRR DDDDDDDRRRRRRRR DDDDDDDDHHRRRRR DDDDDDDDRRRRRRR DDDDDDDDRRRRRRR "
+        "DDDDDDDDHRRRRRR DDDDDDDDHHHRRRR DDDDDDDDHHRRRRR DDDDDDDDHHHRRRR DDDDDDDHHHHRRRR DDDDDDDHHHHHHRR",
+    ("soft", 65536, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC "
+        "BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC",
+    ("soft", 65536, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBddddddddddd",
+    ("soft", 65536, "scatter"):
+        "ddddddddddddddd ddddddddddddddd dddddddrrrrrrrr dddddddrrrrrrrr dddddddrrrrrrrr ddddddrrrrrrrrr "
+        "ddddddrrrrrrrrr ddddddrrrrrrrrr ddddddrrrrrrrrr dddddrrrrrrrrrr dddddrrrrrrrrrr BBBBBrrrrrrrrrr",
+    ("soft", 1048576, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDRRRRRRR DDDDDDDRRRRRRRR DDDDDDDDHHHRRRR DDDDDDDDRRRRRRR DDDDDDDDRRRRRRR "
+        "DDDDDDDDHRRRRRR DDDDDDDDHHHHRRR DDDDDDDDHHRRRRR DDDDDDDDHHHHHRR DDDDDDDHHHHRRRR DDDDDDDHHHHHHHR",
+    ("soft", 1048576, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC "
+        "BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBBC",
+    ("soft", 1048576, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBddddddddddd",
+    ("soft", 1048576, "scatter"):
+        "ddddddddddddddd ddddddddddddddd dddddddrrrrrrrr dddddddrrrrrrrr dddddddrrrrrrrr ddddddrrrrrrrrr "
+        "ddddddrrrrrrrrr ddddddrrrrrrrrr ddddddrrrrrrrrr dddddrrrrrrrrrr dddddrrrrrrrrrr BBBBBrrrrrrrrrr",
+    ("custom", 65536, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDRRRRRRR DDDDDDRRRRRRRRR DDDDDDDHHHRRRRR DDDDDDDRRRRRRRR DDDDDDDHRRRRRRR "
+        "DDDDDDDHRRRRRRR DDDDDDDHHHHRRRR DDDDDDDHHHRRRRR DDDDDDDHHHHRRRR DDDDDDDHHHHRRRR DDDDDDDHHHHHHRR",
+    ("custom", 65536, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC BBBBBBBBBCCCCCC "
+        "BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBCCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC BBBBBBBBBBBCCCC",
+    ("custom", 65536, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBBdddddddddd",
+    ("custom", 65536, "scatter"):
+        "ddddddddddddddd ddddddddddddddd dddddddddddrrrr dddddddddddrrrr dddddddddddrrrr dddddddddddrrrr "
+        "dddddddddddrrrr dddddddddddrrrr ddddddddddrrrrr ddddddddddrrrrr ddddddddddrrrrr BBBBBdddddrrrrr",
+    ("custom", 1048576, "allreduce"):
+        "RRRRRRRRRRRRRRR DDDDDDDDRRRRRRR DDDDDDRRRRRRRRR DDDDDDDHHHHRRRR DDDDDDDRRRRRRRR DDDDDDDHRRRRRRR "
+        "DDDDDDDHRRRRRRR DDDDDDDHHHHHRRR DDDDDDDHHHRRRRR DDDDDDDHHHHHHRR DDDDDDDHHHHRRRR DDDDDDDHHHHHHHR",
+    ("custom", 1048576, "rooted"):
+        "CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC CCCCCCCCCCCCCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC "
+        "BBBBBBBBBBBBCCC BBBBBBBBBBBBCCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBCC BBBBBBBBBBBBBBC",
+    ("custom", 1048576, "gather"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd "
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd ddddddddddddddd BBBBBdddddddddd",
+    ("custom", 1048576, "scatter"):
+        "ddddddddddddddd ddddddddddddddd ddddddddddddddr dddddddddddddrr dddddddddddddrr dddddddddddddrr "
+        "dddddddddddddrr dddddddddddddrr dddddddddddddrr dddddddddddddrr ddddddddddddrrr BBBBBdddddddrrr",
+}
+
+
+def test_cost_model_choices_are_the_ones_before_the_registry():
+    for (model, max_message, what), words in _CHOICES.items():
+        m = CostModel(**_CHOICE_MODELS[model])
+        choose = {"allreduce": m.choose_allreduce, "rooted": m.choose_rooted,
+                  "gather": functools.partial(m.choose_copy, "gather"),
+                  "scatter": functools.partial(m.choose_copy, "scatter")}[what]
+        for n, word in zip(_CHOICE_RANKS, words.split(), strict=True):
+            got = [choose(nbytes, n, max_message) for nbytes in _CHOICE_SIZES]
+            assert got == [_CHOICE_LETTERS[c] for c in word], (model, max_message, what, n)
+            assert {m.choose_copy("alltoall", nbytes, n, max_message) for nbytes in _CHOICE_SIZES} == {"pairwise"}
+
+
+def test_registry_entries_and_wire_ids():
+    # the ids every message's description carries: any change here changes the wire
+    assert algorithms.WIRE_NAMES == ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial",
+                                     "dissemination", "direct", "pairwise", "read")
+    from pyrdma.collectives import transport
+    assert transport.DESC_ALGORITHMS is algorithms.WIRE_NAMES
+    for collective, entries in algorithms.ALGORITHMS.items():
+        for name, entry in entries.items():
+            assert entry.name == name and callable(entry.planner) and callable(entry.cost), (collective, name)
+            assert entry.wire_name in algorithms.WIRE_NAMES
+    assert {c: algorithms.only(c).wire_id for c in ("allgather", "reduce_scatter", "barrier", "alltoall")} == \
+        {"allgather": 0, "reduce_scatter": 0, "barrier": 6, "alltoall": 8}
+    assert algorithms.aliases("allreduce") == {"tree": "halving_doubling", "hd": "halving_doubling",
+                                               "rd": "recursive_doubling"}
+    assert algorithms.canonical("allreduce", "rd") == "recursive_doubling"
+    assert algorithms.canonical("allreduce", "ring") == "ring" and algorithms.canonical("gather", "x") == "x"
+    rd = algorithms.ALGORITHMS["allreduce"]["recursive_doubling"]
+    assert rd.double_area and rd.in_place_instead in algorithms.ALGORITHMS["allreduce"]
+    assert pyrdma.collectives.ALGORITHMS == ("auto", "ring", "halving_doubling", "recursive_doubling", "tree", "hd",
+                                             "rd")
+    with pytest.raises(ValueError):
+        algorithms.only("allreduce")
 
 
 class _AlwaysRing(CostModel):

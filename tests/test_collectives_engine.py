@@ -11,7 +11,8 @@ import pytest
 
 from mp import run_ranks
 from pyrdma.testing import count_python_calls, free_port
-from pyrdma.collectives import ring, schedule, tree
+from pyrdma.collectives import schedule
+from pyrdma.collectives.algorithms import ring, tree
 
 ROOTED = [ring.chain_broadcast, ring.chain_reduce, tree.binomial_broadcast, tree.binomial_reduce]
 ALLREDUCE = [ring.allreduce, tree.halving_doubling_allreduce, tree.recursive_doubling_allreduce]

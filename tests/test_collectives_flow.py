@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from pyrdma.collectives import ring, tree
+from pyrdma.collectives.algorithms import ring, tree
 from pyrdma.collectives.schedule import consumer, execute
 from pyrdma.errors import RDMATimeoutError
 

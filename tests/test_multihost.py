@@ -262,7 +262,8 @@ COLLECTIVE_GROUPS = [(2, False), (3, True), (4, False)]
 @pytest.mark.parametrize("size,torchrun", COLLECTIVE_GROUPS,
                          ids=[f"{n}ranks" + ("-torchrun" if t else "") for n, t in COLLECTIVE_GROUPS])
 def test_collectives_with_ranks_on_different_hosts(size, torchrun):
-    from pyrdma.collectives.costmodel import ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS
+    from pyrdma.collectives.algorithms import names
+    ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS = names("allreduce"), names("broadcast")
     need(size + 1 if torchrun else size)
     hosts = [_placement(r, size, HOSTS, torchrun) for r in range(size)]
     assert len({h.name for h in hosts}) == size

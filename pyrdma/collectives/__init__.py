@@ -2,7 +2,8 @@
 broadcast, allgather, reduce_scatter and barrier on numpy and buffer-protocol arrays, blocking and
 non-blocking. Start with ``Communicator`` or ``init_from_env()``.
 
-Layers, gloo-style: ``communicator`` (the API) runs algorithms (``ring``, ``tree``, picked by
+Layers, gloo-style: ``communicator`` (the API) runs algorithms (``algorithms``: ``ring``,
+``tree``, ``rooted``, ``exchange``, each registered with its cost function and wire id, picked by
 ``costmodel``) that talk only to a transport (``transport``: RdmaTransport, TcpTransport);
 ``bootstrap`` does the rendezvous; ``pyrdma._reduce`` holds the C reduction kernels.
 """

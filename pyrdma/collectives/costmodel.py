@@ -2,6 +2,9 @@
 
     time = messages * alpha + bytes on the busiest link * beta + bytes reduced * gamma
 
+Each algorithm's estimate is its registry entry's cost function (pyrdma.collectives.algorithms,
+beside its planner); this model holds the constants and picks the cheapest (``cheapest``).
+
 ``alpha`` is the cost of one message (latency plus per-message software overhead), ``beta`` the
 inverse bandwidth, ``gamma`` the inverse reduction throughput, ``overhead`` the part of alpha a rank
 pays for each of several messages in flight at once (LogP's o: a direct gather's root handles
@@ -23,10 +26,6 @@ import math
 import os
 
 from pyrdma.collectives import algorithms
-
-ALLREDUCE_ALGORITHMS = algorithms.names("allreduce")
-ROOTED_ALGORITHMS = algorithms.names("broadcast")          # broadcast and reduce
-ALIASES = {"tree": "halving_doubling", "hd": "halving_doubling", "rd": "recursive_doubling"}
 
 # Per-transport defaults: (alpha, beta, gamma). Soft-RoCE and TCP on one host are latency-heavy
 # (tens of microseconds per message including the Python step); a hardware NIC is ~5 us.
@@ -62,116 +61,62 @@ class CostModel:
         return (f"CostModel(alpha={self.alpha:g}, beta={self.beta:g}, gamma={self.gamma:g}, "
                 f"overhead={self.overhead:g}, copy={self.copy:g})")
 
-    def _send(self, nbytes, max_message):
+    # ---- what the registry's cost functions read (algorithms/: cost(model, nbytes, n, max_message)) ----
+
+    def messages(self, nbytes, max_message):
+        """How many messages carry ``nbytes`` (at least one; each pays alpha)."""
+        return _msgs(nbytes, max_message)
+
+    def send(self, nbytes, max_message):
+        """One message of ``nbytes`` to a peer: alpha for each of its pieces, beta for each byte."""
         return _msgs(nbytes, max_message) * self.alpha + nbytes * self.beta
 
-    def _fold(self, nbytes, n, max_message):
-        """Extra cost of a non-power-of-two rank count: fold in, and hand the result back."""
-        p = 1 << (n.bit_length() - 1)
-        return 0.0 if p == n else 2 * self._send(nbytes, max_message) + nbytes * self.gamma
+    # ---- the choice among a collective's algorithms -------------------------------------------
+
+    def costs(self, collective, nbytes, n, max_message):
+        """{algorithm: estimate} of every algorithm of ``collective`` (its registry cost function)."""
+        return {a.name: a.cost(self, nbytes, n, max_message) for a in algorithms.entries(collective)}
+
+    def cheapest(self, collective, nbytes, n, max_message):
+        """The algorithm of ``collective`` with the lowest estimate among those the registry lets
+        run on ``n`` ranks (min_ranks), a tie to the earlier entry; one preferred within a factor
+        (preferred_within: the ring) wins while its estimate stays within that factor."""
+        entries = [a for a in algorithms.entries(collective) if n >= a.min_ranks]
+        if len(entries) == 1:
+            return entries[0].name
+        costs = {a.name: a.cost(self, nbytes, n, max_message) for a in entries}
+        best = min(costs, key=costs.get)
+        for a in entries:
+            if a.preferred_within > 1 and costs[a.name] <= a.preferred_within * costs[best]:
+                return a.name
+        return best
 
     # ---- allreduce ----------------------------------------------------------------------------
-
-    def ring(self, nbytes, n, max_message):
-        seg = nbytes / n
-        return 2 * (n - 1) * self._send(seg, max_message) + (n - 1) * seg * self.gamma
-
-    def halving_doubling(self, nbytes, n, max_message):
-        p = 1 << (n.bit_length() - 1)
-        steps = p.bit_length() - 1
-        t, part = 0.0, nbytes
-        for _ in range(steps):
-            part /= 2
-            t += 2 * self._send(part, max_message) + part * self.gamma
-        return t + self._fold(nbytes, n, max_message)
-
-    def recursive_doubling(self, nbytes, n, max_message):
-        p = 1 << (n.bit_length() - 1)
-        steps = p.bit_length() - 1
-        return steps * (self._send(nbytes, max_message) + nbytes * self.gamma) + self._fold(nbytes, n, max_message)
-
-    def allreduce_costs(self, nbytes, n, max_message):
-        return {name: getattr(self, name)(nbytes, n, max_message) for name in ALLREDUCE_ALGORITHMS}
 
     def choose_allreduce(self, nbytes, n, max_message):
         forced = self.forced_allreduce
         if forced:
-            return ALIASES.get(forced, forced)
+            return algorithms.canonical("allreduce", forced)
         key = (nbytes, n, max_message, self.alpha, self.beta, self.gamma)
         chosen = self._chosen.get(key)
         if chosen is None:
             if len(self._chosen) >= 4096:
                 self._chosen.clear()
-            chosen = self._chosen[key] = self._cheapest_allreduce(nbytes, n, max_message)
+            chosen = self._chosen[key] = self.cheapest("allreduce", nbytes, n, max_message)
         return chosen
-
-    def _cheapest_allreduce(self, nbytes, n, max_message):
-        if n <= 1:
-            return "ring"
-        costs = self.allreduce_costs(nbytes, n, max_message)
-        best = min(ALLREDUCE_ALGORITHMS, key=lambda a: costs[a])
-        # near-ties go to the ring: neighbour-only traffic, steadier pipelining on real fabrics
-        return "ring" if costs["ring"] <= 1.05 * costs[best] else best
 
     def choose(self, nbytes, n, max_message):
         """Coarse form of choose_allreduce: "ring" or "tree" (any of the logarithmic algorithms)."""
         return "ring" if self.choose_allreduce(nbytes, n, max_message) == "ring" else "tree"
 
-    # ---- broadcast and reduce -----------------------------------------------------------------
-
-    def chain(self, nbytes, n, max_message):
-        k = _msgs(nbytes, max_message)
-        return (n - 1 + k - 1) * self._send(nbytes / k, max_message)
-
-    def binomial(self, nbytes, n, max_message):
-        # depth d = ceil(log2 n) rounds for one chunk; pipelined, the root sends each of the k
-        # chunks to up to d children, so its link carries d copies of the data.
-        depth = max(1, math.ceil(math.log2(n)))
-        k = _msgs(nbytes, max_message)
-        return k * depth * self._send(nbytes / k, max_message)
+    # ---- broadcast and reduce (the same algorithms and estimates: broadcast's entries answer) ----
 
     def choose_rooted(self, nbytes, n, max_message):
-        if n <= 2:
-            return "chain"
-        return "binomial" if self.binomial(nbytes, n, max_message) < self.chain(nbytes, n, max_message) else "chain"
+        return self.cheapest("broadcast", nbytes, n, max_message)
 
-    # ---- gather and scatter ---------------------------------------------------------------------
-
-    def direct(self, block, n, max_message):
-        """The root's n-1 messages are in flight together: one latency, then the root's handling of
-        each message and the bytes through its link (measured on rxe, 4 ranks: direct 2.2 ms
-        against binomial 4.0 ms at 32 KiB per rank, and no slower at 8 B)."""
-        return self.alpha + (n - 1) * (_msgs(block, max_message) * self.overhead + block * self.beta)
-
-    def binomial_tree(self, block, n, max_message):
-        """Rounds of doubling subtrees, one after another: the root's link carries n-1 blocks in
-        log2 n messages, and the inner ranks copy the blocks they forward out of their slots."""
-        rounds = range(max(1, (n - 1).bit_length()))
-        return sum(self._send((1 << k) * block, max_message) + ((1 << k) - 1) * block * self.gamma for k in rounds)
-
-    def read(self, block, n, max_message):
-        """A scatter whose ranks read their blocks: the root's offers, then the reads (one more
-        round trip), then each rank's word that it has its block."""
-        return 3 * self.alpha + 2 * (n - 1) * self.overhead + (n - 1) * block * self.beta
-
-    def copy_costs(self, kind, block, n, max_message):
-        """{algorithm: estimate} of a gather or scatter of ``block`` bytes per rank, with the
-        copying of a software device: a direct scatter's root starts every transfer, a gather's
-        senders each their own; a tree's rounds of doubling data follow one another; readers copy
-        at once."""
-        c = block * self.copy
-        costs = {"direct": self.direct(block, n, max_message) + ((n - 1) * c if kind == "scatter" else c),
-                 "binomial": self.binomial_tree(block, n, max_message) + (n - 1) * c}
-        if kind == "scatter":
-            costs["read"] = self.read(block, n, max_message) + c
-        return costs
+    # ---- gather, scatter and all-to-all ---------------------------------------------------------
 
     def choose_copy(self, kind, block, n, max_message):
         """The algorithm of a gather ("direct" or "binomial") or scatter (those or "read") of
         ``block`` bytes per rank; all-to-all has one ("pairwise")."""
-        if kind == "alltoall":
-            return "pairwise"
-        if n <= 2:
-            return "direct"
-        costs = self.copy_costs(kind, block, n, max_message)
-        return min(costs, key=costs.get)          # a tie goes to the first, direct
+        return self.cheapest(kind, block, n, max_message)

@@ -10,7 +10,7 @@ import numpy as np
 from pyrdma import _reduce
 from pyrdma._hostcalls import HostCall
 from pyrdma.buffers import host_array
-from pyrdma.collectives import algorithms, ring, specs, tree
+from pyrdma.collectives import algorithms, specs
 from pyrdma.collectives.algorithms import exchange
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.specs import ALGORITHMS, OPS
@@ -32,10 +32,10 @@ def allreduce(comm, buf, op, algorithm):
     plan = specs.allreduce_plan(comm, src, op, specs.check_algorithm(algorithm))
     if len(plan) != 1:
         return None
-    (lo, hi, algo, tag), = plan
+    (lo, hi, entry, tag), = plan
     t = comm.transport
-    schedule = algorithms.planner("allreduce", algo)(comm.size, comm.rank, src.count, src.itemsize, t.max_message)
-    in_place, work_bytes = specs.allreduce_work(comm, algo, src.nbytes)
+    schedule = entry.planner(comm.size, comm.rank, src.count, src.itemsize, t.max_message)
+    in_place, work_bytes = specs.allreduce_work(comm, entry, src.nbytes)
     return HostCall(t.engine.program(schedule), tag, src.code, specs.op_code(op), src.nbytes, schedule.result_offset,
                     work_bytes, None if in_place else t.own_region(work_bytes))
 
@@ -60,14 +60,13 @@ def reduce(comm, buf, op, root, algorithm):
     if src is None or src.nbytes > comm.max_work_bytes:
         return None
     try:
-        algo = specs.rooted_algorithm(comm, algorithm, src.nbytes)
+        entry = algorithms.ALGORITHMS["reduce"][specs.rooted_algorithm(comm, algorithm, src.nbytes)]
     except UsageError:
         return None
     t = comm.transport
-    schedule = algorithms.planner("reduce", algo)(comm.size, comm.rank, src.count, src.itemsize, t.max_message,
-                                                  root=root)
-    tag = specs.describe_call(comm, "reduce", op=op, dtype=src.code, count=src.count, root=root, lo=0,
-                              hi=src.count, algorithm=algo)
+    schedule = entry.planner(comm.size, comm.rank, src.count, src.itemsize, t.max_message, root=root)
+    tag = specs.describe_call(comm, "reduce", entry, op=op, dtype=src.code, count=src.count, root=root, lo=0,
+                              hi=src.count)
     return HostCall(t.engine.program(schedule), tag, src.code, specs.op_code(op), src.nbytes, 0, src.nbytes,
                     t.own_region(src.nbytes), out_bytes=src.nbytes if comm.rank == root else 0)
 
@@ -79,16 +78,15 @@ def broadcast(comm, buf, root, algorithm):
     is_root = comm.rank == root
     try:
         arr, data = plain_bytes(buf, "buf", writable=not is_root)
-        algo = specs.rooted_algorithm(comm, algorithm, data.nbytes)
+        entry = algorithms.ALGORITHMS["broadcast"][specs.rooted_algorithm(comm, algorithm, data.nbytes)]
     except UsageError:
         return None
     nbytes = data.nbytes
     if not nbytes or nbytes > comm.max_work_bytes or specs.zero_copy(comm, nbytes):
         return None
     t = comm.transport
-    schedule = algorithms.planner("broadcast", algo)(comm.size, comm.rank, nbytes, 1, t.max_message, root=root)
-    tag = specs.describe_call(comm, "broadcast", dtype=arr.dtype, count=nbytes, root=root, lo=0, hi=nbytes,
-                              algorithm=algo)
+    schedule = entry.planner(comm.size, comm.rank, nbytes, 1, t.max_message, root=root)
+    tag = specs.describe_call(comm, "broadcast", entry, dtype=arr.dtype, count=nbytes, root=root, lo=0, hi=nbytes)
     return HostCall(t.engine.program(schedule), tag, 0, 0, nbytes if is_root else 0, 0, nbytes,
                     t.own_region(nbytes), out_bytes=0 if is_root else nbytes)
 
@@ -106,8 +104,9 @@ def allgather(comm, buf):
     if not block or specs.zero_copy(comm, total):
         return None
     t = comm.transport
-    schedule = ring.allgather(n, r, total, 1, t.max_message, bounds=tuple(i * block for i in range(n + 1)))
-    tag = specs.describe_call(comm, "allgather", dtype=arr.dtype, count=arr.size)
+    entry = algorithms.only("allgather")
+    schedule = entry.planner(n, r, total, 1, t.max_message, bounds=tuple(i * block for i in range(n + 1)))
+    tag = specs.describe_call(comm, "allgather", entry, dtype=arr.dtype, count=arr.size)
     return HostCall(t.engine.program(schedule), tag, 0, 0, block, 0, total, t.own_region(total),
                     in_offset=r * block, out_bytes=total)
 
@@ -122,9 +121,9 @@ def reduce_scatter(comm, buf, op):
     bounds = segment_bounds(src.count, comm.size)
     a, b = bounds[comm.rank] * src.itemsize, bounds[comm.rank + 1] * src.itemsize
     t = comm.transport
-    schedule = ring.reduce_scatter(comm.size, comm.rank, src.count, src.itemsize, t.max_message,
-                                   bounds=tuple(bounds))
-    tag = specs.describe_call(comm, "reduce_scatter", op=op, dtype=src.code, count=src.count)
+    entry = algorithms.only("reduce_scatter")
+    schedule = entry.planner(comm.size, comm.rank, src.count, src.itemsize, t.max_message, bounds=tuple(bounds))
+    tag = specs.describe_call(comm, "reduce_scatter", entry, op=op, dtype=src.code, count=src.count)
     return HostCall(t.engine.program(schedule), tag, src.code, specs.op_code(op), src.nbytes, a, src.nbytes,
                     t.own_region(src.nbytes), out_bytes=b - a)
 
@@ -143,8 +142,9 @@ def alltoall(comm, buf):
     piece = data.nbytes // n
     bounds = tuple(i * piece for i in range(n + 1))
     t = comm.transport
-    schedule = algorithms.planner("alltoall", "pairwise")(n, r, bounds, bounds, data.nbytes, t.max_message)
-    tag = specs.describe_call(comm, "alltoall", dtype=arr.dtype, count=arr.size, algorithm="pairwise")
+    entry = algorithms.only("alltoall")
+    schedule = entry.planner(n, r, bounds, bounds, data.nbytes, t.max_message)
+    tag = specs.describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=arr.size)
     return HostCall(t.engine.program(schedule), tag, 0, 0, data.nbytes, data.nbytes, 2 * data.nbytes,
                     t.own_region(2 * data.nbytes), own=(r * piece, data.nbytes + r * piece, piece))
 
@@ -164,7 +164,7 @@ def rooted_copy(comm, kind, piece, root, algorithm):
     at = r * block if full else 0
     t = comm.transport
     schedule = entry.planner(n, r, root, block, t.max_message)
-    tag = specs.describe_call(comm, kind, dtype=arr.dtype, count=arr.size, root=root, algorithm=algo)
+    tag = specs.describe_call(comm, kind, entry, dtype=arr.dtype, count=arr.size, root=root)
     area = n * block if full else block
     if kind == "gather":          # in: this rank's block; out: all of them, on the root
         return HostCall(t.engine.program(schedule), tag, 0, 0, block, 0, area, t.own_region(area), in_offset=at,
@@ -196,9 +196,9 @@ def message(comm, buf, peer, tag, receive):
 def barrier(comm):
     """The HostCall of barrier() (see allreduce): the same plan and description
     as the general path's."""
-    t = comm.transport
-    return HostCall(t.engine.program(tree.dissemination_barrier(comm.size, comm.rank)),
-                    specs.describe_call(comm, "barrier", algorithm="dissemination"), 0, 0, 0, 0, 0, t.own_region(0))
+    t, entry = comm.transport, algorithms.only("barrier")
+    return HostCall(t.engine.program(entry.planner(comm.size, comm.rank)), specs.describe_call(comm, "barrier", entry),
+                    0, 0, 0, 0, 0, t.own_region(0))
 
 
 def registration(comm, buf):

@@ -1,6 +1,7 @@
 """Schedules: a collective planned once as a flat list of steps, then executed.
 
-The algorithms (ring.py, tree.py) plan; they never send. A Schedule holds two int64 arrays:
+The algorithms (algorithms/: ring.py, tree.py, rooted.py, exchange.py) plan; they never send. A
+Schedule holds two int64 arrays:
 
     steps   (S, 8): kind, send_peer, recv_peer, send_first, nsend, recv_first, nrecv, consume
     chunks  (C, 3): offset, nbytes, aux              (byte offsets into the work area)

@@ -6,23 +6,24 @@ area, what to copy in before and out after) and says what the call returns, as a
 Communicator runs every spec by one path (Communicator._call: blocking, or non-blocking on its
 thread), so a collective's blocking and ``i*`` forms are the same spec; the one-call path of
 pyrdma._hostcalls prepares its calls with the same plans and descriptions (hostplans). Adding a
-collective is one planner (algorithms/), one spec here and its tests.
+collective is one planner with its registry entry (algorithms/), one spec here and its tests; the
+specs take every algorithm's planner, properties and wire id from the registry.
 """
 import functools
 
 import numpy as np
 
 from pyrdma import _reduce
-from pyrdma.collectives import algorithms, ring, tree
+from pyrdma.collectives import algorithms
 from pyrdma.collectives.algorithms import exchange
-from pyrdma.collectives.costmodel import ALIASES, ALLREDUCE_ALGORITHMS, ROOTED_ALGORITHMS
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.transport import NO_ROOT, describe, describe_message
 from pyrdma.collectives.work import HOST, Avg, Operand, byte_bounds, in_and_out, plain_bytes
 from pyrdma.errors import UsageError
 
 OPS = ("sum", "prod", "min", "max", "avg")
-ALGORITHMS = ("auto",) + ALLREDUCE_ALGORITHMS + tuple(ALIASES)
+ALGORITHMS = ("auto",) + algorithms.names("allreduce") + tuple(algorithms.aliases("allreduce"))   # allreduce's
+ROOTED_ALGORITHMS = algorithms.names("broadcast")       # broadcast's and reduce's (the same ones)
 
 
 class Run:
@@ -77,11 +78,12 @@ def check_op(op):
 # ---- the Communicator's choices, shared by the specs and the one-call path (hostplans) ----
 
 
-def describe_call(comm, kind, **fields):
-    """The description of a collective about to be submitted (transport.describe): every rank
-    computes the same one for the same call, and every message carries it (the sequence
-    number advances in Executor.submit, once the call was accepted)."""
-    return describe(comm._exec.seq, kind, **fields)
+def describe_call(comm, kind, entry, **fields):
+    """The description of a collective about to be submitted (transport.describe) that runs the
+    registry's Algorithm ``entry`` (its wire id goes in): every rank computes the same one for the
+    same call, and every message carries it (the sequence number advances in Executor.submit, once
+    the call was accepted)."""
+    return describe(comm._exec.seq, kind, algorithm=entry.wire_name, **fields)
 
 
 def work_pieces(comm, count, itemsize, factor=1):
@@ -95,7 +97,7 @@ def work_pieces(comm, count, itemsize, factor=1):
 def check_algorithm(algorithm):
     if algorithm not in ALGORITHMS:
         raise UsageError(f"unknown algorithm {algorithm!r}; use one of {', '.join(ALGORITHMS)}")
-    return ALIASES.get(algorithm, algorithm)
+    return algorithms.canonical("allreduce", algorithm)
 
 
 def rooted_algorithm(comm, algorithm, nbytes):
@@ -128,11 +130,11 @@ def zero_copy(comm, nbytes):
     return bool(comm.zero_copy_bytes) and nbytes >= comm.zero_copy_bytes
 
 
-def allreduce_work(comm, algo, nbytes):
-    """(in place?, work bytes) of an allreduce of ``nbytes`` by ``algo``, for the general path and
-    the one-call path alike: in place when zero_copy, except by an algorithm that needs room for a
-    second copy (recursive doubling: the registry's double_area)."""
-    if algorithms.ALGORITHMS["allreduce"][algo].double_area:
+def allreduce_work(comm, entry, nbytes):
+    """(in place?, work bytes) of an allreduce of ``nbytes`` by the Algorithm ``entry``, for the
+    general path and the one-call path alike: in place when zero_copy, except by an algorithm that
+    needs room for a second copy (recursive doubling: the registry's double_area)."""
+    if entry.double_area:
         return False, 2 * nbytes
     return zero_copy(comm, nbytes), nbytes
 
@@ -142,22 +144,24 @@ def chosen_allreduce(comm, algorithm, nbytes):
     if algorithm != "auto":
         return algorithm
     algo = comm.cost_model.choose_allreduce(nbytes, comm.size, comm.transport.max_message)
-    algo = ALIASES.get(algo, algo)
-    if algo not in ALLREDUCE_ALGORITHMS:
+    algo = algorithms.canonical("allreduce", algo)
+    if algo not in algorithms.ALGORITHMS["allreduce"]:
         raise UsageError(f"the cost model chose an unknown algorithm {algo!r}")
     return algo
 
 
 def allreduce_plan(comm, src, op, algorithm, kind="allreduce", in_place=False):
-    """[(lo, hi, algorithm, description)] of the pieces of an allreduce of ``src``. ``in_place``:
-    the algorithms run on the caller's memory, so none that needs a second copy of it."""
+    """[(lo, hi, Algorithm, description)] of the pieces of an allreduce of ``src``. ``in_place``:
+    the algorithms run on the caller's memory, so none that needs a second copy of it (the
+    registry's in_place_instead runs instead)."""
     plan = []
+    registered = algorithms.ALGORITHMS["allreduce"]
     for lo, hi in work_pieces(comm, src.count, src.itemsize):
-        algo = chosen_allreduce(comm, algorithm, (hi - lo) * src.itemsize)
-        if in_place and algorithms.ALGORITHMS["allreduce"][algo].double_area:
-            algo = "halving_doubling"
-        tag = describe_call(comm, kind, op=op, dtype=src.code, count=src.count, lo=lo, hi=hi, algorithm=algo)
-        plan.append((lo, hi, algo, tag))
+        entry = registered[chosen_allreduce(comm, algorithm, (hi - lo) * src.itemsize)]
+        if in_place and entry.double_area:
+            entry = registered[entry.in_place_instead]
+        tag = describe_call(comm, kind, entry, op=op, dtype=src.code, count=src.count, lo=lo, hi=hi)
+        plan.append((lo, hi, entry, tag))
     return plan
 
 
@@ -178,10 +182,10 @@ def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
     work area of its own kind (see allreduce_direct), always in place, with its own reductions."""
     runs = []
     memory = src if direct else HOST
-    for lo, hi, algo, tag in allreduce_plan(comm, src, op, algorithm, "allreduce-direct" if direct else "allreduce",
-                                            in_place=direct):
+    for lo, hi, entry, tag in allreduce_plan(comm, src, op, algorithm, "allreduce-direct" if direct else "allreduce",
+                                             in_place=direct):
         a, b = lo * src.itemsize, hi * src.itemsize
-        in_place, work_bytes = (True, b - a) if direct else allreduce_work(comm, algo, b - a)
+        in_place, work_bytes = (True, b - a) if direct else allreduce_work(comm, entry, b - a)
 
         def fill(work, a=a, b=b, in_place=in_place):
             if not in_place or src is not dst:
@@ -193,8 +197,7 @@ def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
             avg.after(work[at:at + b - a])
             if not in_place:
                 dst.bytes[a:b] = work[at:at + b - a]
-        plan = functools.partial(algorithms.planner("allreduce", algo), comm.size, comm.rank, hi - lo,
-                                 src.itemsize)
+        plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize)
         runs.append(Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, op_code(op),
                         lend=dst.bytes if in_place else None, start=a, kind=memory))
     return runs
@@ -207,7 +210,7 @@ def reduce(comm, buf, out, op, root, algorithm, dtype):
     avg = Avg(op, src.code, comm.size)
     runs = []
     for lo, hi in work_pieces(comm, src.count, src.itemsize):
-        algo = rooted_algorithm(comm, algorithm, (hi - lo) * src.itemsize)
+        entry = algorithms.ALGORITHMS["reduce"][rooted_algorithm(comm, algorithm, (hi - lo) * src.itemsize)]
         a, b = lo * src.itemsize, hi * src.itemsize
 
         def fill(work, a=a, b=b):
@@ -218,10 +221,8 @@ def reduce(comm, buf, out, op, root, algorithm, dtype):
             if comm.rank == root:
                 avg.after(work[:b - a])
                 dst.bytes[a:b] = work[:b - a]
-        plan = functools.partial(algorithms.planner("reduce", algo), comm.size, comm.rank, hi - lo, src.itemsize,
-                                 root=root)
-        tag = describe_call(comm, "reduce", op=op, dtype=src.code, count=src.count, root=root, lo=lo, hi=hi,
-                            algorithm=algo)
+        plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize, root=root)
+        tag = describe_call(comm, "reduce", entry, op=op, dtype=src.code, count=src.count, root=root, lo=lo, hi=hi)
         runs.append(Run(plan, tag, b - a, fill, finish, src.code, op_code(op)))
     return Spec(runs, lambda: dst.obj if comm.rank == root else None)
 
@@ -231,7 +232,7 @@ def broadcast(comm, buf, root, algorithm):
     arr, data = plain_bytes(buf, "buf", writable=comm.rank != root)    # any dtype: broadcast copies bytes
     runs = []
     for lo, hi in work_pieces(comm, data.nbytes, 1):
-        algo = rooted_algorithm(comm, algorithm, hi - lo)
+        entry = algorithms.ALGORITHMS["broadcast"][rooted_algorithm(comm, algorithm, hi - lo)]
         # in place the root only sends from its buffer (which may be read-only)
         lend = data if zero_copy(comm, hi - lo) else None
 
@@ -242,10 +243,8 @@ def broadcast(comm, buf, root, algorithm):
         def finish(work, schedule, received, lo=lo, hi=hi, lend=lend):
             if comm.rank != root and lend is None:
                 data[lo:hi] = work[:hi - lo]
-        plan = functools.partial(algorithms.planner("broadcast", algo), comm.size, comm.rank, hi - lo, 1,
-                                 root=root)
-        tag = describe_call(comm, "broadcast", dtype=arr.dtype, count=data.nbytes, root=root, lo=lo, hi=hi,
-                            algorithm=algo)
+        plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, 1, root=root)
+        tag = describe_call(comm, "broadcast", entry, dtype=arr.dtype, count=data.nbytes, root=root, lo=lo, hi=hi)
         runs.append(Run(plan, tag, hi - lo, fill, finish, lend=lend, start=lo))
     return Spec(runs, lambda: buf)
 
@@ -273,9 +272,10 @@ def allgather(comm, buf, out):
             dst[:] = work[:total]
         return out
     # blocks as "elements" of one byte: boundaries at multiples of the block size
-    plan = functools.partial(ring.allgather, comm.size, comm.rank, total, 1,
+    entry = algorithms.only("allgather")
+    plan = functools.partial(entry.planner, comm.size, comm.rank, total, 1,
                              bounds=tuple(i * block for i in range(comm.size + 1)))
-    tag = describe_call(comm, "allgather", dtype=arr.dtype, count=arr.size)
+    tag = describe_call(comm, "allgather", entry, dtype=arr.dtype, count=arr.size)
     return Spec([Run(plan, tag, total, fill, finish, lend=lend)])
 
 
@@ -301,15 +301,16 @@ def reduce_scatter(comm, buf, out, op, dtype):
         avg.after(work[a:b])
         dst.bytes[:] = work[a:b]
         return dst.obj
-    plan = functools.partial(ring.reduce_scatter, comm.size, comm.rank, src.count, src.itemsize,
-                             bounds=tuple(bounds))
-    tag = describe_call(comm, "reduce_scatter", op=op, dtype=src.code, count=src.count)
+    entry = algorithms.only("reduce_scatter")
+    plan = functools.partial(entry.planner, comm.size, comm.rank, src.count, src.itemsize, bounds=tuple(bounds))
+    tag = describe_call(comm, "reduce_scatter", entry, op=op, dtype=src.code, count=src.count)
     return Spec([Run(plan, tag, src.nbytes, fill, finish, src.code, op_code(op))])
 
 
 def barrier(comm):
-    plan = lambda max_message: tree.dissemination_barrier(comm.size, comm.rank)    # noqa: E731
-    return Spec([Run(plan, describe_call(comm, "barrier", algorithm="dissemination"), 0)])
+    entry = algorithms.only("barrier")
+    plan = lambda max_message: entry.planner(comm.size, comm.rank)    # noqa: E731
+    return Spec([Run(plan, describe_call(comm, "barrier", entry), 0)])
 
 
 def gather(comm, buf, out, root, algorithm):
@@ -376,7 +377,7 @@ def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish):
     full = entry.full_area or r == root
     at = r * block if full else 0
     return Spec([Run(functools.partial(entry.planner, n, r, root, block),
-                     describe_call(comm, kind, dtype=dtype, count=count, root=root, algorithm=algo),
+                     describe_call(comm, kind, entry, dtype=dtype, count=count, root=root),
                      n * block if full else block, lambda work: fill(work, at),
                      lambda work, schedule, received: finish(work, at))])
 
@@ -413,7 +414,8 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
                          f"{out_arr.dtype}")
     base = sb[-1]
     count = arr.size if send_counts is None else 0     # uneven counts: each message's length is checked
-    tag = describe_call(comm, "alltoall", dtype=arr.dtype, count=count, algorithm="pairwise")
+    entry = algorithms.only("alltoall")
+    tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
 
     def fill(work):
         work[:base] = src
@@ -422,7 +424,7 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
         dst[:] = work[base:base + rb[-1]]
         dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
         return out
-    plan = functools.partial(algorithms.planner("alltoall", "pairwise"), n, r, sb, rb, base)
+    plan = functools.partial(entry.planner, n, r, sb, rb, base)
     return Spec([Run(plan, tag, base + rb[-1], fill, finish)])
 
 
@@ -493,10 +495,9 @@ def broadcast_direct(comm, area, root, algorithm):
     memory, as allreduce_direct's) from root, sent from directly."""
     runs = []
     for lo, hi in work_pieces(comm, area.bytes.nbytes, 1):
-        algo = rooted_algorithm(comm, algorithm, hi - lo)
-        plan = functools.partial(algorithms.planner("broadcast", algo), comm.size, comm.rank, hi - lo, 1,
-                                 root=root)
-        tag = describe_call(comm, "broadcast-direct", dtype=dtype_field(area.dtype_name), count=area.bytes.nbytes,
-                        root=root, lo=lo, hi=hi, algorithm=algo)
+        entry = algorithms.ALGORITHMS["broadcast"][rooted_algorithm(comm, algorithm, hi - lo)]
+        plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, 1, root=root)
+        tag = describe_call(comm, "broadcast-direct", entry, dtype=dtype_field(area.dtype_name),
+                            count=area.bytes.nbytes, root=root, lo=lo, hi=hi)
         runs.append(Run(plan, tag, hi - lo, lend=area.bytes, start=lo, kind=area))
     return Spec(runs)

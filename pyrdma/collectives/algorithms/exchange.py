@@ -28,6 +28,11 @@ def pairwise_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message):
     return b.build()
 
 
+def pairwise_alltoall_cost(model, block, n, max_message):
+    """n-1 steps, each one block out and one in (``block``: the bytes for each rank)."""
+    return (n - 1) * model.send(block, max_message)
+
+
 @_cached
 def message(dst, nbytes, src, capacity, recv_base, max_message):
     b = Builder()

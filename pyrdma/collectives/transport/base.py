@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 
+from pyrdma.collectives.algorithms import WIRE_NAMES
 from pyrdma.errors import PeerError, UsageError
 
 # Each message costs a post, a completion and a Python step, so large chunks matter once messages
@@ -70,8 +71,7 @@ assert DESC.size == 44 and HEADER.size == 48
 KINDS = ("", "allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "barrier",
          "allreduce-direct", "broadcast-direct", "test", "gather", "scatter", "alltoall", "send")
 DESC_OPS = ("", "sum", "prod", "min", "max", "avg")
-DESC_ALGORITHMS = ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial", "dissemination",
-                   "direct", "pairwise", "read")
+DESC_ALGORITHMS = WIRE_NAMES          # by wire id, from the registry (pyrdma.collectives.algorithms)
 NO_ROOT = 0xFFFFFFFF
 BYTE_DTYPE = 0x8000                     # dtype field of byte-copying collectives: numpy's type number
 

@@ -12,6 +12,9 @@ on the same rank has the same steps.
 - allgather: rank r's block r is copied to every rank.
 - chain_broadcast / chain_reduce: a pipelined chain along the ring from / to ``root``; for large
   messages (each link carries the data once; n-1 + chunks - 1 steps).
+
+Each planner's estimate for the cost model sits beside it (``*_cost(model, nbytes, n,
+max_message)``, in seconds; the registry, algorithms/__init__.py, pairs them).
 """
 import functools
 
@@ -56,16 +59,33 @@ def allreduce(n, r, count, itemsize, max_message):
     return _ring(n, r, count, itemsize, max_message, None, (r + 1) % n, (r + 1) % n)
 
 
+def allreduce_cost(model, nbytes, n, max_message):
+    """2(n-1) messages of a segment (nbytes / n) each, n-1 segments reduced."""
+    seg = nbytes / n
+    return 2 * (n - 1) * model.send(seg, max_message) + (n - 1) * seg * model.gamma
+
+
 @_cached
 def reduce_scatter(n, r, count, itemsize, max_message, bounds=None):
     """Afterwards this rank's segment r (of ``bounds``, a tuple; default segment_bounds) is reduced."""
     return _ring(n, r, count, itemsize, max_message, bounds, r, None)
 
 
+def reduce_scatter_cost(model, nbytes, n, max_message):
+    """The allreduce's first half: n-1 messages of a segment, n-1 segments reduced."""
+    seg = nbytes / n
+    return (n - 1) * model.send(seg, max_message) + (n - 1) * seg * model.gamma
+
+
 @_cached
 def allgather(n, r, count, itemsize, max_message, bounds=None):
     """``count`` elements in n blocks (``bounds``, default equal); block r goes to every rank."""
     return _ring(n, r, count, itemsize, max_message, bounds, None, r)
+
+
+def allgather_cost(model, nbytes, n, max_message):
+    """``nbytes``: the result (n blocks); n-1 messages of a block each."""
+    return (n - 1) * model.send(nbytes / n, max_message)
 
 
 def whole_chunks(count, itemsize, max_message):
@@ -90,6 +110,12 @@ def chain_broadcast(n, r, count, itemsize, max_message, root):
         b.root_greeted(n, r, root)
         b.wait_sends()
     return b.build()
+
+
+def chain_cost(model, nbytes, n, max_message):
+    """chain_broadcast's and chain_reduce's: n-1 + k-1 pipelined steps of one of k chunks each."""
+    k = model.messages(nbytes, max_message)
+    return (n - 1 + k - 1) * model.send(nbytes / k, max_message)
 
 
 @_cached

@@ -14,11 +14,14 @@ data into rank r - p, sit out the power-of-two algorithm, and get the result bac
   of twice the data (a double buffer); the schedule's result_offset says which half holds the result.
 - binomial_broadcast / binomial_reduce: binomial tree from / to ``root``, pipelined per chunk.
 - dissemination_barrier: ceil(log2 n) rounds of zero-byte messages, any n.
+
+Each planner's estimate for the cost model sits beside it, as in ring.py.
 """
 import functools
+import math
 
 from pyrdma.collectives.pieces import chunk_ranges, nchunks_for, segment_bounds
-from pyrdma.collectives.ring import whole_chunks
+from pyrdma.collectives.algorithms.ring import whole_chunks
 from pyrdma.collectives.schedule import COPY, NONE, REDUCE, REDUCE_LOWER, REDUCE_UPPER, Builder
 
 _cached = functools.lru_cache(maxsize=512)
@@ -39,6 +42,13 @@ def _fold_in(b, n, r, p, chunks):
     if r + p < n:
         b.recv(r + p, chunks, REDUCE)
     return False
+
+
+def _fold_cost(model, nbytes, n, max_message):
+    """What _fold_in and the hand-back cost on a non-power-of-two rank count: two messages of the
+    whole data and one reduction."""
+    p = _pow2_floor(n)
+    return 0.0 if p == n else 2 * model.send(nbytes, max_message) + nbytes * model.gamma
 
 
 def _halving_doubling_steps(count, itemsize, p, r, max_message):
@@ -90,6 +100,17 @@ def halving_doubling_allreduce(n, r, count, itemsize, max_message):
     return b.build()
 
 
+def halving_doubling_cost(model, nbytes, n, max_message):
+    """log2 p steps each way, the exchanged part halving (and doubling back); the halving's parts
+    reduced."""
+    steps = _pow2_floor(n).bit_length() - 1
+    t, part = 0.0, nbytes
+    for _ in range(steps):
+        part /= 2
+        t += 2 * model.send(part, max_message) + part * model.gamma
+    return t + _fold_cost(model, nbytes, n, max_message)
+
+
 @_cached
 def recursive_doubling_allreduce(n, r, count, itemsize, max_message):
     """Needs a work area of 2 * count * itemsize bytes (see the module's docstring)."""
@@ -116,6 +137,12 @@ def recursive_doubling_allreduce(n, r, count, itemsize, max_message):
         b.send(r + p, [(cur + off, nb) for off, nb in chunks])
     b.wait_sends()
     return b.build(result_offset=cur)
+
+
+def recursive_doubling_cost(model, nbytes, n, max_message):
+    """log2 p steps, each one message of the whole data and its reduction."""
+    steps = _pow2_floor(n).bit_length() - 1
+    return steps * (model.send(nbytes, max_message) + nbytes * model.gamma) + _fold_cost(model, nbytes, n, max_message)
 
 
 def _binomial(n, v):
@@ -175,6 +202,15 @@ def binomial_reduce(n, r, count, itemsize, max_message, root):
     return b.build()
 
 
+def binomial_cost(model, nbytes, n, max_message):
+    """binomial_broadcast's and binomial_reduce's: depth d = ceil(log2 n) rounds for one chunk;
+    pipelined, the root sends each of the k chunks to up to d children, so its link carries d
+    copies of the data."""
+    depth = max(1, math.ceil(math.log2(n)))
+    k = model.messages(nbytes, max_message)
+    return k * depth * model.send(nbytes / k, max_message)
+
+
 @_cached
 def dissemination_barrier(n, r):
     b = Builder()
@@ -184,3 +220,8 @@ def dissemination_barrier(n, r):
         dist <<= 1
     b.wait_sends()
     return b.build()
+
+
+def dissemination_cost(model, nbytes, n, max_message):
+    """ceil(log2 n) rounds of one zero-byte message each (``nbytes`` is always 0)."""
+    return (n - 1).bit_length() * model.send(0, max_message)
