@@ -223,6 +223,9 @@ def main():
 def dead_rank(rank, size, out, t, timeout_s, fsdp2):
     """The last rank exits without a word; rank 0's next step (an FSDP2 step with ``fsdp2``, else an
     all_reduce) in a group with a ``timeout_s`` timeout must fail naming it."""
+    # the ranks enter the short group's rendezvous together: its timeout bounds the dead rank's
+    # detection, not how far apart the ranks finished their workloads (seconds, in the emulated VM)
+    dist.barrier()
     short = dist.new_group(backend="pyrdma", timeout=datetime.timedelta(seconds=timeout_s))
     if fsdp2:
         step = workloads.fsdp2_dead_rank_step(short, rank, size, DEVICE)    # one step with every rank
