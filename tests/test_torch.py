@@ -183,7 +183,7 @@ def test_torchrun_over_rdma_across_hosts_collectives_ddp_workloads_and_a_dead_ra
         launch = ["--nnodes=1", "--node-rank=0", f"--master-addr={hosts[0].address}", f"--master-port={port}"]
         before = [testbed.tx_bytes(h.netdev) for h in hosts]
         reports = _torchrun(2, tmp_path, "rdma", "--dead-rank", "--dead-rank-timeout", str(DEAD_RANK_TIMEOUT),
-                            "--test-bed", launch=launch, timeout=420)
+                            "--test-bed", launch=launch, timeout=600)
         for rep, host in zip(reports, hosts):
             assert rep["checks"]["host"] == host.name
             assert rep["checks"]["gid indices"] == [host.gid_index], (host, rep["checks"]["gid indices"])
@@ -191,7 +191,7 @@ def test_torchrun_over_rdma_across_hosts_collectives_ddp_workloads_and_a_dead_ra
             assert testbed.tx_bytes(host.netdev) - b > 64 << 10, f"{host.name}'s veth carried too little"
     else:
         reports = _torchrun(2, tmp_path, "rdma", "--dead-rank", "--dead-rank-timeout", str(DEAD_RANK_TIMEOUT),
-                            timeout=420)
+                            timeout=600)
     _assert_all_passed(reports, "rdma")
     assert len(reports[0]["checks"]) > 30        # the collectives ran, not only DDP
     _assert_workloads_ran(reports)
