@@ -198,6 +198,37 @@ def test_send_recv_tags_sizes_and_interleaved_collectives(worlds, transport, siz
     assert all(w.run(_p2p_uninvolved, timeout=120))
 
 
+def _isend_beside_collectives(comm):
+    """MPI's progress rule, as a 1F1B pipeline beside data-parallel gradients uses it: each rank
+    isends to the next (small messages and one of several chunks, over the zero-copy size), runs
+    collectives, and only then receives from the previous. The messages that arrive during the
+    collectives are kept for their receives, never taken for the collectives' own."""
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    small = [comm.isend(np.full(1000, 10 * k + r, np.int32), right, tag=1) for k in range(3)]
+    big = 3 * ZERO_COPY
+    sent = comm.isend(piece(r, right, big, "int8"), right, tag=2)
+    x = np.full(5000, r + 1, np.float64)           # several chunks, so several messages per peer
+    comm.allreduce(x)
+    assert (x == n * (n + 1) / 2).all()
+    y = comm.gather(np.full(3, r, np.int16), root=n - 1)
+    assert r != n - 1 or np.array_equal(y.reshape(n, 3)[:, 0], np.arange(n))
+    for k in range(3):
+        z = np.zeros(1000, np.int32)
+        assert comm.recv(z, left, tag=1) == 1000 and (z == 10 * k + left).all(), k
+    z = np.zeros(big, np.int8)
+    assert comm.recv(z, left, tag=2) == big and np.array_equal(z, piece(left, r, big, "int8"))
+    for h in small + [sent]:
+        assert h.wait(timeout=60) is None
+    return True
+
+
+@pytest.mark.parametrize("transport, size", _params([2, 3, 4], []))
+def test_isend_then_collectives_then_recv(worlds, transport, size):
+    w = worlds(transport, size)
+    assert all(w.run(_isend_beside_collectives, timeout=120))
+
+
 def _big_send(comm, nbytes, zero_copy_bytes):
     """Rank 0 sends ``nbytes`` to rank 1; rank 1 returns how many messages came through its slots
     (over RDMA; None over TCP)."""

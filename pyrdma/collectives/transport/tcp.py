@@ -13,7 +13,7 @@ import numpy as np
 from pyrdma import _reduce
 from pyrdma.collectives.schedule import consumer, execute
 from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_DATA, _REASONS, DEFAULT_TCP_MESSAGE, DESC,
-                                               NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _OwnBuffer,
+                                               KINDS, NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _OwnBuffer,
                                                _malformed, _Waits, abort_error, check_header, describe,
                                                too_long_error)
 from pyrdma.collectives.work import HOST
@@ -27,6 +27,7 @@ _FRAME = struct.Struct("!BxxxIQ")             # kind, 0 (abort: reason; control:
 _TCP_QUERY, _TCP_REPORT = 3, 4
 MAX_TCP_MESSAGE = 1 << 30                     # the bound on max_message, so on any frame a peer may send
 HELLO_TIMEOUT = 10.0                          # the longest an accepted connection may take to say hello
+_KIND_AT, _SEND_KIND = 38, KINDS.index("send")  # where a description says its kind, and point-to-point's
 
 
 
@@ -85,6 +86,7 @@ class TcpTransport(_OwnBuffer, _Waits):
         self.links = {}                      # peer -> _Link, once connected
         self.queries = {}                    # peer -> epoch of its unanswered QUERY (answered by _step)
         self.socks = {}                      # peer -> socket, while connecting
+        self._awaited = ()                   # the queue the current wait waits on (_check_peer)
         self._own = self._work = None
         self._kind = HOST
         self.buffer(0)
@@ -207,6 +209,7 @@ class TcpTransport(_OwnBuffer, _Waits):
     def recv(self, peer, nbytes):
         inbox = self.links[peer].inbox
         if not inbox:
+            self._awaited = inbox
             self._wait(lambda: len(inbox) > 0, peer, f"a {nbytes}-byte message")
         with self._cond:
             desc, data = inbox.popleft()
@@ -217,8 +220,9 @@ class TcpTransport(_OwnBuffer, _Waits):
     def recv_upto(self, peer, nbytes):
         """(data, the message's whole length) of the next chunk of a point-to-point message from
         ``peer``: at most ``nbytes``; its description's count is the sender's to say."""
-        inbox = self.links[peer].inbox
+        inbox = self.links[peer].unexpected
         if not inbox:
+            self._awaited = inbox
             self._wait(lambda: len(inbox) > 0, peer, f"a message of up to {nbytes} bytes")
         with self._cond:
             desc, data = inbox.popleft()
@@ -278,7 +282,7 @@ class TcpTransport(_OwnBuffer, _Waits):
 
     def _check_peer(self, peer):
         link = self.links[peer]
-        if link.gone is not None and not link.inbox:
+        if link.gone is not None and not self._awaited:
             raise PeerError(f"rank {peer} is gone: {link.gone} (it died, or closed its communicator)",
                             peer=peer)
 
@@ -310,7 +314,8 @@ class TcpTransport(_OwnBuffer, _Waits):
                 kind, a, b, desc, data = frame
                 with self._cond:
                     if kind == _KIND_DATA:
-                        self.links[peer].inbox.append((desc, data))
+                        link = self.links[peer]
+                        (link.unexpected if desc[_KIND_AT] == _SEND_KIND else link.inbox).append((desc, data))
                     elif kind == _KIND_ABORT:
                         if self.failure is None:
                             self.failure = abort_error(peer, b, a)
@@ -344,11 +349,16 @@ class TcpTransport(_OwnBuffer, _Waits):
 
 class _Link:
     """All state of the connection to one peer."""
-    __slots__ = ("sock", "inbox", "gone")
+    __slots__ = ("sock", "inbox", "unexpected", "gone")
 
     def __init__(self, sock):
         self.sock = sock
-        self.inbox = collections.deque()     # (description, payload) of arrived data frames
+        # (description, payload) of arrived data frames: the collectives' in their order, and apart
+        # from them the point-to-point messages (MPI's unexpected-message queue), so a message sent
+        # by isend before a collective waits for its receive after it, and is never taken for the
+        # collective's
+        self.inbox = collections.deque()
+        self.unexpected = collections.deque()
         self.gone = None                     # why the connection ended, once it has
 
 
