@@ -36,6 +36,8 @@ cdef enum:
     C_HEADER_ROOM = 64
     NWC = 64
     RDV_MAX_WRITE = 1 << 30          # the longest RDMA WRITE of a rendezvous (larger ones are split)
+    DESC_KIND_AT = 38                # the byte of a description that says its kind
+    DESC_KIND_SEND = 13              # ... for a point-to-point message (transport.base.KINDS)
 
 # what a wait waits for, and the kinds of failure (failure())
 cdef enum:
@@ -54,11 +56,21 @@ cdef enum:
     FAIL_POLL = 7
     FAIL_MALFORMED = 8
     FAIL_PYTHON = 9
+    FAIL_MEMORY = 10
 
 cdef extern from "Python.h":
     ctypedef struct PyThreadState
     PyThreadState *PyEval_SaveThread() nogil
     void PyEval_RestoreThread(PyThreadState *state) nogil
+
+
+# A message taken out of its slot to wait for a receive of its class (MPI's unexpected-message
+# queue): a point-to-point message that arrived while a collective ran, or a collective's that
+# arrived while a point-to-point receive ran. Its payload follows the struct.
+cdef struct kept_t:
+    kept_t *next
+    uint32_t length
+    uint8_t header[C_HEADER_ROOM]
 
 
 cdef struct peer_t:
@@ -82,6 +94,9 @@ cdef struct peer_t:
     uint64_t remote_mailbox  # where we write ours in the peer's memory
     uint8_t *cts_staging     # our answer's source (registered with the headers)
     int cts                  # answers arrived and not yet acted on (0 or 1)
+    kept_t *kept[2]          # kept messages, oldest first: [0] collectives', [1] point-to-point
+    kept_t *kept_last[2]
+    kept_t *taken            # the kept message _recv returned, freed by _release
 
 
 @cython.final
@@ -146,7 +161,12 @@ cdef class Engine:
     cdef bint mailboxes              # the regions have them (else rendezvous stays off)
     cdef uint32_t work_rkey
     cdef int rdv_peer                # the send waiting for its receiver's answer, -1: none
-    cdef int64_t rdv_off, rdv_len
+    cdef int64_t rdv_len
+    cdef uint64_t rdv_addr           # its payload (registered under rdv_lkey) and description, kept
+    cdef uint32_t rdv_lkey           # so that a later run may write it once parked
+    cdef uint8_t rdv_desc[DESC_SIZE]
+    cdef bint park                   # this run's rendezvous send may stay pending after it (isend)
+    cdef readonly unsigned long long parks     # rendezvous sends left pending by a run, so far
     cdef bint hold_gil               # the run holds the GIL until a wait (_execute_holding_gil)
     cdef PyThreadState *released     # the thread state a wait of such a run saved, releasing the GIL
     cdef readonly unsigned long long polls      # CQ polls, and sleeps on the completion channel, so far
@@ -173,12 +193,14 @@ cdef class Engine:
     cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil
     cdef bint _can_send(self, int peer) noexcept nogil
     cdef int _send(self, int peer, int64_t off, int64_t n) noexcept nogil
-    cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n) noexcept nogil
+    cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n, const uint8_t *desc) noexcept nogil
     cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
     cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*) noexcept nogil
+    cdef int _keep(self, peer_t *p, const uint8_t *start, uint32_t got) noexcept nogil
     cdef int _release(self, int peer) noexcept nogil
+    cdef int _return_slot(self, int peer) noexcept nogil
     cdef int _consume(self, int kind, const int64_t *chunk, uint8_t *data) noexcept nogil
     cdef int _callback(self, int kind, int64_t off, int64_t n, int64_t aux, uint8_t *data) noexcept nogil
     cdef int _check_signals(self) noexcept nogil

@@ -23,7 +23,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 from libc.errno cimport errno
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
-from libc.stdlib cimport calloc, free
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memcmp, memset
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport (VerbsObject, use, unuse, monotonic_now, pyrdma_load_flag, pyrdma_store_flag,
@@ -62,7 +62,8 @@ WAITS = {WAIT_CREDIT: "credit", WAIT_ARRIVAL: "arrival", WAIT_SEND_QUEUE: "send 
          WAIT_CTS: "rendezvous"}
 FAILURES = {FAIL_LINK: "link", FAIL_ABORT: "abort", FAIL_MISMATCH: "mismatch", FAIL_TIMEOUT: "timeout",
             FAIL_CLOSED: "closed", FAIL_POST: "post", FAIL_POLL: "poll", FAIL_MALFORMED: "malformed",
-            FAIL_PYTHON: "python"}
+            FAIL_PYTHON: "python", FAIL_MEMORY: "memory"}
+SEND_KIND = DESC_KIND_SEND          # transport.base.KINDS' index of "send" (a test compares them)
 
 cdef double CLOSE_POLL = 0.2        # the longest one sleep lasts before looking at close() and signals
 cdef double SIGNAL_CHECK = 0.05     # how often a wait runs the signal handlers
@@ -260,10 +261,17 @@ cdef class Engine:
         self.spin_yields = size > sysconf(_SC_NPROCESSORS_ONLN)
 
     def __dealloc__(self):
-        cdef int p
+        cdef int p, c
+        cdef kept_t *k
         if self.peers != NULL:
             for p in range(self.size):
                 free(self.peers[p].arrivals)
+                free(self.peers[p].taken)
+                for c in range(2):
+                    while self.peers[p].kept[c] != NULL:
+                        k = self.peers[p].kept[c]
+                        self.peers[p].kept[c] = k.next
+                        free(k)
             free(self.peers)
         free(self.queried)
         free(self.visited)
@@ -326,13 +334,42 @@ cdef class Engine:
             pass
         return prog
 
+    def parked(self):
+        """The peer of the rendezvous send a run left pending (run's ``park``), -1: none."""
+        return self.rdv_peer
+
+    def settle(self, int peer, bint background=False, bint newest=True):
+        """Finish a rendezvous send to ``peer`` that a run left pending: wait for the receiver's
+        answer (``newest``: it is the last one parked, which may still wait for it), write the
+        message, and wait until the writes are done (its memory is the caller's again). Returns 0;
+        on failure the failure kind, as run()."""
+        cdef int i, used = 0, rc = 0
+        self._check_peer(peer)
+        if self.fail_kind != FAIL_NONE:
+            return self.fail_kind
+        for i in range(len(self.keep)):
+            use(<VerbsObject>self.keep[i])
+            used += 1
+        self.spin_now = 0.0 if background else self.spin_adaptive
+        self.signals = PyThread_get_thread_ident() == _main_thread
+        try:
+            with nogil:
+                if newest and self.rdv_peer == peer:
+                    rc = self._wait(WAIT_CTS, peer, self.rdv_len)
+                if rc == 0 and self.peers[peer].data_outstanding:
+                    rc = self._wait(WAIT_SENDS_DONE, peer, 0)
+        finally:
+            for i in range(used):
+                unuse(<VerbsObject>self.keep[i])
+        return self.fail_kind if rc < 0 else 0
+
     def description(self):
         """The description the last run expected its received messages to carry."""
         return bytes((<char *>self.rdesc)[:DESC_SIZE])
 
     def run(self, Program program not None, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
             bytes desc not None, int dtype, int op, consume=None, bint background=False, bytes recv_desc=None,
-            uint32_t work_rkey=0):
+            uint32_t work_rkey=0, bint park=False):
         """Execute a Program (see program()) on the work area [work_addr, + work_len) (registered
         with work_lkey). ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None
         (host memory: reductions and copies in C), or ``consume(kind, offset, nbytes, aux,
@@ -342,8 +379,11 @@ cdef class Engine:
         goes to the caller's compute. ``recv_desc``: the description received messages must carry
         when it differs from the one sent (point-to-point). ``work_rkey``: the work area's remote
         key when it takes RDMA writes (a rendezvous receive is written there; 0: it does not, and a
-        rendezvous message to it fails). Returns 0; on failure returns the
-        failure kind (see failure() and python_error()), leaving the error to the caller."""
+        rendezvous message to it fails). ``park``: a rendezvous send this run begins may stay
+        pending when the run ends (an isend, whose memory stays the caller's until its wait: later
+        runs write it once the receiver answers, settle() finishes it; ``parks`` counts them).
+        Returns 0; on failure returns the failure kind (see failure() and python_error()), leaving
+        the error to the caller."""
         cdef int rc
         if recv_desc is None:
             recv_desc = desc
@@ -354,6 +394,7 @@ cdef class Engine:
         memcpy(self.rdesc, <const uint8_t *><char *>recv_desc, DESC_SIZE)
         self._begin(program, work_addr, work_len, work_lkey, <const uint8_t *><char *>desc, dtype, op, consume,
                     background, work_rkey)
+        self.park = park
         try:
             with nogil:
                 rc = self._execute(program.steps, program.nsteps, program.chunks)
@@ -379,7 +420,7 @@ cdef class Engine:
         memcpy(self.desc, desc, DESC_SIZE)
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
         self.work_rkey = work_rkey
-        self.rdv_peer = -1
+        self.park = False
         self.consume = consume
         self.py_error = None
         self.spin_now = 0.0 if background else self.spin_adaptive
@@ -494,17 +535,21 @@ cdef class Engine:
         that buffer and a second header (FIN) behind them. The writes go from whichever wait sees
         the CTS (_progress), so two ranks that send to each other this way never wait on each other."""
         cdef int sent = 0, k, last
-        cdef bint rts
+        cdef bint rts, began = False
         cdef uint8_t *data
         cdef int64_t total = 0, capacity = 0, got = 0, send_len = 0
         for k in range(nr):
             capacity += rch[k * CHUNK_COLUMNS + 1]
         for k in range(ns):
             send_len += sch[k * CHUNK_COLUMNS + 1]
-        if ns and self.rendezvous_bytes > 0 and self.mailboxes and send_len >= self.rendezvous_bytes:
+        # one rendezvous send at a time: while one is parked, the others go through the slots
+        if ns and self.rendezvous_bytes > 0 and self.mailboxes and send_len >= self.rendezvous_bytes \
+                and self.rdv_peer < 0:
             if self._send(sp, sch[0], 0) < 0:            # the RTS: its description's count is the length
                 return -1
-            self.rdv_peer, self.rdv_off, self.rdv_len = sp, sch[0], send_len
+            self.rdv_peer, self.rdv_len, began = sp, send_len, True
+            self.rdv_addr, self.rdv_lkey = <uint64_t><uintptr_t>(self.work + sch[0]), self.work_lkey
+            memcpy(self.rdv_desc, self.desc, DESC_SIZE)
             ns = 0
         elif ns:
             if self._send(sp, sch[0], sch[1]) < 0:
@@ -549,8 +594,11 @@ cdef class Engine:
                 if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
                     return -1
                 sent += 1
-        if self.rdv_peer >= 0 and self._wait(WAIT_CTS, sp, send_len) < 0:
-            return -1
+        if began and self.rdv_peer >= 0:
+            if self.park:
+                self.parks += 1
+            elif self._wait(WAIT_CTS, sp, send_len) < 0:
+                return -1
         self.received = got
         return 0
 
@@ -608,8 +656,8 @@ cdef class Engine:
         while done < self.rdv_len:
             n = min(<int64_t>RDV_MAX_WRITE, self.rdv_len - done)
             memset(&wr, 0, sizeof(wr))
-            sge.addr = <uint64_t><uintptr_t>(self.work + self.rdv_off + done)
-            sge.length, sge.lkey = <uint32_t>n, self.work_lkey
+            sge.addr = self.rdv_addr + <uint64_t>done
+            sge.length, sge.lkey = <uint32_t>n, self.rdv_lkey
             wr.sg_list, wr.num_sge = &sge, 1
             wr.wr_id = (<uint64_t>peer << 2) | 1          # a payload read from the work area
             wr.opcode = IBV_WR_RDMA_WRITE
@@ -621,7 +669,8 @@ cdef class Engine:
             p.data_outstanding += 1
             done += n
         self.rdv_peer = -1
-        return self._send(peer, self.rdv_off, 0)            # the FIN, behind the writes (RC keeps order)
+        # the FIN, behind the writes (RC keeps order), with the send's own description
+        return self._send_from(peer, self.rdv_addr, self.rdv_lkey, 0, self.rdv_desc)
 
     cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil:
         """OFFER: a 16-byte message to ``peer`` saying where its chunks lie in our work area
@@ -639,7 +688,7 @@ cdef class Engine:
         memcpy(p.cts_staging, &addr, 8)
         memcpy(p.cts_staging + 8, &self.work_rkey, 4)
         memcpy(p.cts_staging + 12, &length, 4)
-        return self._send_from(peer, <uint64_t><uintptr_t>p.cts_staging, self.header_lkey, 16)
+        return self._send_from(peer, <uint64_t><uintptr_t>p.cts_staging, self.header_lkey, 16, self.desc)
 
     cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil:
         """FETCH: take ``peer``'s offer of our chunks and RDMA READ them into the work area; returns
@@ -697,10 +746,10 @@ cdef class Engine:
         """One WRITE_WITH_IMM of two gather entries, the header's room and the payload, into the
         peer's next slot: one packet for a small message (a separate header WRITE doubled the
         packets, and rxe's work, of every small collective)."""
-        return self._send_from(peer, <uint64_t><uintptr_t>(self.work + off), self.work_lkey, n)
+        return self._send_from(peer, <uint64_t><uintptr_t>(self.work + off), self.work_lkey, n, self.desc)
 
-    cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n) noexcept nogil:
-        """_send of the payload at ``addr`` (registered under ``lkey``)."""
+    cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n, const uint8_t *desc) noexcept nogil:
+        """_send of the payload at ``addr`` (registered under ``lkey``) behind ``desc``."""
         cdef peer_t *p = &self.peers[peer]
         cdef ibv_sge sge[2]
         cdef ibv_send_wr wr
@@ -714,7 +763,7 @@ cdef class Engine:
                 return -1
         slot = p.send_seq % <uint64_t>self.slots
         hdr = p.headers + slot * C_HEADER_ROOM
-        memcpy(hdr, self.desc, DESC_SIZE)
+        memcpy(hdr, desc, DESC_SIZE)
         memcpy(hdr + DESC_SIZE, &len32, 4)                # little-endian, as struct "<44sI"
         memset(&wr, 0, sizeof(wr))
         sge[0].addr, sge[0].length, sge[0].lkey = <uint64_t><uintptr_t>hdr, C_HEADER_ROOM, self.header_lkey
@@ -780,13 +829,32 @@ cdef class Engine:
         cdef peer_t *p = &self.peers[peer]
         cdef uint32_t got, length
         cdef uint8_t *start
-        if p.arr_count == 0:
-            if self._wait(WAIT_ARRIVAL, peer, n) < 0:
-                return NULL
-        got = p.arrivals[p.arr_head]
-        p.arr_head = (p.arr_head + 1) % self.slots
-        p.arr_count -= 1
-        start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+        cdef uint8_t *data
+        cdef kept_t *k = p.kept[<int>upto]
+        if k != NULL:                   # kept while a call of the other class ran: it came first
+            p.kept[<int>upto] = k.next
+            if k.next == NULL:
+                p.kept_last[<int>upto] = NULL
+            p.taken = k
+            got, start, data = k.length, k.header, <uint8_t *>(k + 1)
+        else:
+            while True:
+                if p.arr_count == 0:
+                    if self._wait(WAIT_ARRIVAL, peer, n) < 0:
+                        return NULL
+                got = p.arrivals[p.arr_head]
+                p.arr_head = (p.arr_head + 1) % self.slots
+                p.arr_count -= 1
+                start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+                p.recv_seq += 1
+                if (start[DESC_KIND_AT] == DESC_KIND_SEND) == upto:
+                    break
+                # a point-to-point message during a collective (an isend before it), or a later
+                # collective's during a point-to-point receive: kept for its own receive, its slot
+                # freed, so neither holds up the other (MPI's progress rule)
+                if self._keep(p, start, got) < 0 or self._return_slot(peer) < 0:
+                    return NULL
+            data = start + C_HEADER_ROOM
         memcpy(&length, start + DESC_SIZE, 4)
         if upto:
             if memcmp(start, self.rdesc, 8) != 0 or memcmp(start + 16, self.rdesc + 16, DESC_SIZE - 16) != 0 \
@@ -802,10 +870,34 @@ cdef class Engine:
                 memcpy(self.fail_desc, start, DESC_SIZE)
                 self._fail(FAIL_MISMATCH, peer, length if length != n else got, n)
             return NULL
-        p.recv_seq += 1
-        return start + C_HEADER_ROOM
+        return data
+
+    cdef int _keep(self, peer_t *p, const uint8_t *start, uint32_t got) noexcept nogil:
+        """Keep the message at ``start`` (``got`` payload bytes) in its class's queue."""
+        cdef int c = start[DESC_KIND_AT] == DESC_KIND_SEND
+        cdef kept_t *k = <kept_t *>malloc(sizeof(kept_t) + got)
+        if k == NULL:
+            return self._fail(FAIL_MEMORY, -1, got, 0)
+        k.next, k.length = NULL, got
+        memcpy(k.header, start, C_HEADER_ROOM)
+        memcpy(<uint8_t *>(k + 1), start + C_HEADER_ROOM, got)
+        if p.kept_last[c] != NULL:
+            p.kept_last[c].next = k
+        else:
+            p.kept[c] = k
+        p.kept_last[c] = k
+        return 0
 
     cdef int _release(self, int peer) noexcept nogil:
+        """The message _recv returned is consumed: its slot goes back (a kept one is freed)."""
+        cdef peer_t *p = &self.peers[peer]
+        if p.taken != NULL:
+            free(p.taken)
+            p.taken = NULL
+            return 0
+        return self._return_slot(peer)
+
+    cdef int _return_slot(self, int peer) noexcept nogil:
         cdef peer_t *p = &self.peers[peer]
         p.unreturned += 1
         if p.unreturned >= self.credit_batch:

@@ -29,6 +29,8 @@ def test_schedule_layout_matches_the_engine():
     from pyrdma.collectives.transport import HEADER_ROOM
     assert {k: v for k, v in _engine.LAYOUT.items() if k != "HEADER_ROOM"} == ours
     assert _engine.LAYOUT["HEADER_ROOM"] == HEADER_ROOM
+    from pyrdma.collectives.transport.base import KINDS
+    assert _engine.SEND_KIND == KINDS.index("send")      # the engine tells point-to-point messages apart
 
 
 def _messages(plan):

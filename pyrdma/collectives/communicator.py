@@ -50,7 +50,7 @@ from pyrdma._hostcalls import communicator_recv, communicator_send
 from pyrdma.collectives import specs
 from pyrdma.collectives.bootstrap import MPIExchange, StoreExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import CostModel
-from pyrdma.collectives.executor import Executor, Handle  # noqa: F401 - Handle: the package's name
+from pyrdma.collectives.executor import Executor, Handle, SendHandle  # noqa: F401 - Handle: the package's name
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.schedule import consumer
 from pyrdma.collectives.specs import ALGORITHMS, OPS, check_op  # noqa: F401 - ALGORITHMS, OPS: the package's names
@@ -461,7 +461,17 @@ class Communicator:
     recv = communicator_recv
 
     def isend(self, buf, dst, tag=0):
-        return self._call(specs.p2p, buf, dst, None, tag, blocking=False)
+        """Non-blocking send. Over RDMA a message of ``zero_copy_bytes`` or more goes on without
+        holding up the calls after it: they run while it waits for its receive (SendHandle)."""
+        if _is_cuda(buf):
+            return self._call(specs.p2p, buf, dst, None, tag, blocking=False)
+        spec = specs.p2p(self, buf, dst, None, tag)
+        t = self.transport
+
+        def job():
+            self._run_spec(spec, park=True)
+            return None, [t.parked_ticket] if t.parked_ticket else []
+        return SendHandle(self._exec.submit(False, job, seq=False), self._exec, t)
 
     def irecv(self, buf, src, tag=0):
         return self._call(specs.p2p, buf, None, src, tag, blocking=False)
@@ -509,17 +519,23 @@ class Communicator:
                 spec = specs.p2p(self, buf, (r + k) % n if s else None, (r - k) % n if v else None, tag)
                 steps.append(tuple((x[0], spec) for x in (s, v) if x is not None))
         results = [None] * len(ops)
+        t = self.transport
 
         def run():
             if staged is not None:
                 staged.download()
+            tickets = []
             for step in steps:
-                got = self._run_spec(step[0][1])      # each step one run: its own descriptions
+                # each step one run: its own descriptions; a lone send may park (SendHandle)
+                lone_send = len(step) == 1 and ops[step[0][0]][0] == "send" and staged is None
+                got = self._run_spec(step[0][1], park=lone_send)
+                if lone_send and t.parked_ticket:
+                    tickets.append(t.parked_ticket)
                 for i, _ in step:
                     if ops[i][0] == "recv":
                         results[i] = got
-            return results if staged is None else staged.upload(results)
-        return self._exec.submit(False, run, seq=False)
+            return (results if staged is None else staged.upload(results)), tickets
+        return SendHandle(self._exec.submit(False, run, seq=False), self._exec, t)
 
     def _call(self, make_spec, *args, blocking, dtype=_NO_DTYPE):
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run
@@ -584,7 +600,9 @@ class Communicator:
             return staged.upload(self._run_spec(spec))
         return job, spec.collective
 
-    def _run_spec(self, spec):
+    def _run_spec(self, spec, park=False):
+        """Run a spec's runs. ``park``: an isend's, whose rendezvous from a lent buffer may
+        outlive the run (RdmaTransport.run)."""
         t = self.transport
         value = None
         for run in spec.runs:
@@ -594,7 +612,7 @@ class Communicator:
                 run.fill(work)
             t.set_tag(run.tag, run.recv_tag)
             consume = consumer(work, run.kind.reduce, run.kind.write) if run.kind.consumes else None
-            received = t.run(schedule, run.dtype, run.op, consume)
+            received = t.run(schedule, run.dtype, run.op, consume, park=park and run.lend is not None)
             if run.finish is not None:
                 value = run.finish(work, schedule, received)
         return value if spec.result is None else spec.result()

@@ -41,6 +41,61 @@ class Handle:
             raise RDMATimeoutError(f"the collective is still running after {timeout} s", call="Handle.wait") from None
 
 
+class SendHandle:
+    """The Handle of a call that sends point-to-point messages (isend, batch). Over RDMA a message
+    of rendezvous size from the caller's memory leaves its turn once the receiver is told of it (a
+    parked send: the transport's ``parked_ticket``), so that the calls after it run meanwhile, as
+    MPI's progress rule wants (an isend, then a collective, then the receive on the other side).
+    Their waits write it when the receiver answers; wait() finishes it. The job returns (result,
+    tickets of its parked sends). Its memory is the caller's again once wait() returns or test()
+    says True."""
+
+    def __init__(self, handle, executor, transport):
+        self._handle, self._executor, self._transport = handle, executor, transport
+
+    def _pending(self):
+        """The tickets of its parked sends not finished yet (the call must have left its turn)."""
+        _, tickets = self._handle.wait()
+        return [t for t in tickets if not self._transport.finished(t)]
+
+    def test(self):
+        if not self._handle.test():
+            return False
+        try:
+            return not self._pending()
+        except BaseException:
+            return True
+
+    done = property(test)
+
+    def add_done_callback(self, fn):
+        """``fn(handle)`` once the call is done, its parked sends included: those are settled by a
+        call queued behind the ones made meanwhile, never waited for here (this runs on the
+        communicator's own thread, which must go on to run them)."""
+        def left_its_turn(_handle):
+            try:
+                pending = self._pending()
+                if pending:
+                    self._executor.submit(False, self._settle, pending, seq=False).add_done_callback(
+                        lambda _settled: fn(self))
+                    return
+            except BaseException:     # the error is wait()'s to raise
+                pass
+            fn(self)
+        self._handle.add_done_callback(left_its_turn)
+
+    def _settle(self, tickets):
+        for ticket in tickets:
+            self._transport.settle(ticket)
+
+    def wait(self, timeout=None):
+        result, tickets = self._handle.wait(timeout)
+        pending = [t for t in tickets if not self._transport.finished(t)]
+        if pending:
+            self._executor.submit(True, self._settle, pending, seq=False).wait(timeout)
+        return result
+
+
 class _Done:
     """A Handle-like result of a collective that ran inline."""
 

@@ -1,5 +1,6 @@
 """RdmaTransport: RC QPs to every peer; the data path is the C engine (pyrdma._engine)."""
 import collections
+import ctypes
 
 import numpy as np
 
@@ -22,10 +23,15 @@ MAX_INLINE = 256
 SOFTWARE_VENDORS = frozenset((0xFFFFFF, 0x626D74))
 
 
-def _slot_consumer(consume, slots):
-    """The engine's callback (kind, offset, nbytes, aux, slot offset) over schedule's consume()."""
+def _slot_consumer(consume, slots, base):
+    """The engine's callback (kind, offset, nbytes, aux, offset from the slots' address ``base``)
+    over schedule's consume(). A message the engine kept aside (Engine._keep) lies outside the slots."""
     def callback(kind, off, nbytes, aux, at):
-        consume(kind, (off, nbytes, aux), slots[at:at + nbytes])
+        if 0 <= at <= len(slots) - nbytes:
+            data = slots[at:at + nbytes]
+        else:
+            data = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(base + at), np.uint8)
+        consume(kind, (off, nbytes, aux), data)
     return callback
 
 
@@ -145,6 +151,10 @@ class RdmaTransport(_OwnBuffer, _Waits):
         # Callers' buffers registered by work_area, most recent last. Each MR keeps its buffer
         # alive, so its address range cannot be freed and handed to other memory while cached.
         self._user_mrs = collections.OrderedDict()
+        # parked rendezvous sends (run's ``park``), not settled yet: {ticket: registration}, and the
+        # registrations the cache let go while they still needed them (closed once settled)
+        self._parked = {}
+        self._evicted = []
         self.buffer(0)
         placeholder = Endpoint(qpn=0, psn=0)
         record = b"".join((placeholder if p == self.rank else self.links[p].qp.endpoint(mr=self.slot_mr)).to_bytes()
@@ -244,33 +254,73 @@ class RdmaTransport(_OwnBuffer, _Waits):
         mr, base = kind.register(self.pd, lend, access)
         stale = self._user_mrs.pop((addr, size), None)     # registered before without remote write
         if stale is not None:
-            stale[0].close()
+            self._let_go(stale[0])
         self._user_mrs[(addr, size)] = (mr, base)
         while len(self._user_mrs) > USER_MR_CACHE:
-            self._user_mrs.popitem(last=False)[1][0].close()
+            self._let_go(self._user_mrs.popitem(last=False)[1][0])
         return mr, base
+
+    def _let_go(self, mr):
+        if any(mr is held for held in self._parked.values()):
+            self._evicted.append(mr)      # a parked send still writes from it
+        else:
+            mr.close()
+
+    def finished(self, ticket):
+        """Whether the parked send of ``ticket`` needs no more waiting (settle() returns at once)."""
+        count, peer = ticket
+        return ticket not in self._parked or not (count == self.engine.parks and self.engine.parked() == peer) \
+            and self.engine.state(peer)["data_outstanding"] == 0
 
     def set_tag(self, desc, recv_desc=None):
         self._desc = _as_desc(desc)
         self._rdesc = None if recv_desc is None else _as_desc(recv_desc)
 
-    def run(self, schedule, dtype=0, op=0, consume=None):
+    def run(self, schedule, dtype=0, op=0, consume=None, park=False):
         """Execute ``schedule`` (schedule.Schedule) on the work area in the C engine: one call,
         without the GIL. ``dtype``/``op``: pyrdma._reduce codes; ``consume(kind, chunk, data)``:
         the consumer of received chunks where the work area's kind consumes in Python (GPU memory;
-        None: reduced and copied in C).
+        None: reduced and copied in C). ``park``: the run is an isend from a lent work area, whose
+        rendezvous may stay pending after it (the engine's ``park``); ``parked_ticket`` is then
+        what settle() takes to finish it (else None).
         Returns the length of the point-to-point message it received (None if none)."""
         self._sync()
-        callback = None if consume is None else _slot_consumer(consume, self.slot_array)
+        callback = None if consume is None else _slot_consumer(consume, self.slot_array, self.slot_mr.addr)
+        park = park and self._work_mr is not self._own_mr     # our own buffer is the next call's
+        self.parked_ticket = None
+        for ticket in [k for k in self._parked if self.finished(k)]:
+            self.settle(ticket)           # written and done meanwhile: let its registration go
         if self.failure is None:
+            parks = self.engine.parks
             failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,
                                      self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback,
-                                     self.background, self._rdesc, self._work_mr.rkey)
+                                     self.background, self._rdesc, self._work_mr.rkey, park)
             if failed:
                 self.engine_failed()
+            elif self.engine.parks != parks:
+                self.parked_ticket = (self.engine.parks, self.engine.parked())
+                self._parked[self.parked_ticket] = self._work_mr
         if self.failure is not None:
             raise self.failure
         return self.engine.received if self._rdesc is not None else None
+
+    def settle(self, ticket):
+        """Finish the send a run left parked (its ``parked_ticket``): its memory is the caller's
+        again when this returns."""
+        if ticket not in self._parked:
+            return
+        count, peer = ticket
+        # the newest parked send may still wait for its answer; an older one was written before a
+        # newer one could begin (one at a time), so only its writes may still be in flight
+        if self.failure is None and self.engine.settle(peer, self.background, count == self.engine.parks):
+            self.engine_failed()
+        if self.failure is not None:
+            raise self.failure
+        del self._parked[ticket]
+        held = list(self._parked.values())
+        for mr in [m for m in self._evicted if not any(m is h for h in held)]:
+            self._evicted.remove(mr)
+            mr.close()
 
     def engine_failed(self):
         """Record the engine's failure as this transport's (every later collective raises it) and
@@ -311,6 +361,8 @@ class RdmaTransport(_OwnBuffer, _Waits):
         if name == "malformed":
             return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
                                     f"(immediate {a:#x})")
+        if name == "memory":
+            return RDMAError(f"out of memory keeping a {a}-byte message for its receive", call="malloc")
         if name == "post":
             return PeerError(f"posting to rank {peer} failed (errno {a}): its queue pair is in error; rank {peer} "
                              f"died or left", peer=peer)

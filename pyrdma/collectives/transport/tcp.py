@@ -183,7 +183,9 @@ class TcpTransport(_OwnBuffer, _Waits):
         self._desc = _as_desc(desc)
         self._rdesc = self._desc if recv_desc is None else _as_desc(recv_desc)
 
-    def run(self, schedule, dtype=0, op=0, consume=None):
+    parked_ticket = None     # a send never waits for its receive here (the peer's reader drains it)
+
+    def run(self, schedule, dtype=0, op=0, consume=None, park=False):
         """Execute ``schedule`` on the work area, in Python (schedule.execute). Returns the length
         of the point-to-point message it received (None if none)."""
         if consume is None:
