@@ -1471,6 +1471,32 @@ def test_block_pieces_are_calls_of_the_collective(size, per_rank, itemsize, chun
             assert len(pieces) == 1, name          # what fits is one piece
 
 
+@pytest.mark.parametrize("priority, eager", SCHEDULES)
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_blockwise_run_is_right_under_any_schedule(priority, eager, depth):
+    """An allgather-like and an all-to-all-like run of three blocks: each piece's input is the
+    device data of its sub-blocks, and its output lands at its sub-blocks of the result."""
+    backend = SimBackend(priority, eager)
+    pipe = gpu.HostStagingPipeline(100, depth, backend=backend)
+    x = np.arange(37, dtype=np.int32) + 1
+    for src, dst, bounds, host, want in (
+            (x, np.zeros(3 * 37, np.int32), ([0, 148], [0, 148, 296, 444]), lambda a: np.tile(a, 3), np.tile(x, 3)),
+            (np.tile(x, 3), np.zeros(3 * 37, np.int32), ([0, 148, 296, 444],) * 2, lambda a: -a, -np.tile(x, 3))):
+        prepared = pipe.prepare(FakeCudaArray(src), FakeCudaArray(dst), bounds)
+        seen = []
+
+        def host_op(i):
+            inp, out = prepared.views[i]
+            seen.append(inp.copy())
+            out[...] = host(inp)
+        prepared.run(host_op)
+        backend.synchronize_stream(backend.user)
+        assert len(seen) > 3 and dst.tolist() == want.tolist()
+        blocks = len(bounds[0]) - 1
+        assert np.concatenate([c.reshape(blocks, -1) for c in seen], axis=1).reshape(-1).tolist() == src.tolist()
+    assert backend.idle() and len(backend.allocated) == depth
+
+
 def _blockwise_on_a_fake_gpu(comm, chunk_bytes, eager):
     """A rank's allgather, reduce_scatter and all-to-all of fake CUDA arrays piece by piece (pieces
     of a few items), blocking and queued non-blocking, with and without out=, uneven, empty and

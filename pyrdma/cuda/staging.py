@@ -282,12 +282,11 @@ class _DeviceResources:
 
     def fit(self, backend, nbytes):
         """Slots of at least ``nbytes`` (only a piece of a few items per block over a chunk size
-        smaller than that needs more): a larger set replaces them, the old ones kept alive by the
-        runs prepared on them."""
+        smaller than that needs more): a larger set replaces the list, the old slots kept alive by
+        the runs prepared on them."""
         if nbytes > self.slot_bytes:
             self.slots = [backend.alloc_host(nbytes) for _ in self.slots]
             self.slot_bytes = nbytes
-        return self.slots
 
     def free(self, backend):
         for slot in self.slots:
@@ -399,7 +398,9 @@ class HostStagingPipeline:
         self.depth = int(depth)
         self._backend = backend
         self._resources = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # one run at a time
+        # the streams, events and slots, taken briefly: preparing a call never waits for a run
+        self._resources_lock = threading.Lock()
         self._closed = False
 
     @property
@@ -462,24 +463,27 @@ class HostStagingPipeline:
             pieces = block_pieces(bounds[0], bounds[1], buf.itemsize, self.chunk_bytes)
             need = max(_output_start(p, False) + sum(n for _, n in p.up) for p in pieces)
         backend = self.backend
-        with self._lock, backend.device(device_id):
-            slots = list(self._device_resources(backend, device_id).fit(backend, need))
+        with backend.device(device_id):
+            slots = self._device_resources(backend, device_id, need).slots
         return PreparedRun(self, (array, out), buf.ptr, dst.ptr, pieces, dtype, device_id, slots, out is None)
 
     def _device_of(self, buf):
         return buf.device_id if buf.device_id is not None else self.backend.device_of(buf.ptr)
 
-    def _device_resources(self, backend, device_id):
-        res = self._resources.get(device_id)
-        if res is None:
-            res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
-        return res
+    def _device_resources(self, backend, device_id, need=0):
+        """The resources of GPU ``device_id``, with slots of at least ``need`` bytes."""
+        with self._resources_lock:
+            res = self._resources.get(device_id)
+            if res is None:
+                res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
+            res.fit(backend, need)
+            return res
 
     def copy_streams(self, device_id):
         """(device-to-host, host-to-device) streams of GPU ``device_id``, for staging copies outside a
         run (pyrdma.cuda.collectives.StagedCall); the run's own copies go on them too."""
         backend = self.backend
-        with self._lock, backend.device(device_id):
+        with backend.device(device_id):
             res = self._device_resources(backend, device_id)
             return res.d2h, res.h2d
 
