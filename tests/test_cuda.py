@@ -1554,10 +1554,10 @@ def _blockwise_on_a_fake_gpu(comm, chunk_bytes, eager):
         else:       # queued: their copies and runs interleave
             result, moved = getattr(comm, "i" + kind)(dev, out=dev_out, **kw), None
         pending.append((kind, dev_out, kw, values, out, moved, result))
+    # the queued calls done before this thread runs the simulated GPU again (it has one driver)
+    pending = [p[:-1] + (p[-1] if p[-2] is not None else p[-1].wait(timeout=30),) for p in pending]
+    backend.synchronize_stream(backend.user)
     for kind, dev_out, kw, values, out, moved, result in pending:
-        if moved is None:
-            result = result.wait(timeout=30)
-        backend.synchronize_stream(backend.user)
         want = getattr(comm, kind)(values, out=out.copy(), **kw)
         entry = [kind, values.dtype.str, values.size, moved is not None, dev_out is not None,
                  dev_out is None or result is dev_out, type(result).__name__, result.host.shape == want.shape,

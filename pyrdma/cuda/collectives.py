@@ -190,8 +190,8 @@ class StagedBlocks:
         check_pair(buf, out, what)
         pipeline = pipeline or default_pipeline()
         backend = pipeline.backend
-        sbuf, element, _ = _describe(buf, what, allow_empty=True)
         if out is None:
+            sbuf, element, _ = _describe(buf, what, allow_empty=True)
             out = backend.empty_device(shape, element, _device(backend, sbuf))
         self.result = out
         self._stream = producer_stream(stream, (buf, out))

@@ -450,16 +450,16 @@ class HostStagingPipeline:
         dtype = buf.dtype if buf.dtype is not None else BIT_TWINS.get(buf.dtype_name)
         if dtype is None:
             raise UsageError(f"host staging needs a dtype numpy knows; {buf.dtype_name} is not one")
-        device_id = self._device_of(buf)
-        dst = buf
+        dst = buf if out is None else device_buffer(out, allow_empty=True)
+        # (an empty array may have no address to ask the driver about)
+        devices = [self._device_of(b) for b in (buf, dst) if b.nbytes] or [self._device_of(buf)]
+        if len(set(devices)) > 1:
+            raise UsageError(f"buf is on GPU {devices[0]} and out on GPU {devices[1]}; pass both on one GPU")
+        device_id = devices[0]
         if out is None:
             pieces = chunk_pieces(buf.nbytes, self.chunk_bytes, buf.itemsize)
             need = max([n for p in pieces for _, n in p.down], default=0)
         else:
-            dst = device_buffer(out, allow_empty=True)
-            if self._device_of(dst) != device_id:
-                raise UsageError(f"buf is on GPU {device_id} and out on GPU {self._device_of(dst)}; "
-                                 f"pass both on one GPU")
             pieces = block_pieces(bounds[0], bounds[1], buf.itemsize, self.chunk_bytes)
             need = max(_output_start(p, False) + sum(n for _, n in p.up) for p in pieces)
         backend = self.backend
