@@ -129,6 +129,19 @@ def test_staging_backend_is_cupy_else_torch_and_says_what_is_missing(monkeypatch
             staging.staging_backend()
 
 
+def test_staging_chunk_size_from_the_environment(monkeypatch):
+    from pyrdma.cuda import staging
+    monkeypatch.setattr(staging, "_default_pipeline", None)
+    monkeypatch.setenv("PYRDMA_STAGING_CHUNK", "0x10000")
+    assert gpu.default_pipeline().chunk_bytes == 1 << 16
+    monkeypatch.setattr(staging, "_default_pipeline", None)
+    monkeypatch.setenv("PYRDMA_STAGING_CHUNK", "4MiB")
+    with pytest.raises(rd.UsageError, match="PYRDMA_STAGING_CHUNK='4MiB' is not a positive number of bytes"):
+        gpu.default_pipeline()
+    monkeypatch.delenv("PYRDMA_STAGING_CHUNK")
+    assert gpu.default_pipeline().chunk_bytes == gpu.DEFAULT_CHUNK_BYTES
+
+
 def test_import_pyrdma_does_not_import_cupy():
     out = subprocess.run([sys.executable, "-c", "import sys, pyrdma, pyrdma.cuda; print('cupy' in sys.modules)"],
                          capture_output=True, text=True, timeout=60)

@@ -512,12 +512,27 @@ _default_pipeline = None
 
 
 def default_pipeline():
-    """The process-wide pipeline staged_allreduce uses when none is given."""
+    """The process-wide pipeline staged_allreduce and the Communicator use when none is given:
+    chunks of PYRDMA_STAGING_CHUNK bytes (default DEFAULT_CHUNK_BYTES; the same on every rank, which
+    plans its pieces by it)."""
     global _default_pipeline
     with _default_lock:
         if _default_pipeline is None or _default_pipeline._closed:
-            _default_pipeline = HostStagingPipeline()
+            _default_pipeline = HostStagingPipeline(_env_chunk_bytes())
         return _default_pipeline
+
+
+def _env_chunk_bytes():
+    text = os.environ.get("PYRDMA_STAGING_CHUNK", "").strip()
+    if not text:
+        return DEFAULT_CHUNK_BYTES
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise UsageError(f"PYRDMA_STAGING_CHUNK={text!r} is not a positive number of bytes")
+    return value
 
 
 def staged_allreduce(comm, array, op="sum", stream=None, pipeline=None, **options):
