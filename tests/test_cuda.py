@@ -129,6 +129,19 @@ def test_staging_backend_is_cupy_else_torch_and_says_what_is_missing(monkeypatch
             staging.staging_backend()
 
 
+def test_staging_chunk_size_from_the_environment(monkeypatch):
+    from pyrdma.cuda import staging
+    monkeypatch.setattr(staging, "_default_pipeline", None)
+    monkeypatch.setenv("PYRDMA_STAGING_CHUNK", "0x10000")
+    assert gpu.default_pipeline().chunk_bytes == 1 << 16
+    monkeypatch.setattr(staging, "_default_pipeline", None)
+    monkeypatch.setenv("PYRDMA_STAGING_CHUNK", "4MiB")
+    with pytest.raises(rd.UsageError, match="PYRDMA_STAGING_CHUNK='4MiB' is not a positive number of bytes"):
+        gpu.default_pipeline()
+    monkeypatch.delenv("PYRDMA_STAGING_CHUNK")
+    assert gpu.default_pipeline().chunk_bytes == gpu.DEFAULT_CHUNK_BYTES
+
+
 def test_import_pyrdma_does_not_import_cupy():
     out = subprocess.run([sys.executable, "-c", "import sys, pyrdma, pyrdma.cuda; print('cupy' in sys.modules)"],
                          capture_output=True, text=True, timeout=60)
@@ -843,6 +856,10 @@ class SimBackend:
     def device_array(self, host, device_id):
         return FakeCudaArray(np.array(host))
 
+    def empty_device(self, shape, dtype, device_id):
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return FakeCudaArray(np.full(nbytes, 0xEE, np.uint8).view(dtype).reshape(shape))
+
     def record(self, event, stream):
         event.recorded += 1
         stream.ops.append(("record", event, event.recorded))
@@ -1356,6 +1373,20 @@ def _torch_backend_on_a_fake_gpu(comm):
     mine, whole = fake(torch.full((2,), r, dtype=torch.int32)), fake(torch.zeros(2 * n, dtype=torch.int32))
     res, down, up = copied(lambda: pg._allgather_base(whole, mine))
     got["allgather"] = (res is whole, whole.tolist(), down, up)
+    # larger than a slot, uneven pieces: piece by piece, bit for bit what CPU tensors get
+    g = torch.Generator().manual_seed(r)
+    for name, n_in, n_out, call in (
+            ("all_to_all_single", n * 1001, n * 1001, lambda o, i: pg.alltoall_base(o, i, [], [], dist.AllToAllOptions())),
+            ("reduce_scatter_tensor", n * 1001, 1001, lambda o, i: pg._reduce_scatter_base(o, i, dist.ReduceScatterOptions())),
+            ("all_gather_into_tensor", 1001, n * 1001, lambda o, i: pg._allgather_base(o, i))):
+        values = torch.randn(n_in, generator=g)
+        out, cpu_out = fake(torch.zeros(n_out)), torch.zeros(n_out)
+        before = len(backend.copies)
+        res, down, up = copied(lambda: call(out, fake(values.clone())))
+        pieces = sum(d == "d2h" for d, _ in backend.copies[before:])
+        call(cpu_out, values.clone()).wait()
+        got[name] = (res is out, out.numpy().tobytes() == cpu_out.numpy().tobytes(), down == 4 * n_in,
+                     up == 4 * n_out, pieces > 1)
     return got
 
 
@@ -1374,6 +1405,8 @@ def test_torch_backend_stages_cuda_tensors_on_a_fake_gpu():
         assert got["alltoall"] == (True, want, 64, 64), got["alltoall"]
         assert got["reduce_scatter"] == (True, [3.0] * 3, 48, 24), got["reduce_scatter"]
         assert got["allgather"] == (True, [0, 0, 1, 1], 8, 16), got["allgather"]
+        for name in ("all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor"):
+            assert got[name] == (True,) * 5, (name, got[name])
 
 
 def test_pyrdma_cuda_does_not_import_the_collectives():
@@ -1410,6 +1443,175 @@ def test_the_communicator_stages_cuda_arrays_by_its_own_host_calls():
         sums = [np.arange(3000) * (k + 1) * 2 + 1.0 for k in range(3)]
         for k, want in enumerate([sums[0]] + sums[1:]):
             np.testing.assert_array_equal(got["queued"][k], want)
+
+
+# --------------------------------------------------------------------------------------------------
+# Blockwise collectives (allgather, reduce_scatter, all-to-all) piece by piece
+# --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("per_rank", [0, 1, 2, 5, 37])
+@pytest.mark.parametrize("itemsize, chunk_bytes", [(1, 64), (2, 96), (8, 100), (8, 1 << 20)])
+def test_block_pieces_are_calls_of_the_collective(size, per_rank, itemsize, chunk_bytes):
+    """Every piece moves sub-block i of every block, the pieces cover each block once in order, a
+    reduce_scatter's piece splits as the host's segment_bounds of its length, and a piece fits its
+    slot (unless one item per block does not)."""
+    from pyrdma.collectives.pieces import segment_bounds
+    from pyrdma.cuda.staging import block_pieces
+    equal = [p * per_rank * itemsize for p in range(size + 1)]
+    segments = [b * itemsize for b in segment_bounds(per_rank * size + size // 2, size)]
+    layouts = {"allgather": ([0, per_rank * itemsize], equal), "alltoall": (equal, equal)}
+    for r in range(size):
+        layouts[f"reduce_scatter {r}"] = (segments, [0, segments[r + 1] - segments[r]])
+    for name, (src, dst) in layouts.items():
+        pieces = block_pieces(src, dst, itemsize, chunk_bytes)
+        assert pieces, name
+        for bounds, side in ((src, "down"), (dst, "up")):
+            for k, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+                spans = [getattr(p, side)[k] for p in pieces]
+                assert spans[0][0] == lo and all(a + n == b for (a, n), (b, _) in zip(spans, spans[1:])), name
+                assert spans[-1][0] + spans[-1][1] == hi and all(n % itemsize == 0 for _, n in spans), name
+        if name.startswith("reduce_scatter"):
+            r = int(name.split()[1])
+            for p in pieces:
+                items = [n // itemsize for _, n in p.down]
+                assert items == list(np.diff(segment_bounds(sum(items), size))), (name, items)
+                assert p.up[0][1] == p.down[r][1]
+        need = max(-(-sum(n for _, n in p.down) // 64) * 64 + sum(n for _, n in p.up) for p in pieces)
+        assert need <= chunk_bytes or all(n <= itemsize + itemsize for p in pieces[:-1] for _, n in p.down), name
+        blocks = list(np.diff(src)) + list(np.diff(dst))
+        if max(blocks) + itemsize <= (chunk_bytes - 64) // len(blocks):
+            assert len(pieces) == 1, name          # what fits is one piece
+
+
+@pytest.mark.parametrize("priority, eager", SCHEDULES)
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_blockwise_run_is_right_under_any_schedule(priority, eager, depth):
+    """An allgather-like and an all-to-all-like run of three blocks: each piece's input is the
+    device data of its sub-blocks, and its output lands at its sub-blocks of the result."""
+    backend = SimBackend(priority, eager)
+    pipe = gpu.HostStagingPipeline(100, depth, backend=backend)
+    x = np.arange(37, dtype=np.int32) + 1
+    for src, dst, bounds, host, want in (
+            (x, np.zeros(3 * 37, np.int32), ([0, 148], [0, 148, 296, 444]), lambda a: np.tile(a, 3), np.tile(x, 3)),
+            (np.tile(x, 3), np.zeros(3 * 37, np.int32), ([0, 148, 296, 444],) * 2, lambda a: -a, -np.tile(x, 3))):
+        prepared = pipe.prepare(FakeCudaArray(src), FakeCudaArray(dst), bounds)
+        seen = []
+
+        def host_op(i):
+            inp, out = prepared.views[i]
+            seen.append(inp.copy())
+            out[...] = host(inp)
+        prepared.run(host_op)
+        backend.synchronize_stream(backend.user)
+        assert len(seen) > 3 and dst.tolist() == want.tolist()
+        blocks = len(bounds[0]) - 1
+        assert np.concatenate([c.reshape(blocks, -1) for c in seen], axis=1).reshape(-1).tolist() == src.tolist()
+    assert backend.idle() and len(backend.allocated) == depth
+
+
+def _blockwise_on_a_fake_gpu(comm, chunk_bytes, eager):
+    """A rank's allgather, reduce_scatter and all-to-all of fake CUDA arrays piece by piece (pieces
+    of a few items), blocking and queued non-blocking, with and without out=, uneven, empty and
+    bfloat16: each result's bytes next to the numpy path's, the host runs each call made and the
+    bytes it copied down and up."""
+    from pyrdma.cuda import collectives as gc
+    backend = SimBackend(("h2d", "d2h", "user"), eager=eager)
+    pipe = gpu.HostStagingPipeline(chunk_bytes, 2, backend=backend)
+    gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
+    gc.default_pipeline = lambda: pipe
+    runs = []
+    run_spec = comm._run_spec
+
+    def counting_run_spec(spec):
+        runs.append(spec)
+        return run_spec(spec)
+    comm._run_spec = counting_run_spec
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(r)
+    keep = []           # the host memory of DLPack arrays, alive until the calls ran
+
+    def bf16(values):
+        keep.append(values)
+        return FakeDLPackCuda(values.ctypes.data, values.shape, code=4, bits=16, device=(2, 0))
+
+    def host_of(dev):
+        return dev.host if isinstance(dev, FakeCudaArray) else keep[-1]
+    cases = []
+    for count in (0, 1, 7, 50):
+        for dtype in (np.int32, np.float64, np.float16):
+            x = (rng.standard_normal(count * 3) * 100).astype(dtype).reshape(count, 3)
+            cases.append(("allgather", x, np.zeros((count * n, 3), dtype), {}))
+            cases.append(("alltoall", x.reshape(-1).repeat(n), np.zeros(count * 3 * n, dtype), {}))
+    for count, op in ((0, "sum"), (1, "max"), (2 * n + 1, "sum"), (101, "avg"), (64, "min")):
+        for dtype in (np.float32, np.float16, np.int64):
+            y = (rng.standard_normal(count) * 100).astype(dtype)
+            lo, hi = comm.segment_bounds(count)[r]
+            cases.append(("reduce_scatter", y, np.zeros(hi - lo, dtype), {"op": op}))
+    calls = []
+    for blocking in (True, False):
+        for given in (True, False):
+            for kind, values, out, kw in cases:
+                calls.append((kind, blocking, FakeCudaArray(values.copy()),
+                              FakeCudaArray(out.copy()) if given else None, kw, values, out))
+    got = {"bf16": [], "calls": []}
+    pending = []
+    for kind, blocking, dev, dev_out, kw, values, out in calls:
+        before = (len(backend.copies), len(runs))
+        if blocking:
+            result = getattr(comm, kind)(dev, out=dev_out, **kw)
+            moved = backend.copies[before[0]:]
+            # (host runs, bytes down, bytes up)
+            moved = (len(runs) - before[1], sum(b for d, b in moved if d == "d2h"),
+                     sum(b for d, b in moved if d == "h2d"))
+        else:       # queued: their copies and runs interleave
+            result, moved = getattr(comm, "i" + kind)(dev, out=dev_out, **kw), None
+        pending.append((kind, dev_out, kw, values, out, moved, result))
+    # the queued calls done before this thread runs the simulated GPU again (it has one driver)
+    pending = [p[:-1] + (p[-1] if p[-2] is not None else p[-1].wait(timeout=30),) for p in pending]
+    backend.synchronize_stream(backend.user)
+    for kind, dev_out, kw, values, out, moved, result in pending:
+        want = getattr(comm, kind)(values, out=out.copy(), **kw)
+        entry = [kind, values.dtype.str, values.size, moved is not None, dev_out is not None,
+                 dev_out is None or result is dev_out, type(result).__name__, result.host.shape == want.shape,
+                 result.host.tobytes() == want.tobytes()]
+        if moved is not None:
+            entry += [*moved, values.nbytes, want.nbytes]
+        got["calls"].append(entry)
+    # bfloat16 (DLPack): its bits go through, reduced as bfloat16
+    bits = (rng.standard_normal(45).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    lo, hi = comm.segment_bounds(bits.size)[r]
+    into = np.zeros(hi - lo, np.uint16)
+    for given in (True, False):
+        into[:] = 0
+        result = comm.reduce_scatter(bf16(bits.copy()), out=bf16(into) if given else None, op="sum")
+        host = into if given else result.host
+        want = comm.reduce_scatter(bits, op="sum", dtype="bfloat16")
+        got["bf16"].append((host.dtype.str, host.tobytes() == want.tobytes()))
+    got["slots"] = [s.nbytes for s in pipe.host_slots(0)]
+    return got
+
+
+@pytest.mark.parametrize("size, chunk_bytes, eager", [(2, 96, False), (3, 48, True)])
+def test_blockwise_calls_go_piece_by_piece_on_a_fake_gpu(size, chunk_bytes, eager):
+    from test_collectives_world import World
+    with World(size, "tcp", timeout=30.0) as w:
+        results = w.run(_blockwise_on_a_fake_gpu, chunk_bytes, eager, timeout=120)
+    for r, got in enumerate(results):
+        for entry in got["calls"]:
+            kind, dtype, count, blocking, given, same, kind_of, shape, equal = entry[:9]
+            # bit for bit the numpy path's; out= given is what comes back; a new result is a device array of its shape
+            assert equal and same and shape and kind_of == "FakeCudaArray", (r, entry)
+            if blocking:
+                pieces, down, up, nbytes_in, nbytes_out = entry[9:]
+                assert (down, up) == (nbytes_in, nbytes_out), (r, entry)    # the input down once, the output up once
+                # one host run per piece: several where the call outgrows a slot, one where it has no elements
+                assert pieces > 1 if nbytes_in + nbytes_out > chunk_bytes else pieces >= 1, (r, entry)
+                assert pieces == 1 or count, (r, entry)
+        assert sum(1 for e in got["calls"] if len(e) > 9 and e[9] > 3) > 10      # several pieces, often
+        assert got["bf16"] == [("<u2", True)] * 2, got["bf16"]
+        # a piece of one item per block over three ranks needs more than 48 bytes: the slots grew
+        assert all(n >= chunk_bytes for n in got["slots"]) and (size == 2) == (got["slots"] == [96, 96]), got["slots"]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -22,8 +22,10 @@ than ranks). CUDA arrays (CuPy, DLPack CUDA tensors such as torch's, bfloat16 on
 pyrdma.cuda.collectives for their work areas: the blocking allreduce and broadcast in place in GPU
 memory with CUDA-kernel reductions (``gpu_path="direct"``), or else staged through pinned host
 memory, blocking or not: allreduce, reduce and broadcast pipelined chunk by chunk
-(cuda.collectives.StagedPipeline, running this Communicator's host call on each chunk), every other
-call whole (cuda.collectives.StagedCall), in either case copied down and up when the call's turn
+(cuda.collectives.StagedPipeline, running this Communicator's host call on each chunk), allgather,
+reduce_scatter and equal all-to-all piece by piece (cuda.collectives.StagedBlocks, each piece a host
+call of the collective on a sub-block of every rank's block), every other call whole
+(cuda.collectives.StagedCall), in either case copied down and up when the call's turn
 comes (after the caller's stream, which the call does not wait for), only what the call reads
 down and only what it writes up.
 
@@ -65,6 +67,7 @@ DEFAULT_ZERO_COPY_BYTES = 1 << 20     # below this a copy costs less than lookin
 _SETUP_MAGIC = b"PYRDMA-COLL/1 "
 _PAIRED = (specs.allreduce, specs.reduce, specs.allgather, specs.reduce_scatter)   # buf, out: both CUDA or both host
 _SHAPED = (specs.allreduce, specs.reduce, specs.broadcast)     # CUDA arrays pipelined chunk by chunk
+_BLOCKWISE = (specs.allgather, specs.reduce_scatter, specs.alltoall)     # and piece by piece
 
 
 def _roles(read, written, *rest):
@@ -73,10 +76,10 @@ def _roles(read, written, *rest):
     return ["in" if read else "", "out" if written else "", *[""] * len(rest)]
 
 
-# what a call staged whole reads and writes of each argument (buf, out, ...), by spec
+# what a call staged whole reads and writes of each argument (buf, out, ...), by spec (allgather and
+# reduce_scatter go piece by piece, as an all-to-all does unless its counts differ or only one of
+# buf and out is a CUDA array)
 _ROLES = {
-    specs.allgather: lambda comm, buf, out, *rest: _roles(True, True, *rest),
-    specs.reduce_scatter: lambda comm, buf, out, *rest: _roles(True, True, *rest),
     specs.alltoall: lambda comm, buf, out, *rest: _roles(True, True, *rest),
     specs.gather: lambda comm, buf, out, root, *rest: _roles(True, root == comm.rank, root, *rest),
     specs.scatter: lambda comm, buf, out, root, *rest: _roles(root == comm.rank, True, root, *rest),
@@ -557,7 +560,8 @@ class Communicator:
         (pyrdma.cuda.collectives), checked and planned now, its copies made when its turn comes.
         Allreduce, reduce and broadcast keep the array's shape: pipelined chunk by chunk, each chunk
         one host run of the call, copied down only where the call reads it (not on a broadcast's
-        receivers) and up only where it writes it (not off a reduce's root). Every other call is
+        receivers) and up only where it writes it (not off a reduce's root). Allgather,
+        reduce_scatter and equal all-to-all go piece by piece (_blockwise_job). Every other call is
         staged whole, each array copied down only if the call reads it and up only if it writes
         all of it (_ROLES)."""
         gc = _cuda()
@@ -589,6 +593,10 @@ class Communicator:
                 result = piped.run(lambda chunk: self._run_spec(next(planned)))
                 return None if make_spec is specs.reduce and not here else result
             return job, True
+        buf, out, *rest = args
+        if make_spec in _BLOCKWISE and _is_cuda(buf) and (out is None or _is_cuda(out)) and \
+                (make_spec is not specs.alltoall or rest == [None, None]):
+            return self._blockwise_job(make_spec, buf, out, rest, reduces), True
         staged = gc.StagedCall(make_spec.__name__, args, _ROLES[make_spec](self, *args))
         host_args = staged.host_args
         if reduces and staged.reduced_as is not None:
@@ -599,6 +607,35 @@ class Communicator:
             staged.download()
             return staged.upload(self._run_spec(spec))
         return job, spec.collective
+
+    def _blockwise_job(self, make_spec, buf, out, rest, reduces):
+        """The job of an allgather, reduce_scatter or all-to-all (equal counts) of CUDA arrays,
+        pipelined piece by piece (cuda.collectives.StagedBlocks): piece i takes sub-block i of every
+        rank's block of buf and of out, and is one host run of the call on them. Uneven
+        all-to-alls stay staged whole."""
+        gc = _cuda()
+        what = make_spec.__name__
+        host_buf, host_out, reduced_as = gc.stand_ins(what, buf, out)
+        if reduces:
+            rest[-1] = gc.host_dtype(rest[-1], reduced_as)
+        # the host call's checks on the whole call first: a mistake is the caller's error, before
+        # anything is staged
+        make_spec(self, host_buf, host_out, *rest)
+        count, item, n = host_buf.size, host_buf.itemsize, self.size
+        if make_spec is specs.allgather:
+            src, dst = (0, count), [p * count for p in range(n + 1)]
+            shape = specs.allgather_shape(self, host_buf.shape)
+        elif make_spec is specs.reduce_scatter:
+            src = segment_bounds(count, n)
+            dst = (0, src[self.rank + 1] - src[self.rank])
+            shape = (dst[1],)
+        else:
+            src = dst = [p * (count // n) for p in range(n + 1)]
+            shape = host_buf.shape
+        staged = gc.StagedBlocks(what, buf, out, ([b * item for b in src], [b * item for b in dst]), shape)
+        # planned now: each piece's description carries this call's number
+        planned = [make_spec(self, piece_in, piece_out, *rest) for piece_in, piece_out in staged.chunks()]
+        return lambda: staged.run(lambda i: self._run_spec(planned[i]))
 
     def _run_spec(self, spec, park=False):
         """Run a spec's runs. ``park``: an isend's, whose rendezvous from a lent buffer may

@@ -249,12 +249,16 @@ def broadcast(comm, buf, root, algorithm):
     return Spec(runs, lambda: buf)
 
 
+def allgather_shape(comm, shape):
+    """The shape of a new allgather result: the blocks concatenated along the first axis."""
+    return (comm.size * shape[0],) + tuple(shape[1:]) if shape else (comm.size,)
+
+
 def allgather(comm, buf, out):
     arr, src = plain_bytes(buf, "buf")
     users_out = out is not None
     if out is None:
-        shape = (comm.size * arr.shape[0],) + arr.shape[1:] if arr.ndim else (comm.size,)
-        out = np.empty(shape, arr.dtype)
+        out = np.empty(allgather_shape(comm, arr.shape), arr.dtype)
     dst_arr, dst = plain_bytes(out, "out", writable=True)
     if dst_arr.dtype != arr.dtype or dst_arr.size != arr.size * comm.size:
         raise UsageError(f"out must hold {comm.size} x {arr.size} elements of {arr.dtype}; "

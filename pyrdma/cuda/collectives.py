@@ -13,8 +13,13 @@ staged (every collective; the only path without GPUDirect RDMA): the data crosse
   HostStagingPipeline (``StagedPipeline``): chunk k is copied device -> pinned host, the host collective
   runs on it, and it is copied back, while the copies of chunks k-1 and k+1 are in flight. The
   pinned slots are reused across calls, so the host collective registers them for RDMA once.
-- every other call (``StagedCall``) copies the CUDA arrays it reads to pinned host memory, the host
-  call runs on the copies, and the copies it writes are uploaded (not pipelined).
+- allgather, reduce_scatter and all-to-all of equal counts (``StagedBlocks``) go piece by piece
+  through the same pipeline and slots: piece i takes sub-block i of every rank's block of the input
+  and of the output, and is itself a host call of the collective (HostStagingPipeline.prepare,
+  staging.block_pieces), so piece i+1 comes down while piece i runs and piece i-1 goes up.
+- every other call (``StagedCall``: gather, scatter, uneven all-to-all, point-to-point) copies the
+  CUDA arrays it reads to pinned host memory, the host call runs on the copies, and the copies it
+  writes are uploaded (not pipelined).
 
 Either way the call only marks (an event) where the caller's stream stands: the copies run when the
 call's turn comes, on the communicator's thread for a non-blocking call, so the caller never waits
@@ -155,17 +160,78 @@ class StagedPipeline:
             _copy_into(out, buf, what, copy)
         self._ready = _mark(backend, self._stream, device)
         self._download, self._upload = download, upload
+        self._prepared = self._pipeline.prepare(self.result)
 
     def chunks(self):
         """The host chunks ``run`` hands host_op, in order (views of the pipeline's pinned slots):
         the host calls are planned on them at the call, in its order among the others."""
-        return self._pipeline.chunks(self.result)
+        return [chunk for chunk, _ in self._prepared.views]
 
     def run(self, host_op):
+        views = self._prepared.views
         # waits for the last copy up: the caller may go on from another stream, or another thread
-        self._pipeline.run(self.result, host_op, self._stream, self._ready, self._download, self._upload,
-                           wait=True)
+        self._prepared.run(lambda i: host_op(views[i][0]), self._stream, self._ready, self._download,
+                           self._upload, wait=True)
         return self.result
+
+
+class StagedBlocks:
+    """A blockwise collective (allgather, reduce_scatter, all-to-all of equal counts) of CUDA
+    arrays, through pinned host memory piece by piece: ``bounds``, the byte bounds of the blocks of
+    ``buf`` and of ``out`` (HostStagingPipeline.prepare), cut so that piece i, sub-block i of every
+    block, is itself a call of the collective on host memory; its input comes down while the piece
+    before runs on the host and the one before that goes up. Made on the caller's thread, as
+    StagedPipeline: an event marks where the caller's stream stands, nothing waits; ``out`` None
+    makes a new CUDA array of ``shape`` (and buf's element type) on buf's GPU. ``chunks()``: each
+    piece's (input, output) host arrays, to plan the host calls on; ``run(host_op)``, when the call's
+    turn comes: ``host_op(i)`` per piece, and returns the result once its last piece is up."""
+
+    def __init__(self, what, buf, out, bounds, shape=None, stream=None, pipeline=None):
+        check_pair(buf, out, what)
+        pipeline = pipeline or default_pipeline()
+        backend = pipeline.backend
+        if out is None:
+            sbuf, element, _ = _describe(buf, what, allow_empty=True)
+            out = backend.empty_device(shape, element, _device(backend, sbuf))
+        self.result = out
+        self._stream = producer_stream(stream, (buf, out))
+        self._prepared = pipeline.prepare(buf, out, bounds)
+        self._ready = _mark(backend, self._stream, self._prepared.device_id)
+
+    def chunks(self):
+        return self._prepared.views
+
+    def run(self, host_op):
+        self._prepared.run(host_op, self._stream, self._ready, wait=True)
+        return self.result
+
+
+def _host_twin(obj, what, alloc):
+    """(host array of ``obj``'s shape and element type, from ``alloc(nbytes)``, read-only where obj
+    is, so that the host call refuses it as an output as it would the array; DeviceBuffer; bfloat16
+    or None): what a host call on a CUDA array gets in its place."""
+    buf, dtype, bits_of = _describe(obj, what, allow_empty=True)
+    host = alloc(buf.nbytes)[:buf.nbytes].view(dtype) if buf.nbytes else np.empty(0, dtype)
+    if buf.readonly:
+        host.flags.writeable = False
+    return (host.reshape(buf.shape) if buf.shape else host), buf, bits_of
+
+
+def stand_ins(what, buf, out):
+    """(buf's and out's host twins, "bfloat16" or None: how to reduce them) for the host call's
+    checks of a call staged piece by piece, on the whole call: uninitialised and never touched, so
+    they take no memory."""
+    kinds, twins = set(), []
+    for obj in (buf, out):
+        if obj is None:
+            twins.append(None)
+            continue
+        host, _, bits_of = _host_twin(obj, what, lambda n: np.empty(n, np.uint8))
+        twins.append(host)
+        kinds.add(bits_of)
+    if len(kinds) > 1:
+        raise UsageError(f"{what}: buf and out have different dtypes")
+    return twins[0], twins[1], kinds.pop()
 
 
 class StagedCall:
@@ -193,13 +259,9 @@ class StagedCall:
         def twin(obj, role):
             if obj is None or isinstance(obj, np.ndarray) or not is_cuda_array(obj):
                 return obj
-            buf, dtype, bits_of = _describe(obj, name, allow_empty=True)
+            passed, buf, bits_of = _host_twin(obj, name, backend.alloc_host)
             if bits_of is not None:
                 twins.add(bits_of)
-            host = backend.alloc_host(buf.nbytes)[:buf.nbytes].view(dtype) if buf.nbytes else np.empty(0, dtype)
-            if buf.readonly:
-                host.flags.writeable = False    # the host call refuses it as an output, as it would the array
-            passed = host.reshape(buf.shape) if buf.shape else host
             self.staged.append((obj, buf, passed, role, _device(backend, buf)))
             return passed
         self.host_args = [tuple(twin(x, rx) for x, rx in zip(a, r)) if isinstance(a, tuple) else twin(a, r)

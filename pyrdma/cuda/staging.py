@@ -16,9 +16,19 @@ run happens later on another thread) and ``stream`` waits for the last copy back
 stream-ordered like a CUDA library call; the host thread itself returns once the last host_op ran.
 A run may skip the copies down (``download=False``: host_op overwrites every chunk, as a broadcast's
 receiver) or up (``upload=False``: the result is not needed here, as a reduce off its root).
+
+A run is a list of pieces (``Piece``): the device byte ranges gathered into a slot before its host
+op and those filled from the slot after it. In place (``chunk_pieces``: allreduce, reduce,
+broadcast) a piece is one chunk, down and up alike. A blockwise collective (``block_pieces``:
+allgather, reduce_scatter, all-to-all), whose source and result are blocks, one per rank or one of
+its own, is cut into pieces that take the same sub-block of every block, so each piece is itself a
+valid call of that collective on the slot (its input the source's sub-blocks end to end, its output
+the result's, after the input in the slot). ``prepare`` lays the pieces out on the slots before the
+run, so a caller can plan its host calls on them in advance.
 """
 import os
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -28,6 +38,7 @@ from pyrdma.cuda.buffers import BIT_TWINS, device_buffer
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_DEPTH = 3
+_ALIGN = 64                 # a piece's output starts on a cache line of its slot
 
 
 def chunk_spans(nbytes, chunk_bytes, itemsize=1):
@@ -40,6 +51,39 @@ def chunk_spans(nbytes, chunk_bytes, itemsize=1):
     if chunk <= 0:
         raise UsageError(f"chunk_bytes {chunk_bytes} is smaller than one {itemsize}-byte item")
     return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+
+class Piece(NamedTuple):
+    """One host op of a run: ``down``, the source's (offset, nbytes) ranges copied end to end into
+    the slot's input, and ``up``, the result's ranges filled from the slot's output in order."""
+    down: tuple
+    up: tuple
+
+
+def chunk_pieces(nbytes, chunk_bytes, itemsize=1):
+    """The pieces of an in-place run: one chunk of ``chunk_spans`` each, down and up alike."""
+    return [Piece((span,), (span,)) for span in chunk_spans(nbytes, chunk_bytes, itemsize)]
+
+
+def block_pieces(src_bounds, dst_bounds, itemsize, chunk_bytes):
+    """The pieces of a blockwise run: source and result are blocks (byte bounds), and piece i takes
+    sub-block i of every block, cut at the same offsets in each (the last piece takes the rest of
+    each block: a reduce_scatter's segments one item longer than the shortest end there, as the
+    host's segment_bounds of that piece puts them). Sub-blocks are as long as lets a piece's input
+    and output share a slot of ``chunk_bytes`` (one item at least); one piece when everything fits,
+    or when a block is empty. Derived from the bounds alone, so ranks that agree on the call plan
+    the same pieces."""
+    src = [(a, b - a) for a, b in zip(src_bounds, src_bounds[1:])]
+    dst = [(a, b - a) for a, b in zip(dst_bounds, dst_bounds[1:])]
+    blocks = len(src) + len(dst)
+    # room for the output's alignment and for the last piece's extra item per block
+    sub = max(itemsize, ((chunk_bytes - _ALIGN) // blocks - itemsize) // itemsize * itemsize)
+    cuts = [off for off, _ in chunk_spans(min(n for _, n in src + dst), sub, itemsize)] or [0]
+    cuts.append(None)
+
+    def take(blocks, lo, hi):
+        return tuple((start + lo, (n if hi is None else hi) - lo) for start, n in blocks)
+    return [Piece(take(src, lo, hi), take(dst, lo, hi)) for lo, hi in zip(cuts, cuts[1:])]
 
 
 class _StreamsAndEvents:
@@ -108,6 +152,11 @@ class CupyStagingBackend(_StreamsAndEvents):
         """A new CuPy array on GPU ``device_id`` holding ``host``'s values."""
         with self.cp.cuda.Device(device_id):
             return self.cp.asarray(host)
+
+    def empty_device(self, shape, dtype, device_id):
+        """A new CuPy array on GPU ``device_id``, uninitialised."""
+        with self.cp.cuda.Device(device_id):
+            return self.cp.empty(shape, dtype)
 
 
 class _DeviceBytes:
@@ -188,6 +237,11 @@ class TorchStagingBackend(_StreamsAndEvents):
         """A new torch tensor on GPU ``device_id`` holding ``host``'s values."""
         return self.torch.from_numpy(np.ascontiguousarray(host)).to(f"cuda:{device_id}")
 
+    def empty_device(self, shape, dtype, device_id):
+        """A new torch tensor on GPU ``device_id``, uninitialised."""
+        like = self.torch.from_numpy(np.empty(0, dtype)).dtype
+        return self.torch.empty(shape, dtype=like, device=f"cuda:{device_id}")
+
 
 STAGING_BACKENDS = ("cupy", "torch")
 
@@ -217,6 +271,7 @@ class _DeviceResources:
         self.done = backend.new_event()
         self.filled = [backend.new_event() for _ in range(depth)]    # D2H into slot k finished
         self.drained = [backend.new_event() for _ in range(depth)]   # H2D out of slot k finished
+        self.slot_bytes = slot_bytes
         self.slots = []
         try:
             for _ in range(depth):
@@ -225,10 +280,105 @@ class _DeviceResources:
             self.free(backend)
             raise
 
+    def fit(self, backend, nbytes):
+        """Slots of at least ``nbytes`` (only a piece of a few items per block over a chunk size
+        smaller than that needs more): a larger set replaces the list, the old slots kept alive by
+        the runs prepared on them."""
+        if nbytes > self.slot_bytes:
+            self.slots = [backend.alloc_host(nbytes) for _ in self.slots]
+            self.slot_bytes = nbytes
+
     def free(self, backend):
         for slot in self.slots:
             backend.free_host(slot)
         self.slots = []
+
+
+def _output_start(piece, in_place):
+    """Where a piece's output begins in its slot."""
+    if in_place:
+        return 0
+    return -(-sum(n for _, n in piece.down) // _ALIGN) * _ALIGN
+
+
+class PreparedRun:
+    """A run of a HostStagingPipeline laid out on its pinned slots before it starts: ``views[i]``,
+    (input, output) of piece i as numpy arrays of ``dtype`` in its slot (one array twice in place),
+    on which the caller plans its host ops; ``run`` then moves the data through those very slots."""
+
+    def __init__(self, pipeline, arrays, src_ptr, dst_ptr, pieces, dtype, device_id, slots, in_place):
+        self.pipeline, self.pieces, self.device_id = pipeline, pieces, device_id
+        self.src_ptr, self.dst_ptr, self.slots, self.in_place = src_ptr, dst_ptr, slots, in_place
+        # the memory is copied from and to later, maybe after the caller let go of the arrays
+        self.arrays = arrays
+        self.views = []
+        for i, piece in enumerate(pieces):
+            slot, start = slots[i % len(slots)], _output_start(piece, in_place)
+            inp = slot[:sum(n for _, n in piece.down)].view(dtype)
+            out = inp if in_place else slot[start:start + sum(n for _, n in piece.up)].view(dtype)
+            self.views.append((inp, out))
+
+    def run(self, host_op, stream=None, ready=None, download=True, upload=True, wait=False):
+        """``host_op(i)`` for each piece i once its input is in ``views[i][0]``, its output then
+        copied up from ``views[i][1]``; ordered after ``stream`` (from ``ready``, an event recorded
+        there, if given), which waits for the copies up. If host_op raises, the copies in flight are
+        drained first and the result is left partly written. ``download``/``upload``: see the
+        module's docstring; ``wait``: return once the last copy up is done, not only ordered before
+        the stream's later work."""
+        pipeline = self.pipeline
+        backend = pipeline.backend
+        with pipeline._lock, backend.device(self.device_id):
+            if pipeline._closed:
+                raise UsageError("HostStagingPipeline is closed")
+            res = pipeline._device_resources(backend, self.device_id)
+            self._run(backend, res, host_op, backend.user_stream(stream), ready, download, upload)
+            if wait:
+                backend.synchronize(res.done)
+
+    def _run(self, backend, res, host_op, user, ready, download, upload):
+        slots, pieces = self.slots, self.pieces
+        depth = len(slots)
+
+        def issue_d2h(i):
+            slot = i % depth
+            # the slot's previous piece must have been copied back to the GPU before it is overwritten
+            backend.wait(res.d2h, res.drained[slot])
+            if download:
+                at = 0
+                for off, length in pieces[i].down:
+                    if length:
+                        backend.copy_d2h(slots[slot][at:at + length], self.src_ptr + off, length, res.d2h)
+                    at += length
+            backend.record(res.filled[slot], res.d2h)
+
+        # the data may still be being produced on the caller's stream
+        if ready is None:
+            ready = res.start
+            backend.record(ready, user)
+        backend.wait(res.d2h, ready)
+        try:
+            for i in range(min(depth, len(pieces))):
+                issue_d2h(i)
+            for i, piece in enumerate(pieces):
+                slot = i % depth
+                backend.synchronize(res.filled[slot])
+                host_op(i)
+                if upload:
+                    at = _output_start(piece, self.in_place)
+                    for off, length in piece.up:
+                        if length:
+                            backend.copy_h2d(self.dst_ptr + off, slots[slot][at:at + length], length, res.h2d)
+                        at += length
+                backend.record(res.drained[slot], res.h2d)
+                if i + depth < len(pieces):
+                    issue_d2h(i + depth)
+        except BaseException:
+            # nothing may still be copying into or out of the pinned slots when we give up
+            backend.synchronize_stream(res.d2h)
+            backend.synchronize_stream(res.h2d)
+            raise
+        backend.record(res.done, res.h2d)
+        backend.wait(user, res.done)
 
 
 class HostStagingPipeline:
@@ -248,7 +398,9 @@ class HostStagingPipeline:
         self.depth = int(depth)
         self._backend = backend
         self._resources = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # one run at a time
+        # the streams, events and slots, taken briefly: preparing a call never waits for a run
+        self._resources_lock = threading.Lock()
         self._closed = False
 
     @property
@@ -265,104 +417,75 @@ class HostStagingPipeline:
     def run(self, array, host_op, stream=None, ready=None, download=True, upload=True, wait=False):
         """Stage ``array`` (a contiguous CUDA array) through the host chunk by chunk, applying host_op.
 
-        The array is updated in place with what host_op leaves in (or returns for) each chunk.
-        Returns ``array``. If host_op raises, the copies in flight are drained first and the array is
-        left partly updated. ``ready``: an event recorded on ``stream`` when the data was handed over
-        (default: recorded now); ``download``/``upload``: see the module's docstring; ``wait``: return
-        once the last copy up is done, not only ordered before the stream's later work.
+        host_op takes each chunk and changes it in place (returning None or the chunk) or returns
+        an array of its shape whose values are copied back. Returns ``array``; the rest as
+        PreparedRun.run.
         """
-        buf, dtype, spans, device_id = self._layout(array)
-        if upload and buf.readonly:
+        if upload and device_buffer(array).readonly:
             raise UsageError("the GPU array is read-only; host staging writes the result back into it")
-        backend = self.backend
-        with self._lock, backend.device(device_id):
-            res = self._device_resources(backend, device_id)
-            self._run(backend, res, buf, dtype, spans, host_op, backend.user_stream(stream), ready, download,
-                      upload)
-            if wait:
-                backend.synchronize(res.done)
+        prepared = self.prepare(array)
+
+        def apply(i):
+            chunk = prepared.views[i][0]
+            result = host_op(chunk)
+            if result is not None and result is not chunk:
+                result = np.asarray(result)
+                if result.shape != chunk.shape:
+                    raise UsageError(f"host_op returned shape {result.shape} for a chunk of shape {chunk.shape}")
+                np.copyto(chunk, result, casting="same_kind")
+        prepared.run(apply, stream, ready, download, upload, wait)
         return array
 
     def chunks(self, array):
-        """The chunks a run of ``array`` hands host_op, in order: views of the pinned slots (allocated
-        now if need be), so that a caller can plan its host work on them before the run."""
-        buf, dtype, spans, device_id = self._layout(array)
-        backend = self.backend
-        with self._lock, backend.device(device_id):
-            slots = self._device_resources(backend, device_id).slots
-        return [slots[i % len(slots)][:length].view(dtype) for i, (_, length) in enumerate(spans)]
+        """The chunks a run of ``array`` hands host_op, in order: views of the pinned slots."""
+        return [inp for inp, _ in self.prepare(array).views]
 
-    def _layout(self, array):
-        """(DeviceBuffer, numpy dtype of the chunks, chunk spans, GPU) of a run of ``array``."""
+    def prepare(self, array, out=None, bounds=None):
+        """The PreparedRun of ``array`` in place (``out`` None), chunk by chunk, or, with ``out``
+        and ``bounds`` (the byte bounds of the blocks of array and of out), blockwise from array
+        into out (block_pieces). Both on one GPU; the pinned slots are allocated now if need be."""
         if self._closed:
             raise UsageError("HostStagingPipeline is closed")
-        buf = device_buffer(array)
+        buf = device_buffer(array, allow_empty=out is not None)
         dtype = buf.dtype if buf.dtype is not None else BIT_TWINS.get(buf.dtype_name)
         if dtype is None:
             raise UsageError(f"host staging needs a dtype numpy knows; {buf.dtype_name} is not one")
-        spans = chunk_spans(buf.nbytes, self.chunk_bytes, buf.itemsize)
-        device_id = buf.device_id if buf.device_id is not None else self.backend.device_of(buf.ptr)
-        return buf, dtype, spans, device_id
+        dst = buf if out is None else device_buffer(out, allow_empty=True)
+        # (an empty array may have no address to ask the driver about)
+        devices = [self._device_of(b) for b in (buf, dst) if b.nbytes] or [self._device_of(buf)]
+        if len(set(devices)) > 1:
+            raise UsageError(f"buf is on GPU {devices[0]} and out on GPU {devices[1]}; pass both on one GPU")
+        device_id = devices[0]
+        if out is None:
+            pieces = chunk_pieces(buf.nbytes, self.chunk_bytes, buf.itemsize)
+            need = max([n for p in pieces for _, n in p.down], default=0)
+        else:
+            pieces = block_pieces(bounds[0], bounds[1], buf.itemsize, self.chunk_bytes)
+            need = max(_output_start(p, False) + sum(n for _, n in p.up) for p in pieces)
+        backend = self.backend
+        with backend.device(device_id):
+            slots = self._device_resources(backend, device_id, need).slots
+        return PreparedRun(self, (array, out), buf.ptr, dst.ptr, pieces, dtype, device_id, slots, out is None)
 
-    def _device_resources(self, backend, device_id):
-        res = self._resources.get(device_id)
-        if res is None:
-            res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
-        return res
+    def _device_of(self, buf):
+        return buf.device_id if buf.device_id is not None else self.backend.device_of(buf.ptr)
+
+    def _device_resources(self, backend, device_id, need=0):
+        """The resources of GPU ``device_id``, with slots of at least ``need`` bytes."""
+        with self._resources_lock:
+            res = self._resources.get(device_id)
+            if res is None:
+                res = self._resources[device_id] = _DeviceResources(backend, self.depth, self.chunk_bytes)
+            res.fit(backend, need)
+            return res
 
     def copy_streams(self, device_id):
         """(device-to-host, host-to-device) streams of GPU ``device_id``, for staging copies outside a
         run (pyrdma.cuda.collectives.StagedCall); the run's own copies go on them too."""
         backend = self.backend
-        with self._lock, backend.device(device_id):
+        with backend.device(device_id):
             res = self._device_resources(backend, device_id)
             return res.d2h, res.h2d
-
-    def _run(self, backend, res, buf, dtype, spans, host_op, user, ready, download, upload):
-        """host_op sees each chunk as ``dtype`` (bfloat16 as its uint16 bits)."""
-        depth = len(res.slots)
-        ptr = buf.ptr
-
-        def issue_d2h(i):
-            slot = i % depth
-            off, length = spans[i]
-            # the slot's previous chunk must have been copied back to the GPU before it is overwritten
-            backend.wait(res.d2h, res.drained[slot])
-            if download:
-                backend.copy_d2h(res.slots[slot][:length], ptr + off, length, res.d2h)
-            backend.record(res.filled[slot], res.d2h)
-
-        # the data may still be being produced on the caller's stream
-        if ready is None:
-            ready = res.start
-            backend.record(ready, user)
-        backend.wait(res.d2h, ready)
-        try:
-            for i in range(min(depth, len(spans))):
-                issue_d2h(i)
-            for i, (off, length) in enumerate(spans):
-                slot = i % depth
-                backend.synchronize(res.filled[slot])
-                chunk = res.slots[slot][:length].view(dtype)
-                result = host_op(chunk)
-                if result is not None and result is not chunk:
-                    result = np.asarray(result)
-                    if result.shape != chunk.shape:
-                        raise UsageError(f"host_op returned shape {result.shape} for a chunk of shape "
-                                         f"{chunk.shape}")
-                    np.copyto(chunk, result, casting="same_kind")
-                if upload:
-                    backend.copy_h2d(ptr + off, res.slots[slot][:length], length, res.h2d)
-                backend.record(res.drained[slot], res.h2d)
-                if i + depth < len(spans):
-                    issue_d2h(i + depth)
-        except BaseException:
-            # nothing may still be copying into or out of the pinned slots when we give up
-            backend.synchronize_stream(res.d2h)
-            backend.synchronize_stream(res.h2d)
-            raise
-        backend.record(res.done, res.h2d)
-        backend.wait(user, res.done)
 
     def close(self):
         """Wait for copies in flight and release the pinned slots. Idempotent."""
@@ -389,12 +512,27 @@ _default_pipeline = None
 
 
 def default_pipeline():
-    """The process-wide pipeline staged_allreduce uses when none is given."""
+    """The process-wide pipeline staged_allreduce and the Communicator use when none is given:
+    chunks of PYRDMA_STAGING_CHUNK bytes (default DEFAULT_CHUNK_BYTES; the same on every rank, which
+    plans its pieces by it)."""
     global _default_pipeline
     with _default_lock:
         if _default_pipeline is None or _default_pipeline._closed:
-            _default_pipeline = HostStagingPipeline()
+            _default_pipeline = HostStagingPipeline(_env_chunk_bytes())
         return _default_pipeline
+
+
+def _env_chunk_bytes():
+    text = os.environ.get("PYRDMA_STAGING_CHUNK", "").strip()
+    if not text:
+        return DEFAULT_CHUNK_BYTES
+    try:
+        value = int(text, 0)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise UsageError(f"PYRDMA_STAGING_CHUNK={text!r} is not a positive number of bytes")
+    return value
 
 
 def staged_allreduce(comm, array, op="sum", stream=None, pipeline=None, **options):
