@@ -1832,7 +1832,7 @@ def test_rdma_transport_registers_a_gpu_work_area_once_and_syncs_before_sending(
     stream = types.SimpleNamespace(synchronize=lambda: synced.append(1))
     device.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
     t = object.__new__(tr.RdmaTransport)       # just the state work_area touches
-    t.pd, t._user_mrs, t._sync = "pd", collections.OrderedDict(), None
+    t.pd, t._user_mrs, t._sync, t._parked = "pd", collections.OrderedDict(), None, {}
     t._own, t._own_mr = np.zeros(64, np.uint8), "own MR"        # buffer() goes back to it
     whole = FakeGpuBytes(0x7f0000010000, 8192)
     with pytest.raises(rd.UsageError, match="is not host memory; it needs its kind"):
