@@ -725,12 +725,13 @@ def test_perftest_rdma_cm_client_with_perf_server_all_tests(cm_device, test):
     _check_rows(test, srv, cli, srv)
 
 
-@pytest.mark.parametrize("test", ["send_bw", "write_lat"])
-@pytest.mark.parametrize("ours", ["client", "server"])
+# each test one way round (about 35 s each in the emulated VM): the sweep's script is the same either way
+@pytest.mark.parametrize("test, ours", [("send_bw", "client"), ("write_lat", "server")])
 def test_perf_rdma_cm_all_sizes_with_perftest(cm_device, test, ours):
-    """-a: perftest's size sweep (2 B .. 8 MiB) in one connection, either way round. send_bw meets
-    before and after every size (its -a loop only); write_lat runs size after size with no barrier,
-    each side spinning on the next size's last byte, so neither side may clear what the other writes."""
+    """-a: perftest's size sweep (2 B .. 8 MiB) in one connection, ours as client or server. send_bw
+    meets before and after every size (its -a loop only); write_lat runs size after size with no
+    barrier, each side spinning on the next size's last byte, so neither side may clear what the
+    other writes."""
     from pyrdma.perf import stats
     from pyrdma.perf.parse import parse_output
     port = str(next(_ports))
@@ -753,7 +754,9 @@ def test_perf_rdma_cm_all_sizes_with_perftest(cm_device, test, ours):
         assert all(r.iters == 5 for r in rows), out
 
 
-@pytest.mark.parametrize("test", ["send_bw", "write_lat", "send_lat", "read_lat"])
+# one test that both sides report and one that only the client does: every test's script is
+# checked against perftest's, both ways round, by the two tests above
+@pytest.mark.parametrize("test", ["send_lat", "read_lat"])
 def test_perf_rdma_cm_between_pyrdma_sides_all_tests(cm_device, test):
     """Both sides pyrdma-perf -R in batched mode: perftest's script for the test, on both ends."""
     from pyrdma.perf.parse import parse_output
