@@ -213,6 +213,12 @@ def _isend_beside_collectives(comm):
     x = np.full(5000, r + 1, np.float64)           # several chunks, so several messages per peer
     comm.allreduce(x)
     assert (x == n * (n + 1) / 2).all()
+    # more lent buffers than the registration cache keeps: the parked send's registration is let
+    # go by the cache but stays open until the send is written
+    lent = [np.full(2 * ZERO_COPY // 8, k, np.float64) for k in range(10)]
+    for k, a in enumerate(lent):
+        comm.allreduce(a)
+        assert (a == n * k).all()
     y = comm.gather(np.full(3, r, np.int16), root=n - 1)
     assert r != n - 1 or np.array_equal(y.reshape(n, 3)[:, 0], np.arange(n))
     for k in range(3):
