@@ -1105,20 +1105,27 @@ def test_staged_allreduce_uses_the_communicators_host_allreduce():
     assert comm.calls == [(np.float64, 1024, "sum")] * 2 + [(np.float64, 952, "sum")]
 
 
-def _staged_through_the_communicator(comm, chunk_bytes):
-    """A rank's blocking allreduce, reduce and broadcast of fake CUDA arrays, staged by the pipeline on
-    the simulated GPU: the Communicator hands pyrdma.cuda its own host call for each chunk."""
+def _stage_on(comm, pipe):
+    """Make this rank process stage fake CUDA arrays (HostCupy) through ``pipe`` on the simulated
+    GPU, and return the list every host run of ``comm`` (its spec) is appended to."""
     from pyrdma.cuda import collectives as gc
-    pipe = gpu.HostStagingPipeline(chunk_bytes, 2, backend=SimBackend())
     gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
     gc.default_pipeline = lambda: pipe
     runs = []
     run_spec = comm._run_spec
 
-    def counting_run_spec(spec):
+    def counting_run_spec(spec, *args, **kwargs):
         runs.append(spec)
-        return run_spec(spec)
+        return run_spec(spec, *args, **kwargs)
     comm._run_spec = counting_run_spec
+    return runs
+
+
+def _staged_through_the_communicator(comm, chunk_bytes):
+    """A rank's blocking allreduce, reduce and broadcast of fake CUDA arrays, staged by the pipeline on
+    the simulated GPU: the Communicator hands pyrdma.cuda its own host call for each chunk."""
+    pipe = gpu.HostStagingPipeline(chunk_bytes, 2, backend=SimBackend())
+    runs = _stage_on(comm, pipe)
 
     def calls(since=(0, 0)):
         """the elements of each chunk copied down (8-byte ones) since (copies, runs), if one host
@@ -1229,11 +1236,8 @@ def _stage_every_call(comm):
     """A rank's copying collectives, point-to-point and non-blocking allreduce and broadcast of fake
     CUDA arrays, staged through HostCupy and the simulated GPU; each result next to the numpy
     path's, and the bytes each call copied down and up."""
-    from pyrdma.cuda import collectives as gc
     backend = SimBackend()
-    pipe = gpu.HostStagingPipeline(1 << 20, 2, backend=backend)
-    gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
-    gc.default_pipeline = lambda: pipe
+    _stage_on(comm, gpu.HostStagingPipeline(1 << 20, 2, backend=backend))
     n, r = comm.size, comm.rank
     got = {}
 
@@ -1515,18 +1519,9 @@ def _blockwise_on_a_fake_gpu(comm, chunk_bytes, eager):
     of a few items), blocking and queued non-blocking, with and without out=, uneven, empty and
     bfloat16: each result's bytes next to the numpy path's, the host runs each call made and the
     bytes it copied down and up."""
-    from pyrdma.cuda import collectives as gc
     backend = SimBackend(("h2d", "d2h", "user"), eager=eager)
     pipe = gpu.HostStagingPipeline(chunk_bytes, 2, backend=backend)
-    gc.import_cupy = lambda feature: HostCupy           # a rank process of its own: nothing to restore
-    gc.default_pipeline = lambda: pipe
-    runs = []
-    run_spec = comm._run_spec
-
-    def counting_run_spec(spec):
-        runs.append(spec)
-        return run_spec(spec)
-    comm._run_spec = counting_run_spec
+    runs = _stage_on(comm, pipe)
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(r)
     keep = []           # the host memory of DLPack arrays, alive until the calls ran
