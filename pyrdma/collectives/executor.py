@@ -53,9 +53,11 @@ class SendHandle:
     def __init__(self, handle, executor, transport):
         self._handle, self._executor, self._transport = handle, executor, transport
 
-    def _pending(self):
-        """The tickets of its parked sends not finished yet (the call must have left its turn)."""
-        _, tickets = self._handle.wait()
+    def _pending(self, tickets=None):
+        """The tickets of its parked sends (``tickets``, else the call's, which must have left its
+        turn) not finished yet."""
+        if tickets is None:
+            _, tickets = self._handle.wait()
         return [t for t in tickets if not self._transport.finished(t)]
 
     def test(self):
@@ -90,7 +92,7 @@ class SendHandle:
 
     def wait(self, timeout=None):
         result, tickets = self._handle.wait(timeout)
-        pending = [t for t in tickets if not self._transport.finished(t)]
+        pending = self._pending(tickets)
         if pending:
             self._executor.submit(True, self._settle, pending, seq=False).wait(timeout)
         return result
