@@ -3,7 +3,9 @@ to know of each, in one entry (UCC's components register themselves the same way
 
     ALGORITHMS["alltoall"]["pairwise"] -> Algorithm(name, planner, cost, wire_id, ...)
 
-Adding an algorithm is a planner and its cost function in a module here and one entry below.
+Adding an algorithm is a planner and its cost function in a module here and one entry below;
+tests/test_algorithm_registry.py then runs its schedules against each other and checks that the
+cost model and the specs choose by its cost function.
 
 An entry carries:
 
@@ -119,7 +121,3 @@ def only(collective):
     """The one Algorithm of a collective that has one (allgather, reduce_scatter, barrier, alltoall)."""
     algorithm, = ALGORITHMS[collective].values()
     return algorithm
-
-
-def planner(collective, name):
-    return ALGORITHMS[collective][name].planner
