@@ -23,11 +23,15 @@ class Program:
 
 @final
 class Engine:
-    """The data path of RdmaTransport: per-peer state in C, and ``run(program, ...)``."""
+    """The data path of both transports (queue pairs, or sockets: over_sockets): per-peer state in C,
+    and ``run(program, ...)``."""
     def __init__(self, cq: CompletionQueue, qps: List[Any], slot_mr: MemoryRegion, header_mr: MemoryRegion,
                  remotes: List[Any], rank: int, size: int, slots: int, slot_stride: int, max_message: int,
                  sq_depth: int, timeout: float, spin: float, max_inline: int = ...,
                  rendezvous_bytes: int = ...) -> None: ...
+    @staticmethod
+    def over_sockets(fds: List[int], slots_memory: Any, rank: int, size: int, slots: int, slot_stride: int,
+                     max_message: int, timeout: float, spin: float) -> Engine: ...
     rendezvous_bytes: int
     spin_yields: bool
     @property

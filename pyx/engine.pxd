@@ -3,6 +3,7 @@
 cimport cython
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
 from pyrdma._verbs.libibverbs cimport ibv_qp, ibv_cq, ibv_comp_channel, ibv_wc
+from pyrdma._verbs.base cimport pollfd
 
 # schedule layout (pyrdma.collectives.schedule mirrors these; LAYOUT lets a test compare)
 cdef enum:
@@ -36,6 +37,7 @@ cdef enum:
     C_HEADER_ROOM = 64
     NWC = 64
     RDV_MAX_WRITE = 1 << 30          # the longest RDMA WRITE of a rendezvous (larger ones are split)
+    SOCK_HEAD = 56                   # the socket link's frame head: the immediate (4), the header (48)
     DESC_KIND_AT = 38                # the byte of a description that says its kind
     DESC_KIND_SEND = 13              # ... for a point-to-point message (transport.base.KINDS)
 
@@ -73,6 +75,17 @@ cdef struct kept_t:
     uint8_t header[C_HEADER_ROOM]
 
 
+# A frame queued on the socket link (its head, then ``length`` bytes at ``addr``), written as the
+# socket takes it.
+cdef struct txframe_t:
+    uint8_t head[SOCK_HEAD]
+    uint32_t head_len
+    uint32_t length
+    uint64_t addr
+    uint64_t done            # bytes of head and payload written so far
+    int data                 # the payload is read from the work area (data_outstanding counts it)
+
+
 cdef struct peer_t:
     ibv_qp *qp
     uint64_t remote          # our receive slots in the peer's memory
@@ -97,6 +110,18 @@ cdef struct peer_t:
     kept_t *kept[2]          # kept messages, oldest first: [0] collectives', [1] point-to-point
     kept_t *kept_last[2]
     kept_t *taken            # the kept message _recv returned, freed by _release
+    int held                 # slots that hold a message not returned yet (a peer never fills more)
+    # the socket link (Engine.over_sockets); fd is -1 on the verbs link
+    int fd
+    int gone                 # the peer's end closed (EOF, or a failed write of no data)
+    txframe_t *txq           # frames to write, a ring of sq_depth (``outstanding`` of them queued)
+    int tx_head
+    uint8_t *rx              # bytes read ahead of the frame being parsed
+    int rx_lo, rx_hi
+    int rx_state             # which piece of a frame is read: its immediate, header or payload
+    uint8_t rx_imm[4]
+    uint8_t *rx_dst          # where that piece goes
+    uint32_t rx_need, rx_got
 
 
 @cython.final
@@ -175,6 +200,9 @@ cdef class Engine:
     # (size > online CPUs): there the peer waited for gets the CPU now. Elsewhere each yield is just
     # a system call (~2 us in the Soft-RoCE VM) between two polls, on the path of every wake-up.
     cdef public bint spin_yields
+    cdef bint sockets                # the socket link: peers' fd, not qp (Engine.over_sockets)
+    cdef pollfd *pfds                # its poll() set, one per rank
+    cdef object slot_owner           # the memory of its slots
 
     cdef int _check_peer(self, int peer) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
@@ -209,3 +237,15 @@ cdef class Engine:
     cdef int _wait(self, int what, int peer, int64_t n) noexcept nogil
     cdef int _progress(self, double seconds) noexcept nogil
     cdef int _handle(self, int n) noexcept nogil
+    cdef int _on_imm(self, int peer, uint32_t imm) noexcept nogil
+    cdef int _init_common(self, int rank, int size, int slots, int slot_stride, int max_message, int sq_depth,
+                          double timeout, double spin) except -1
+    cdef int _keep_arrivals(self) noexcept nogil
+    cdef int _sock_send(self, int peer, uint64_t addr, int64_t n, const uint8_t *desc) noexcept nogil
+    cdef int _sock_queue(self, int peer, uint32_t imm, const uint8_t *desc, uint64_t addr, uint32_t n) noexcept nogil
+    cdef int _sock_flush(self, int peer) noexcept nogil
+    cdef int _sock_read(self, int peer) noexcept nogil
+    cdef int _sock_piece(self, int peer) noexcept nogil
+    cdef int _sock_lost(self, int peer, int err) noexcept nogil
+    cdef int _sock_pass(self) noexcept nogil
+    cdef int _sock_progress(self, double seconds) noexcept nogil

@@ -1,5 +1,5 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""The collective engine: runs a whole collective's schedule over RC QPs without the GIL.
+"""The collective engine: runs a whole collective's schedule over RC QPs, or TCP sockets, without the GIL.
 
 A schedule (pyrdma.collectives.schedule) is a flat int64 array of steps and one of chunks, planned
 in Python once per (collective, size, rank, count, ...) and cached. ``Engine.run`` executes it in
@@ -21,7 +21,8 @@ exception hierarchy. The C types are declared in engine.pxd, for the modules tha
 cimport cython
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
-from libc.errno cimport errno
+from libc.errno cimport errno, EAGAIN, EINTR
+from posix.uio cimport iovec
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memcmp, memset
@@ -44,6 +45,24 @@ cdef extern from "<sched.h>" nogil:
 cdef extern from "<unistd.h>" nogil:
     long sysconf(int name)
     int _SC_NPROCESSORS_ONLN
+
+cdef extern from "<poll.h>" nogil:
+    enum: POLLOUT
+
+cdef extern from "<sys/socket.h>" nogil:
+    ctypedef unsigned int socklen_t
+    cdef struct msghdr:
+        void *msg_name
+        socklen_t msg_namelen
+        iovec *msg_iov
+        size_t msg_iovlen
+        void *msg_control
+        size_t msg_controllen
+        int msg_flags
+    ssize_t sendmsg(int fd, const msghdr *msg, int flags)
+    ssize_t recv(int fd, void *buf, size_t n, int flags)
+    int shutdown(int fd, int how)
+    enum: MSG_NOSIGNAL, MSG_DONTWAIT, SHUT_RDWR
 
 cdef extern from "<arpa/inet.h>" nogil:
     uint32_t htonl(uint32_t x)
@@ -82,6 +101,16 @@ cdef int CLOCK_EVERY = 32           # polls of a spin between two clock reads
 # the same where the spin does not yield (Engine.spin_yields): a poll alone is an order of magnitude
 # quicker (8 B ping-pong in the VM: 5-15 polls per round trip with the yields, 50-190 without)
 cdef int FIRST_POLLS_NO_YIELD = 1024
+cdef double KEEP_AFTER = 0.05       # a receive's wait this long copies full slots out (_keep_arrivals)
+# The socket link reads ahead into a buffer per peer (a read takes many small frames at once) and
+# straight into the slot a payload this long or longer (one copy less where it pays)
+cdef int RXBUF = 65536
+cdef uint32_t RX_DIRECT = 8192
+cdef int TX_IOV = 64                # the most pieces one sendmsg() gathers
+cdef enum:
+    RX_IMM = 0
+    RX_HEADER = 1
+    RX_PAYLOAD = 2
 
 
 cdef int64_t _gcd(int64_t a, int64_t b) noexcept nogil:
@@ -175,39 +204,33 @@ cdef class Program:
 
 @cython.final
 cdef class Engine:
-    """The data path of RdmaTransport: per-peer state in C, and ``run(schedule)``."""
+    """The data path of both transports: per-peer state in C, and ``run(schedule)``. Two links
+    under one schedule interpreter: queue pairs (``Engine(...)``, RdmaTransport) and stream sockets
+    (``Engine.over_sockets``, TcpTransport); the link's calls are _send_from, _post_empty and
+    _progress, each with a socket form (_sock_*), and the rest is common."""
 
     def __cinit__(self):
         self.peers = NULL
         self.released = NULL
         self.queried = NULL
         self.visited = NULL
+        self.pfds = NULL
 
     def __init__(self, CompletionQueue cq not None, list qps, MemoryRegion slot_mr not None,
                  MemoryRegion header_mr not None, list remotes, int rank, int size, int slots, int slot_stride,
                  int max_message, int sq_depth, double timeout, double spin, int max_inline=0,
                  int64_t rendezvous_bytes=0):
-        """``qps[p]``: the QueuePair to rank p (None at ``rank``); ``remotes[p]``: (address of our
-        slots in p's memory, rkey). Slots of peer p here start at slot_mr's address plus its index
-        among the peers (rank order, skipping ours) times slots * slot_stride; header staging
-        likewise in header_mr, slots * 64 bytes per peer. ``rendezvous_bytes``: see the attribute;
-        it needs a 64-byte mailbox per peer after all the slots (and a staging room after the
-        headers), in the same peer order, else rendezvous stays off."""
+        """The verbs link. ``qps[p]``: the QueuePair to rank p (None at ``rank``); ``remotes[p]``:
+        (address of our slots in p's memory, rkey). Slots of peer p here start at slot_mr's address
+        plus its index among the peers (rank order, skipping ours) times slots * slot_stride; header
+        staging likewise in header_mr, slots * 64 bytes per peer. ``rendezvous_bytes``: see the
+        attribute; it needs a 64-byte mailbox per peer after all the slots (and a staging room after
+        the headers), in the same peer order, else rendezvous stays off."""
         cdef int p, i
         if self.peers != NULL:
             raise UsageError("Engine is already initialised")
-        if len(qps) != size or len(remotes) != size or not 0 <= rank < size:
+        if len(qps) != size or len(remotes) != size:
             raise UsageError("Engine: qps and remotes must have one entry per rank")
-        if slots < 1 or slot_stride < C_HEADER_ROOM + max_message or sq_depth < 3:
-            raise UsageError("Engine: inconsistent slot geometry")
-        self.rank, self.size, self.slots, self.slot_stride = rank, size, slots, slot_stride
-        self.max_message, self.sq_depth = max_message, sq_depth
-        self.credit_batch = max(1, slots // 2)
-        self.signal_every = max(1, sq_depth // 4)
-        self.timeout, self.spin = timeout, spin
-        self.spin_adaptive = spin
-        self.max_inline = max_inline
-        self.probe_lead = min(1.0, timeout / 4)
         self.cq = cq.cq
         if cq.channel is None:
             raise UsageError("Engine needs a CQ with a completion channel")
@@ -215,6 +238,7 @@ cdef class Engine:
         self.header_lkey = header_mr.lkey
         self.slot_base = <uint8_t *><uintptr_t>slot_mr.addr
         self.keep = [cq, cq.channel, slot_mr, header_mr]
+        self._init_common(rank, size, slots, slot_stride, max_message, sq_depth, timeout, spin)
         if slot_mr.length < (size - 1) * slots * slot_stride or header_mr.length < (size - 1) * slots * C_HEADER_ROOM:
             raise UsageError("Engine: the slot or header region is too small")
         # a mailbox per peer after the slots, and a staging room per peer after the headers: the
@@ -222,15 +246,9 @@ cdef class Engine:
         self.mailboxes = slot_mr.length >= (size - 1) * (slots * slot_stride + C_HEADER_ROOM) and \
             header_mr.length >= (size - 1) * (slots + 1) * C_HEADER_ROOM
         self.rendezvous_bytes = rendezvous_bytes
-        self.rdv_peer = -1
-        self.peers = <peer_t *>calloc(size, sizeof(peer_t))
-        self.queried = <uint8_t *>calloc(size, 1)
-        self.visited = <uint8_t *>calloc(size, 1)
-        if self.peers == NULL or self.queried == NULL or self.visited == NULL:
-            raise MemoryError()
+        self.max_inline = max_inline
         i = 0
         for p in range(size):
-            self.peers[p].report = -1
             if p == rank:
                 continue
             qp = qps[p]
@@ -242,7 +260,6 @@ cdef class Engine:
             self.peers[p].rkey = remotes[p][1]
             self.peers[p].slots = <uint8_t *><uintptr_t>slot_mr.addr + <size_t>i * slots * slot_stride
             self.peers[p].headers = <uint8_t *><uintptr_t>header_mr.addr + <size_t>i * slots * C_HEADER_ROOM
-            self.peers[p].credits = slots
             if self.mailboxes:
                 # the peer orders its peers by rank, skipping itself, as we do
                 their = rank if rank < p else rank - 1
@@ -252,13 +269,85 @@ cdef class Engine:
                     + <uint64_t>(size - 1) * slots * slot_stride + <uint64_t>their * C_HEADER_ROOM
                 self.peers[p].cts_staging = <uint8_t *><uintptr_t>header_mr.addr \
                     + <size_t>(size - 1) * slots * C_HEADER_ROOM + <size_t>i * C_HEADER_ROOM
+            i += 1
+
+    @staticmethod
+    def over_sockets(list fds, slots_memory, int rank, int size, int slots, int slot_stride, int max_message,
+                     double timeout, double spin):
+        """The socket link (TcpTransport's engine): ``fds[p]`` the descriptor of a connected stream
+        socket to rank p (-1 at ``rank``), kept open by the caller while the engine lives; the
+        receive slots in ``slots_memory`` (writable bytes, (size - 1) * slots * slot_stride or more:
+        peer p's at its index among the peers times slots * slot_stride, as on the verbs link).
+        The protocol is the verbs link's, a frame per message: the 32-bit immediate (network
+        order), then for data the 48-byte header and the payload, which land in the slot as a
+        WRITE_WITH_IMM would put them. No rendezvous and no RDMA READ (OFFER/FETCH) here."""
+        cdef Engine e = Engine.__new__(Engine)
+        cdef uint8_t[::1] mem = slots_memory
+        cdef int p, i = 0
+        if len(fds) != size:
+            raise UsageError("Engine: fds must have one entry per rank")
+        e.keep = []
+        e._init_common(rank, size, slots, slot_stride, max_message, 2 * slots + 8, timeout, spin)
+        if mem.shape[0] < (size - 1) * slots * slot_stride:
+            raise UsageError("Engine: the slot memory is too small")
+        e.sockets = True
+        # a pass over the sockets is a system call per peer anyway, and a spin that never yields
+        # starves the peer it waits for wherever another process takes a core (2 ranks beside a
+        # busy process on 2 cores: 3.8 ms per 8-byte allreduce, a scheduler tick, against 0.37 ms)
+        e.spin_yields = True
+        e.slot_owner = slots_memory
+        e.slot_base = &mem[0] if mem.shape[0] else NULL
+        e.pfds = <pollfd *>calloc(size, sizeof(pollfd))
+        if e.pfds == NULL:
+            raise MemoryError()
+        for p in range(size):
+            if p == rank:
+                continue
+            if not isinstance(fds[p], int) or fds[p] < 0:
+                raise UsageError(f"Engine: fds[{p}] is not a file descriptor")
+            e.peers[p].fd = fds[p]
+            e.peers[p].slots = e.slot_base + <size_t>i * slots * slot_stride
+            e.peers[p].txq = <txframe_t *>calloc(e.sq_depth, sizeof(txframe_t))
+            e.peers[p].rx = <uint8_t *>malloc(RXBUF)
+            if e.peers[p].txq == NULL or e.peers[p].rx == NULL:
+                raise MemoryError()
+            e.peers[p].rx_state, e.peers[p].rx_dst, e.peers[p].rx_need = RX_IMM, e.peers[p].rx_imm, 4
+            i += 1
+        return e
+
+    cdef int _init_common(self, int rank, int size, int slots, int slot_stride, int max_message, int sq_depth,
+                          double timeout, double spin) except -1:
+        cdef int p
+        if not 0 <= rank < size:
+            raise UsageError(f"Engine: rank {rank} is not within a world of {size}")
+        if slots < 1 or slot_stride < C_HEADER_ROOM + max_message or sq_depth < 3 or max_message > <int>LEN_MASK:
+            raise UsageError("Engine: inconsistent slot geometry")
+        self.rank, self.size, self.slots, self.slot_stride = rank, size, slots, slot_stride
+        self.max_message, self.sq_depth = max_message, sq_depth
+        self.credit_batch = max(1, slots // 2)
+        self.signal_every = max(1, sq_depth // 4)
+        self.timeout, self.spin = timeout, spin
+        self.spin_adaptive = spin
+        self.probe_lead = min(1.0, timeout / 4)
+        self.rdv_peer = -1
+        self.peers = <peer_t *>calloc(size, sizeof(peer_t))
+        self.queried = <uint8_t *>calloc(size, 1)
+        self.visited = <uint8_t *>calloc(size, 1)
+        if self.peers == NULL or self.queried == NULL or self.visited == NULL:
+            raise MemoryError()
+        for p in range(size):
+            self.peers[p].report = -1
+            self.peers[p].fd = -1
+            if p == rank:
+                continue
+            self.peers[p].credits = slots
             self.peers[p].arrivals = <uint32_t *>calloc(slots, sizeof(uint32_t))
             if self.peers[p].arrivals == NULL:
                 raise MemoryError()
-            i += 1
         self.waiting_on = -1
         self.consume = None
         self.spin_yields = size > sysconf(_SC_NPROCESSORS_ONLN)
+        return 0
 
     def __dealloc__(self):
         cdef int p, c
@@ -267,6 +356,8 @@ cdef class Engine:
             for p in range(self.size):
                 free(self.peers[p].arrivals)
                 free(self.peers[p].taken)
+                free(self.peers[p].txq)
+                free(self.peers[p].rx)
                 for c in range(2):
                     while self.peers[p].kept[c] != NULL:
                         k = self.peers[p].kept[c]
@@ -275,6 +366,7 @@ cdef class Engine:
             free(self.peers)
         free(self.queried)
         free(self.visited)
+        free(self.pfds)
 
     # ---- Python-level ---------------------------------------------------------------------------
 
@@ -312,7 +404,22 @@ cdef class Engine:
     def post_control(self, int peer, uint32_t imm):
         """A zero-byte message outside flow control (abort, query); dropped when the send queue is
         full or the post fails: best effort."""
+        cdef int rc
+        cdef double end
+        cdef pollfd pfd
         self._check_peer(peer)
+        if self.sockets:
+            # written before returning (no run will flush it): a short wait for the socket's room
+            with nogil:
+                rc = self._post_empty(peer, imm)
+                end = monotonic_now() + 0.5
+                while rc == 0 and self.peers[peer].outstanding and not self.peers[peer].gone:
+                    if self._sock_flush(peer) < 0 or monotonic_now() >= end:
+                        break
+                    if self.peers[peer].outstanding:
+                        pfd.fd, pfd.events, pfd.revents = self.peers[peer].fd, POLLOUT, 0
+                        poll(&pfd, 1, 50)
+            return rc == 0
         for obj in self.keep:
             if (<VerbsObject>obj)._closed or (<VerbsObject>obj)._closing:
                 return False
@@ -439,8 +546,18 @@ cdef class Engine:
 
     cdef void _end(self) noexcept:
         cdef int i
+        cdef peer_t *p
         for i in range(len(self.keep)):
             unuse(<VerbsObject>self.keep[i])
+        if self.sockets and self.fail_kind != FAIL_NONE:
+            # a failed run's frames are never written: their payloads may be the caller's memory, and
+            # freed once it returns. A stream left mid-frame takes nothing more (not even an abort).
+            for i in range(self.size):
+                p = &self.peers[i]
+                if i != self.rank and p.outstanding:
+                    if p.txq[p.tx_head].done:
+                        p.gone = 1
+                    p.outstanding = p.data_outstanding = 0
         self.consume = None
         self.runs += 1
 
@@ -462,6 +579,13 @@ cdef class Engine:
                     if p != self.rank and (st[1] == -1 or st[1] == p) and self.peers[p].data_outstanding:
                         if self._wait(WAIT_SENDS_DONE, p, 0) < 0:
                             return -1
+                continue
+            if self.sockets and (st[0] == OFFER or st[0] == FETCH):
+                # no RDMA READ on sockets: an offer is the send of its chunks, a fetch their receive
+                if self._exchange(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4] if st[0] == OFFER else 0,
+                                  <int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6] if st[0] == FETCH else 0,
+                                  CONSUME_COPY) < 0:
+                    return -1
                 continue
             if st[0] == OFFER:
                 if self._offer(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4]) < 0:
@@ -681,7 +805,8 @@ cdef class Engine:
         cdef peer_t *p = &self.peers[peer]
         cdef uint64_t addr = <uint64_t><uintptr_t>(self.work + ch[0])
         cdef uint32_t length = <uint32_t>_span(ch, n)
-        if self.work_rkey == 0 or self.consume is not None or ch[0] + <int64_t>length > self.work_len:
+        if self.work_rkey == 0 or self.consume is not None or ch[0] + <int64_t>length > self.work_len \
+                or p.cts_staging == NULL:
             return self._fail(FAIL_MALFORMED, peer, length, 2)     # no remote access here
         # (the staging room is free: the last answer or offer from it was read before the peer's
         # message that let this call begin)
@@ -701,7 +826,7 @@ cdef class Engine:
         cdef ibv_sge sge
         cdef ibv_send_wr wr
         cdef ibv_send_wr *bad = NULL
-        if self.consume is not None or ch[0] + total > self.work_len:
+        if self.consume is not None or ch[0] + total > self.work_len or self.sockets:
             return self._fail(FAIL_MALFORMED, peer, total, 3)      # a GPU work area is not read into
         data = self._recv(peer, 16)
         if data == NULL:
@@ -758,6 +883,8 @@ cdef class Engine:
         cdef uint8_t *hdr
         cdef uint32_t len32 = <uint32_t>n, back
         cdef int rc
+        if self.sockets:
+            return self._sock_send(peer, addr, n, desc)
         if not self._can_send(peer):
             if self._wait(WAIT_CREDIT, peer, n) < 0:
                 return -1
@@ -809,6 +936,8 @@ cdef class Engine:
         cdef peer_t *p = &self.peers[peer]
         cdef ibv_send_wr wr
         cdef ibv_send_wr *bad = NULL
+        if self.sockets:
+            return self._sock_queue(peer, imm, NULL, 0, 0)
         if p.outstanding >= self.sq_depth:
             return -1
         memset(&wr, 0, sizeof(wr))
@@ -899,6 +1028,7 @@ cdef class Engine:
 
     cdef int _return_slot(self, int peer) noexcept nogil:
         cdef peer_t *p = &self.peers[peer]
+        p.held -= 1
         p.unreturned += 1
         if p.unreturned >= self.credit_batch:
             if p.outstanding >= self.sq_depth:
@@ -1024,6 +1154,13 @@ cdef class Engine:
             if self._ready(what, peer):
                 self.waiting_on = -1
                 return 0
+            if self.peers[peer].gone:           # the socket link: its stream ended, this will not come
+                self._fail(FAIL_LINK, peer, 0, 0)
+                break
+            # past the spin: a peer that filled our slots may wait for us as we wait (a receive
+            # waits a little longer first: its slots may just be the next collective's sends ahead)
+            if (what != WAIT_ARRIVAL or now - start > KEEP_AFTER) and self._keep_arrivals() < 0:
+                break
         self.waiting_on = -1
         return -1
 
@@ -1035,6 +1172,8 @@ cdef class Engine:
         cdef pollfd pfd
         cdef ibv_cq *ev_cq
         cdef void *ev_ctx
+        if self.sockets:
+            return self._sock_progress(seconds)
         n = ibv_poll_cq(self.cq, NWC, self.wcs)
         self.polls += 1
         if n == 0 and seconds > 0:
@@ -1076,8 +1215,7 @@ cdef class Engine:
         return n
 
     cdef int _handle(self, int n) noexcept nogil:
-        cdef int i, peer, kind, sub, epoch, value
-        cdef uint32_t imm
+        cdef int i, peer
         cdef ibv_wc *wc
         cdef peer_t *p
         cdef ibv_recv_wr rwr
@@ -1097,36 +1235,289 @@ cdef class Engine:
                 rwr.wr_id = <uint64_t>peer << 2       # WRITE_WITH_IMM consumes a receive, no buffer
                 if ibv_post_recv(p.qp, &rwr, &bad):
                     self._fail(FAIL_POST, peer, errno, 1)
-                imm = ntohl(wc.imm_data)
-                kind = imm >> 30
-                if kind == KIND_DATA:
-                    if p.arr_count >= self.slots or (imm & LEN_MASK) > <uint32_t>self.max_message:
-                        self._fail(FAIL_MALFORMED, peer, imm, 0)    # more than its credits, or too long
-                        continue
-                    p.arrivals[(p.arr_head + p.arr_count) % self.slots] = imm & LEN_MASK
-                    p.arr_count += 1
-                    p.credits += (imm >> CREDIT_SHIFT) & CREDIT_MASK
-                    if p.credits > self.slots:
-                        self._fail(FAIL_MALFORMED, peer, imm, 0)
-                elif kind == KIND_CREDIT:
-                    p.credits += imm & 0xFFFF
-                    if p.credits > self.slots:
-                        self._fail(FAIL_MALFORMED, peer, imm, 0)
-                elif kind == KIND_ABORT:
-                    self._fail(FAIL_ABORT, peer, imm & 0xFFFFFF, (imm >> 24) & 0x3F)
-                else:
-                    sub, epoch, value = (imm >> 28) & 3, (imm >> 16) & 0xFFF, imm & 0xFFFF
-                    if sub == CTRL_QUERY and self.waiting_on >= 0:
-                        self._post_empty(peer, (KIND_CONTROL << 30) | (CTRL_REPORT << 28) | (epoch << 16)
-                                         | <uint32_t>self.waiting_on)
-                    elif sub == CTRL_REPORT and epoch == self.epoch:
-                        p.report = value
-                    elif sub == CTRL_CTS:
-                        p.cts += 1
-                        if p.cts > 1 or self.rdv_peer != peer:    # an answer to no RTS of ours
-                            self._fail(FAIL_MALFORMED, peer, imm, 0)
+                self._on_imm(peer, ntohl(wc.imm_data))
             else:
                 p.outstanding -= <int>(wc.wr_id >> 32) if wc.wr_id >> 32 else 1
                 if wc.wr_id & 1:                  # a payload read from the work area (not inline)
                     p.data_outstanding -= 1
         return n if self.fail_kind == FAIL_NONE else -1
+
+    cdef int _on_imm(self, int peer, uint32_t imm) noexcept nogil:
+        """A message from ``peer`` is in, by the immediate it carries (both links): a data message's
+        arrival (its slot holds it), credits, an abort, or a control message. -1 on failure."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef int kind = imm >> 30, sub, epoch, value
+        if kind == KIND_DATA:
+            if p.held >= self.slots or (imm & LEN_MASK) > <uint32_t>self.max_message:
+                return self._fail(FAIL_MALFORMED, peer, imm, 0)    # more than its credits, or too long
+            p.arrivals[(p.arr_head + p.arr_count) % self.slots] = imm & LEN_MASK
+            p.arr_count += 1
+            p.held += 1
+            p.credits += (imm >> CREDIT_SHIFT) & CREDIT_MASK
+            if p.credits > self.slots:
+                return self._fail(FAIL_MALFORMED, peer, imm, 0)
+        elif kind == KIND_CREDIT:
+            p.credits += imm & 0xFFFF
+            if p.credits > self.slots:
+                return self._fail(FAIL_MALFORMED, peer, imm, 0)
+        elif kind == KIND_ABORT:
+            return self._fail(FAIL_ABORT, peer, imm & 0xFFFFFF, (imm >> 24) & 0x3F)
+        else:
+            sub, epoch, value = (imm >> 28) & 3, (imm >> 16) & 0xFFF, imm & 0xFFFF
+            if sub == CTRL_QUERY and self.waiting_on >= 0:
+                self._post_empty(peer, (KIND_CONTROL << 30) | (CTRL_REPORT << 28) | (epoch << 16)
+                                 | <uint32_t>self.waiting_on)
+            elif sub == CTRL_REPORT and epoch == self.epoch:
+                p.report = value
+            elif sub == CTRL_CTS:
+                p.cts += 1
+                if p.cts > 1 or self.rdv_peer != peer:    # an answer to no RTS of ours
+                    return self._fail(FAIL_MALFORMED, peer, imm, 0)
+        return 0
+
+    cdef int _keep_arrivals(self) noexcept nogil:
+        """Copy out (as _recv keeps a message of the other class) the messages of every peer whose
+        slots are all full, and return the slots: a peer that sends more than they hold before we
+        receive from it (an eager isend longer than the slots, ahead of a collective or of its own
+        receive) must not wait for our credits while we wait for it. Only where no credit message
+        would have to wait for send queue room."""
+        cdef int q
+        cdef peer_t *p
+        cdef uint8_t *start
+        cdef uint32_t got
+        for q in range(self.size):
+            p = &self.peers[q]
+            if q == self.rank or p.held < self.slots:
+                continue
+            while p.arr_count > 0 and p.outstanding < self.sq_depth:
+                got = p.arrivals[p.arr_head]
+                p.arr_head = (p.arr_head + 1) % self.slots
+                p.arr_count -= 1
+                start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+                p.recv_seq += 1
+                if self._keep(p, start, got) < 0 or self._return_slot(q) < 0:
+                    return -1
+        return 0
+
+    # ---- the socket link --------------------------------------------------------------------------
+
+    cdef int _sock_send(self, int peer, uint64_t addr, int64_t n, const uint8_t *desc) noexcept nogil:
+        """_send_from on the socket link: the frame is queued (credits as on the verbs link) and
+        written as far as the socket takes it now; the rest goes out from later progress."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint32_t back
+        if not self._can_send(peer):
+            if self._wait(WAIT_CREDIT, peer, n) < 0:
+                return -1
+        back = <uint32_t>min(p.unreturned, CREDIT_MASK)
+        if self._sock_queue(peer, (KIND_DATA << 30) | (back << CREDIT_SHIFT) | <uint32_t>n, desc, addr,
+                            <uint32_t>n) < 0:
+            return -1
+        p.credits -= 1
+        p.unreturned -= <int>back
+        p.send_seq += 1
+        return 0
+
+    cdef int _sock_queue(self, int peer, uint32_t imm, const uint8_t *desc, uint64_t addr, uint32_t n) noexcept nogil:
+        """Queue a frame (a data message when ``desc`` is given, else the immediate alone) and write
+        what the socket takes now. -1 when the queue is full or the peer is gone (a frame of no data
+        to a gone peer is dropped: 0)."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef txframe_t *f
+        cdef uint32_t nimm = htonl(imm)
+        if p.gone:
+            return 0 if desc == NULL else self._fail(FAIL_LINK, peer, 0, 0)
+        if p.outstanding >= self.sq_depth:
+            return -1
+        f = &p.txq[(p.tx_head + p.outstanding) % self.sq_depth]
+        memcpy(f.head, &nimm, 4)
+        if desc != NULL:
+            memcpy(f.head + 4, desc, DESC_SIZE)
+            memcpy(f.head + 4 + DESC_SIZE, &n, 4)          # little-endian, as struct "<44sI"
+            f.head_len = 4 + HEADER_SIZE
+        else:
+            f.head_len = 4
+        f.addr, f.length, f.done = addr, n, 0
+        f.data = desc != NULL
+        p.outstanding += 1
+        p.data_outstanding += f.data
+        return 0 if self._sock_flush(peer) >= 0 else -1
+
+    cdef int _sock_flush(self, int peer) noexcept nogil:
+        """Write what the queued frames to ``peer`` have left, as far as the socket takes it
+        without blocking (one sendmsg gathers many frames). The frames done, or -1 on failure."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef iovec iov[128]
+        cdef msghdr msg
+        cdef txframe_t *f
+        cdef int niov, i, frames = 0
+        cdef ssize_t n
+        cdef size_t want
+        cdef uint64_t off, left
+        while p.outstanding > 0 and not p.gone:
+            niov, want, i = 0, 0, 0
+            while i < p.outstanding and niov < 2 * TX_IOV - 1:
+                f = &p.txq[(p.tx_head + i) % self.sq_depth]
+                off = f.done
+                if off < f.head_len:
+                    iov[niov].iov_base = f.head + off
+                    iov[niov].iov_len = f.head_len - off
+                    want += iov[niov].iov_len
+                    niov += 1
+                    off = f.head_len
+                if off < f.head_len + f.length:
+                    iov[niov].iov_base = <void *><uintptr_t>(f.addr + off - f.head_len)
+                    iov[niov].iov_len = f.head_len + f.length - off
+                    want += iov[niov].iov_len
+                    niov += 1
+                i += 1
+            memset(&msg, 0, sizeof(msg))
+            msg.msg_iov, msg.msg_iovlen = iov, niov
+            n = sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT)
+            if n < 0:
+                if errno == EINTR:
+                    continue
+                if errno == EAGAIN:            # (EWOULDBLOCK on Linux)
+                    break
+                return self._sock_lost(peer, errno)
+            while n > 0:
+                f = &p.txq[p.tx_head]
+                left = f.head_len + f.length - f.done
+                if <uint64_t>n < left:
+                    f.done += <uint64_t>n
+                    break
+                n -= <ssize_t>left
+                p.tx_head = (p.tx_head + 1) % self.sq_depth
+                p.outstanding -= 1
+                p.data_outstanding -= f.data
+                frames += 1
+            if <size_t>n < want and p.outstanding:
+                break                                   # the socket's buffer is full
+        return frames
+
+    cdef int _sock_lost(self, int peer, int err) noexcept nogil:
+        """A write to ``peer`` failed: it is gone. A failure if it had messages still to take."""
+        cdef peer_t *p = &self.peers[peer]
+        p.gone = 1
+        if p.data_outstanding:
+            return self._fail(FAIL_LINK, peer, err, 0)
+        p.outstanding = 0
+        return 0
+
+    cdef int _sock_read(self, int peer) noexcept nogil:
+        """Read what ``peer``'s socket has, without blocking, into the places of the frames'
+        pieces. The frames completed, or -1 on failure. The end of the stream marks the peer gone
+        (a wait for it fails; what it sent before is all here)."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef ssize_t n
+        cdef uint32_t take
+        cdef int frames = 0, rc
+        cdef bint direct
+        while not p.gone:
+            if p.rx_lo < p.rx_hi:
+                take = min(p.rx_need - p.rx_got, <uint32_t>(p.rx_hi - p.rx_lo))
+                memcpy(p.rx_dst + p.rx_got, p.rx + p.rx_lo, take)
+                p.rx_lo += <int>take
+                p.rx_got += take
+            else:
+                direct = p.rx_state == RX_PAYLOAD and p.rx_need - p.rx_got >= RX_DIRECT
+                if direct:
+                    n = recv(p.fd, p.rx_dst + p.rx_got, p.rx_need - p.rx_got, MSG_DONTWAIT)
+                else:
+                    n = recv(p.fd, p.rx, RXBUF, MSG_DONTWAIT)
+                if n < 0:
+                    if errno == EINTR:
+                        continue
+                    if errno != EAGAIN:
+                        p.gone = 1
+                    break
+                if n == 0:
+                    p.gone = 1
+                    break
+                if not direct:
+                    p.rx_lo, p.rx_hi = 0, <int>n
+                    continue
+                p.rx_got += <uint32_t>n
+            if p.rx_got == p.rx_need:
+                rc = self._sock_piece(peer)
+                if rc < 0:
+                    return -1
+                frames += rc
+        return frames
+
+    cdef int _sock_piece(self, int peer) noexcept nogil:
+        """A piece of a frame is in (its immediate, header or payload): on to the next. 1 when the
+        frame is complete, 0 when more of it is to come, -1 on failure (a frame its credits did not
+        allow, or longer than max_message, is malformed: the connection is dropped, before any of
+        it was written into a slot)."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint32_t imm, length
+        memcpy(&imm, p.rx_imm, 4)
+        imm = ntohl(imm)
+        length = imm & LEN_MASK
+        if p.rx_state == RX_IMM and imm >> 30 == KIND_DATA:
+            if p.held >= self.slots or length > <uint32_t>self.max_message:
+                shutdown(p.fd, SHUT_RDWR)
+                p.gone = 1
+                return self._fail(FAIL_MALFORMED, peer, imm, 0)
+            p.rx_state, p.rx_need, p.rx_got = RX_HEADER, HEADER_SIZE, 0
+            p.rx_dst = p.slots + ((p.recv_seq + <uint64_t>p.arr_count) % <uint64_t>self.slots) * self.slot_stride
+            return 0
+        if p.rx_state == RX_HEADER and length:
+            p.rx_state, p.rx_need, p.rx_got = RX_PAYLOAD, length, 0
+            p.rx_dst += C_HEADER_ROOM
+            return 0
+        # the frame is in: handled as the verbs link handles its completion
+        p.rx_state, p.rx_dst, p.rx_need, p.rx_got = RX_IMM, p.rx_imm, 4, 0
+        return 1 if self._on_imm(peer, imm) == 0 else -1
+
+    cdef int _sock_pass(self) noexcept nogil:
+        """Write and read what every peer's socket takes and has now; the frames done, -1 on failure."""
+        cdef int q, n, total = 0
+        for q in range(self.size):
+            if q == self.rank or self.peers[q].gone:
+                continue
+            if self.peers[q].outstanding:
+                n = self._sock_flush(q)
+                if n < 0:
+                    return -1
+                total += n
+            n = self._sock_read(q)
+            if n < 0:
+                return -1
+            total += n
+        self.polls += 1
+        return total if self.fail_kind == FAIL_NONE else -1
+
+    cdef int _sock_progress(self, double seconds) noexcept nogil:
+        """_progress on the socket link: a pass over the sockets; if nothing moved, spin on passes,
+        then sleep in poll() until a socket is readable (or writable, where frames wait)."""
+        cdef int n, k = 0, q, m = 0
+        cdef double end, slept
+        n = self._sock_pass()
+        if n == 0 and seconds > 0:
+            if self.spin_now > 0:
+                end = monotonic_now() + min(self.spin_now, seconds)
+                while n == 0 and (k % CLOCK_EVERY != 0 or monotonic_now() < end):
+                    if self.spin_yields:
+                        sched_yield()
+                    n = self._sock_pass()
+                    k += 1
+            if n == 0 and seconds > self.spin_now:
+                for q in range(self.size):
+                    if q != self.rank and not self.peers[q].gone:
+                        self.pfds[m].fd = self.peers[q].fd
+                        self.pfds[m].events = POLLIN | (POLLOUT if self.peers[q].outstanding else 0)
+                        self.pfds[m].revents = 0
+                        m += 1
+                self.sleeps += 1
+                slept = monotonic_now()
+                poll(self.pfds, m, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1)
+                n = self._sock_pass()
+                if self.spin_now > 0:
+                    if n > 0 and monotonic_now() - slept < SPIN_MAX:
+                        self.spin_adaptive = min(2 * self.spin_adaptive, SPIN_MAX)
+                    else:
+                        self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)
+                    self.spin_now = self.spin_adaptive
+        return n

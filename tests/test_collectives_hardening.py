@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-import tracemalloc
 import zlib
 
 import numpy as np
@@ -312,19 +311,29 @@ def test_prescale_float16_bfloat16():
     assert np.isfinite(as_f[0]) and abs(as_f[0] / 1.6947e38 - 1) < 1e-2
 
 
-# ---- 4. the TCP transport's frame parser -----------------------------------------------------------
+# ---- 4. the socket link's frame parser (the C engine over TCP) -------------------------------------
 
 MAX_MESSAGE = 4096
+SLOTS = 4
+_DATA, _CREDIT, _ABORT, _CONTROL = 0, 1, 2, 3
 
 
-def _valid_frames(rng):
+def _frame(kind, value=0, desc=None, payload=b""):
+    """A socket-link frame: the immediate (network order), then for data the header and payload."""
+    if kind == _DATA:
+        value |= len(payload)
+    head = struct.pack("!I", (kind << 30) | value)
+    return head if desc is None else head + desc + struct.pack("<I", len(payload)) + payload
+
+
+def _valid_frames(rng, desc):
     from pyrdma.collectives import transport as tr
-    desc = tr.describe(rng.randrange(100), "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
     n = rng.randrange(0, 64)
-    return [tr._FRAME.pack(tr._KIND_DATA, 0, n) + desc + bytes(rng.randrange(256) for _ in range(n)),
-            tr._FRAME.pack(tr._KIND_ABORT, tr.MISMATCH, 1),
-            tr._FRAME.pack(tr._TCP_QUERY, 5, 0),
-            tr._FRAME.pack(tr._TCP_REPORT, 5, 1)]
+    return [_frame(_DATA, 0, desc, bytes(rng.randrange(256) for _ in range(n))),
+            _frame(_CREDIT, 0),
+            _frame(_ABORT, (tr.MISMATCH << 24) | 1),
+            _frame(_CONTROL, (0 << 28) | (5 << 16)),                # a query
+            _frame(_CONTROL, (1 << 28) | (5 << 16) | 1)]            # a report
 
 
 def _mutate(rng, data):
@@ -335,7 +344,7 @@ def _mutate(rng, data):
             data[rng.randrange(len(data))] = rng.randrange(256)
         elif how == 1 and data:                         # a huge or odd length/value field
             at = rng.randrange(len(data))
-            data[at:at + 8] = struct.pack("!Q", rng.choice([2 ** 63, 2 ** 40, MAX_MESSAGE + 1, 2 ** 64 - 1]))
+            data[at:at + 4] = struct.pack("!I", rng.choice([2 ** 31, 0x7FFFFF, MAX_MESSAGE + 1, 2 ** 32 - 1]))
         elif how == 2:
             del data[rng.randrange(len(data) + 1):]     # truncated
         else:
@@ -343,92 +352,116 @@ def _mutate(rng, data):
     return bytes(data)
 
 
-def test_frame_parser_fuzz():
-    """Random and mutated frames: read_frame returns frames, None at the end, or raises PeerError;
-    never another exception, never waits past the socket timeout, never allocates much."""
-    from pyrdma.collectives.transport import read_frame
-    from pyrdma.errors import PeerError
-    rng = random.Random(16)
-    tracemalloc.start()
-    try:
-        for case in range(1500):
-            frames = _valid_frames(rng)
-            if case % 3 == 0:
-                blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
-            else:
-                blob = b"".join(_mutate(rng, f) if rng.random() < 0.5 else f
-                                for f in rng.sample(frames, rng.randrange(1, len(frames) + 1)))
-            a, b = socket.socketpair()
-            try:
-                a.settimeout(0.5)
-                b.sendall(blob)
-                b.shutdown(socket.SHUT_WR)     # the parser sees the end, so no read waits for more
-                tracemalloc.reset_peak()
-                start = time.monotonic()
-                for _ in range(100):
-                    try:
-                        frame = read_frame(a, 1, MAX_MESSAGE, 4)
-                    except PeerError:
-                        break
-                    if frame is None:
-                        break
-                    kind, x, y, desc, data = frame
-                    assert data is None or len(data) <= MAX_MESSAGE
-                assert time.monotonic() - start < 2.0
-                assert tracemalloc.get_traced_memory()[1] < 4 * MAX_MESSAGE + (1 << 20)
-            finally:
-                a.close()
-                b.close()
-    finally:
-        tracemalloc.stop()
+def _socket_engine(sock, timeout=0.5):
+    """Rank 0 of two over the socket link, rank 1 being ``sock``'s other end (the test)."""
+    from pyrdma._engine import Engine
+    stride = 64 + MAX_MESSAGE
+    slots = np.zeros(SLOTS * stride, np.uint8)
+    return Engine.over_sockets([-1, sock.fileno()], slots, 0, 2, SLOTS, stride, MAX_MESSAGE, timeout, 0.0), slots
 
 
-def test_frame_parser_silent_peer_and_valid_frames():
+def _receive_program(engine, nbytes, count):
+    """Receive ``count`` messages of ``nbytes`` from rank 1, copied into the work area."""
+    from pyrdma.collectives.schedule import COPY, Builder
+    b = Builder()
+    for k in range(count):
+        b.recv(1, ((k * nbytes, nbytes, 0),), COPY)
+    return engine.program(b.build())
+
+
+def test_socket_link_frame_fuzz():
+    """Random and mutated frames from a peer: the engine's run returns (0, or a failure it names:
+    malformed, mismatch, abort, the link gone), never crashes, never waits past the stream's end."""
+    from pyrdma._engine import FAILURES
     from pyrdma.collectives import transport as tr
-    from pyrdma.errors import PeerError
+    rng = random.Random(16)
+    desc = tr.describe(7, "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
+    work = np.zeros(8 * 64, np.uint8)
+    seen = set()
+    for case in range(1500):
+        frames = _valid_frames(rng, desc)
+        if case % 3 == 0:
+            blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+        else:
+            blob = b"".join(_mutate(rng, f) if rng.random() < 0.5 else f
+                            for f in rng.sample(frames, rng.randrange(1, len(frames) + 1)))
+        a, b = socket.socketpair()
+        try:
+            engine, _ = _socket_engine(a)
+            b.sendall(blob)
+            b.shutdown(socket.SHUT_WR)     # the engine sees the end, so no wait lasts
+            start = time.monotonic()
+            failed = engine.run(_receive_program(engine, rng.choice([0, 16, 63]), 2), work.ctypes.data,
+                                work.nbytes, 0, desc, 5, 0)
+            assert time.monotonic() - start < 2.0
+            assert failed == 0 or FAILURES[failed] in ("malformed", "mismatch", "abort", "link"), failed
+            seen.add(FAILURES.get(failed, "ok"))
+        finally:
+            a.close()
+            b.close()
+    assert {"malformed", "mismatch", "link"} <= seen, seen
+
+
+def test_socket_link_valid_frames_and_a_silent_peer():
+    """Well-formed frames are taken (the data copied, credits, query answered), and a peer that
+    stops mid-frame fails the wait at its timeout, naming it."""
+    from pyrdma._engine import FAILURES
+    from pyrdma.collectives import transport as tr
+    desc = tr.describe(7, "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
+    work = np.zeros(64, np.uint8)
     a, b = socket.socketpair()
     with a, b:
-        frames = _valid_frames(random.Random(1))
-        b.sendall(b"".join(frames))
-        got = [tr.read_frame(a, 1, MAX_MESSAGE, 4)[0] for _ in frames]
-        assert got == [tr._KIND_DATA, tr._KIND_ABORT, tr._TCP_QUERY, tr._TCP_REPORT]
-        b.sendall(tr._FRAME.pack(tr._KIND_DATA, 0, 10) + b"x")   # then silence mid-frame
-        a.settimeout(0.3)
-        with pytest.raises(PeerError):
-            tr.read_frame(a, 1, MAX_MESSAGE, 4)
+        engine, _ = _socket_engine(a, timeout=0.4)
+        b.sendall(_frame(_CREDIT, 0) + _frame(_DATA, 0, desc, bytes(range(16))) + _frame(_DATA, 0, desc, b"x" * 16))
+        assert engine.run(_receive_program(engine, 16, 2), work.ctypes.data, work.nbytes, 0, desc, 5, 0) == 0
+        assert bytes(work[:16]) == bytes(range(16)) and bytes(work[16:32]) == b"x" * 16
+        b.sendall(_frame(_DATA, 0, desc, b"y" * 16)[:30])            # then silence mid-frame
+        start = time.monotonic()
+        failed = engine.run(_receive_program(engine, 16, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
+        assert FAILURES[failed] == "timeout" and engine.failure()[1] == 1
+        assert 0.3 < time.monotonic() - start < 3.0
 
 
-def test_tcp_transport_drops_a_peer_that_claims_a_huge_frame():
-    """A rank 1 that speaks the hello and then claims a 2**62-byte frame: rank 0 raises PeerError at
-    once (before, it tried to allocate the length) and the transport still closes."""
-    from pyrdma.collectives import transport as tr
-    from pyrdma.errors import PeerError
+def _impostor_exchange(tr, frames=b""):
+    """An exchange for rank 0 of two whose rank 1 is the test: it says hello with the listener's
+    token, then sends ``frames``."""
 
     class Exchange:
         advertise_host = "127.0.0.1"
 
         def allgather(self, record):
-            _, self.address, self.token = record.decode().split(" ")
+            fields = record.decode().split(" ")
+            self.address, self.token = fields[1], fields[2]
             threading.Thread(target=self.impostor, daemon=True).start()
-            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()}".encode()]
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()} {fields[3]}".encode()]
 
         def impostor(self):
             host, _, port = self.address.rpartition(":")
             self.sock = socket.create_connection((host, int(port)), timeout=5)
             self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2, bytes.fromhex(self.token)))
-            self.sock.sendall(tr._FRAME.pack(tr._KIND_DATA, 0, 2 ** 62))
+            self.sock.sendall(frames)
 
-    ex = Exchange()
+    return Exchange()
+
+
+def test_tcp_transport_drops_a_peer_that_claims_a_huge_frame():
+    """A rank 1 that speaks the hello and then claims a frame longer than max_message: rank 0's
+    collective raises PeerError ("malformed") at once, and the transport still closes."""
+    from pyrdma.collectives import transport as tr
+    from pyrdma.collectives.schedule import COPY, Builder
+    from pyrdma.errors import PeerError
+
+    ex = _impostor_exchange(tr, struct.pack("!I", 0x7FFFFF) + bytes(100))
     t = tr.TcpTransport(0, 2, ex, timeout=TIMEOUT, max_message=MAX_MESSAGE)
     try:
-        tracemalloc.start()
+        t.work_area(16)
+        b = Builder()
+        b.recv(1, ((0, 16, 0),), COPY)
         start = time.monotonic()
         with pytest.raises(PeerError, match="malformed"):
-            t.recv(1, 16)
+            t.run(b.build())
         assert time.monotonic() - start < TIMEOUT / 2
-        assert tracemalloc.get_traced_memory()[1] < 64 << 20
     finally:
-        tracemalloc.stop()
         t.close()
         ex.sock.close()
 
@@ -441,9 +474,10 @@ def test_tcp_transport_skips_a_stranger_at_connect():
         advertise_host = "127.0.0.1"
 
         def allgather(self, record):
-            _, self.address, self.token = record.decode().split(" ")
+            fields = record.decode().split(" ")
+            self.address, self.token = fields[1], fields[2]
             threading.Thread(target=self.peers, daemon=True).start()
-            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()}".encode()]
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()} {fields[3]}".encode()]
 
         def peers(self):
             host, _, port = self.address.rpartition(":")

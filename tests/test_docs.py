@@ -14,7 +14,7 @@ API = pathlib.Path(__file__).resolve().parent.parent / "docs" / "API.md"
 SECTION_MODULES = {"Collectives": ["pyrdma.collectives", "pyrdma.collectives.communicator"],
                    "GPU": ["pyrdma.cuda", "pyrdma.cuda.collectives", "pyrdma.cuda.registration",
                            "pyrdma.cuda.buffers", "pyrdma.cuda.reduce", "pyrdma.cuda.staging",
-                           "pyrdma.collectives", "pyrdma.collectives.transport"],
+                           "pyrdma.collectives", "pyrdma.collectives.transport", "pyrdma._engine"],
                    "Out-of-band": ["pyrdma", "pyrdma.connect", "pyrdma.endpoint"],
                    "asyncio": ["pyrdma.aio"],
                    "Environment": ["pyrdma.doctor", "pyrdma.advice", "pyrdma.collectives.communicator",

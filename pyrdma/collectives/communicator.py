@@ -228,12 +228,12 @@ class Communicator:
             kwargs = {}
             if max_message is not None:
                 kwargs["max_message"] = max_message
+            if slots is not None:
+                kwargs["slots"] = slots
+            if spin is not None:
+                kwargs["spin"] = spin
             if chosen == "rdma":
                 from pyrdma.collectives.transport import RdmaTransport
-                if slots is not None:
-                    kwargs["slots"] = slots
-                if spin is not None:
-                    kwargs["spin"] = spin
                 if qp_timeout is not None:
                     kwargs["qp_timeout"] = qp_timeout
                 self.transport = RdmaTransport(rank, size, exchange, self.timeout, device, port=port,

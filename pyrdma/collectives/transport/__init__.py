@@ -12,12 +12,13 @@ A transport executes schedules (schedule.py); it never knows the algorithm.
                                          reused; grows on demand), never memory lent before
     t.set_tag(desc)                      the description of the collective now running (describe();
                                          every message carries it, the receiver compares it exactly)
-    t.run(schedule, dtype, op, consume)  execute a schedule on the work area (RDMA: the C engine, one
-                                         call without the GIL; TCP: schedule.execute in Python)
+    t.run(schedule, dtype, op, consume)  execute a schedule on the work area in the C engine (one call
+                                         without the GIL, over queue pairs or sockets)
     t.abort(culprit, reason)             best effort: tell every peer this group is failing
     t.interrupt(), t.close()
 
-The point-to-point calls schedule.execute runs on (TcpTransport, and the tests' model transports):
+The point-to-point calls schedule.execute, the Python model of the engine, runs on (the tests'
+model transports):
 
     t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
     t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
@@ -48,9 +49,15 @@ payload there and sends a second header (FIN), which RC delivers after the write
 asked for fails the group as a malformed message.
 
 TcpTransport: the same contract over one TCP connection per pair of ranks, for machines without
-RDMA and for host tests; a reader thread per peer drains its socket so senders never block on a
-peer that is itself busy sending. Every length and value read from a peer is bounded (a data frame
-by max_message): a malformed frame drops the connection and fails the group with PeerError.
+RDMA and for host tests, and the same C engine (Engine.over_sockets, its socket link): each message
+is a frame of the immediate (network order), the header and the payload, read into the receiver's
+next slot as the WRITE_WITH_IMM would have put it; the same credits, kinds, rendezvous-free. The
+sockets are non-blocking and polled without the GIL; a frame is written by one gathering sendmsg()
+(many frames at once where they queue) and a large payload read straight into its slot. Every
+length is bounded before anything is read into a slot (a frame by max_message, data by the credits
+the peer was given): a malformed frame drops the connection and fails the group with PeerError. A
+peer whose slots are all full while we wait has its messages copied out (Engine._keep_arrivals), so
+an eager isend longer than the slots never waits on a receiver that waits on it (both links).
 
 Closing. ``interrupt()`` (Communicator.close from another thread) makes every wait raise
 UsageError within CLOSE_POLL seconds; waits sleep in slices that short, so Ctrl-C
@@ -68,6 +75,5 @@ from pyrdma.collectives.transport.base import *  # noqa: F401,F403 - the package
 from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, _KIND_CREDIT, _KIND_DATA,  # noqa: F401
                                                _as_desc, _grow, _malformed, _Waits)
 from pyrdma.collectives.transport.rdma import HEADER_ROOM, RdmaTransport  # noqa: F401
-from pyrdma.collectives.transport.tcp import (_FRAME, _HELLO, _HELLO_MAGIC, _HELLO_VERSION,  # noqa: F401
-                                              _TCP_QUERY, _TCP_REPORT, HELLO_TIMEOUT, MAX_TCP_MESSAGE,
-                                              TcpTransport, read_frame)
+from pyrdma.collectives.transport.tcp import (_HELLO, _HELLO_MAGIC, _HELLO_VERSION, HELLO_TIMEOUT,  # noqa: F401
+                                              MAX_TCP_MESSAGE, TcpTransport)

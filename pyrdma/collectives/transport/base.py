@@ -6,7 +6,7 @@ import time
 import numpy as np
 
 from pyrdma.collectives.algorithms import WIRE_NAMES
-from pyrdma.errors import PeerError, UsageError
+from pyrdma.errors import PeerError, RDMAError, UsageError
 
 # Each message costs a post, a completion and a Python step, so large chunks matter once messages
 # are big. Measured in the Soft-RoCE VM (2 ranks, one boot), 1 MiB against 256 KiB messages: a
@@ -257,6 +257,60 @@ def _malformed(peer, what):
     err = PeerError(f"rank {peer} sent a malformed frame ({what}); its connection is dropped", peer=peer)
     err.malformed = True
     return err
+
+
+def _imm_abort(culprit, reason):
+    return (_KIND_ABORT << 30) | ((reason & 0x3F) << 24) | (culprit & 0xFFFFFF)
+
+
+def _imm_control(sub, epoch, value=0):
+    return (_KIND_CONTROL << 30) | (sub << 28) | ((epoch & 0xFFF) << 16) | (value & 0xFFFF)
+
+
+class _EngineFailures:
+    """The C engine's failures (``self.engine.failure()``) as exceptions of the one hierarchy, for
+    both of its links; ``_link_error(peer, a, b)`` says what a failed link means on each."""
+
+    def engine_failed(self):
+        """Record the engine's failure as this transport's (every later collective raises it) and
+        return it: an exception of the one hierarchy."""
+        if self.failure is None:
+            self.failure = self._engine_error()
+        return self.failure
+
+    def _engine_error(self):
+        from pyrdma import _engine
+        kind, peer, what, a, b, desc = self.engine.failure()
+        name = _engine.FAILURES.get(kind)
+        if name == "python":
+            return self.engine.python_error()
+        if name == "closed":
+            return closed_error()
+        if name == "abort":
+            return abort_error(peer, a, b)
+        if name == "mismatch":
+            try:
+                check_header(peer, self.rank, desc, a, self.engine.description(), b)
+            except UsageError as exc:
+                return exc
+        if name == "link":
+            return self._link_error(peer, a, b)
+        if name == "timeout":
+            self.reports = self.engine.reports()
+            waits = {"credit": "a free receive slot (a credit)", "arrival": f"a {a}-byte message",
+                     "send queue": "send queue space", "sends": "the completion of its sends",
+                     "rendezvous": "the receiver's buffer address (a rendezvous send waits for its receive)"}
+            return self._stall_error(peer, waits.get(_engine.WAITS.get(what), "progress"))
+        if name == "malformed":
+            return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
+                                    f"(immediate {a:#x})")
+        if name == "memory":
+            return RDMAError(f"out of memory keeping a {a}-byte message for its receive", call="malloc")
+        if name == "post":
+            return PeerError(f"posting to rank {peer} failed (errno {a}): its queue pair is in error; rank {peer} "
+                             f"died or left", peer=peer)
+        return RDMAError(f"the completion queue failed (errno {a})", call="ibv_poll_cq")
+
 
 
 class _OwnBuffer:

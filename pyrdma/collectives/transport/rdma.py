@@ -4,11 +4,10 @@ import ctypes
 
 import numpy as np
 
-from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_CONTROL, DEFAULT_QP_TIMEOUT,
+from pyrdma.collectives.transport.base import (DEFAULT_QP_TIMEOUT,
                                                DEFAULT_RDMA_MESSAGE, DEFAULT_SLOTS, MAX_RDMA_MESSAGE,
                                                PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _OwnBuffer,
-                                               _malformed, _Waits, abort_error, check_header, closed_error,
-                                               describe)
+                                               _EngineFailures, _imm_abort, _imm_control, _Waits, describe)
 from pyrdma.collectives.work import HOST
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
@@ -35,15 +34,7 @@ def _slot_consumer(consume, slots, base):
     return callback
 
 
-def _imm_abort(culprit, reason):
-    return (_KIND_ABORT << 30) | ((reason & 0x3F) << 24) | (culprit & 0xFFFFFF)
-
-
-def _imm_control(sub, epoch, value=0):
-    return (_KIND_CONTROL << 30) | (sub << 28) | ((epoch & 0xFFF) << 16) | (value & 0xFFFF)
-
-
-class RdmaTransport(_OwnBuffer, _Waits):
+class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
     """RC QPs to every peer, connected through ``exchange`` (anything with ``allgather(bytes)``).
 
     ``max_message`` (<= 4 MiB) is the slot size, ``slots`` the slots per peer; ``spin`` seconds of
@@ -322,55 +313,18 @@ class RdmaTransport(_OwnBuffer, _Waits):
             self._evicted.remove(mr)
             mr.close()
 
-    def engine_failed(self):
-        """Record the engine's failure as this transport's (every later collective raises it) and
-        return it: an exception of the one hierarchy."""
-        if self.failure is None:
-            self.failure = self._engine_error()
-        return self.failure
-
-    def _engine_error(self):
-        from pyrdma import _engine
-        kind, peer, what, a, b, desc = self.engine.failure()
-        name = _engine.FAILURES.get(kind)
-        if name == "python":
-            return self.engine.python_error()
-        if name == "closed":
-            return closed_error()
-        if name == "abort":
-            return abort_error(peer, a, b)
-        if name == "mismatch":
-            try:
-                check_header(peer, self.rank, desc, a, self.engine.description(), b)
-            except UsageError as exc:
-                return exc
-        if name == "link":
-            rd = self.rd
-            # a remote access error: the peer is there, but the memory it named (the address and key of
-            # its slots, a rendezvous answer or a scatter's offer) does not allow the access
-            why = f"an address or key rank {peer} sent is outside what it registered" if a == rd.WC_REM_ACCESS_ERR \
-                else f"rank {peer} died or left"
-            return PeerError(f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(a)} "
-                             f"({rd.wc_status_str(a)}); {why}", peer=peer)
-        if name == "timeout":
-            self.reports = self.engine.reports()
-            waits = {"credit": "a free receive slot (a credit)", "arrival": f"a {a}-byte message",
-                     "send queue": "send queue space", "sends": "the completion of its sends",
-                     "rendezvous": "the receiver's buffer address (a rendezvous send waits for its receive)"}
-            return self._stall_error(peer, waits.get(_engine.WAITS.get(what), "progress"))
-        if name == "malformed":
-            return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
-                                    f"(immediate {a:#x})")
-        if name == "memory":
-            return RDMAError(f"out of memory keeping a {a}-byte message for its receive", call="malloc")
-        if name == "post":
-            return PeerError(f"posting to rank {peer} failed (errno {a}): its queue pair is in error; rank {peer} "
-                             f"died or left", peer=peer)
-        return RDMAError(f"the completion queue failed (errno {a})", call="ibv_poll_cq")
-
     def interrupt(self):
         super().interrupt()
         self.engine.interrupt()
+
+    def _link_error(self, peer, status, _):
+        rd = self.rd
+        # a remote access error: the peer is there, but the memory it named (the address and key of
+        # its slots, a rendezvous answer or a scatter's offer) does not allow the access
+        why = f"an address or key rank {peer} sent is outside what it registered" if status == rd.WC_REM_ACCESS_ERR \
+            else f"rank {peer} died or left"
+        return PeerError(f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(status)} "
+                         f"({rd.wc_status_str(status)}); {why}", peer=peer)
 
     def abort(self, culprit, reason):
         """Tell every peer (best effort, no waiting) that this group failed because of ``culprit``."""

@@ -1,95 +1,64 @@
-"""TcpTransport: the transport contract over one TCP connection per pair of ranks."""
-import collections
-import functools
+"""TcpTransport: one TCP connection per pair of ranks, driven by the C engine's socket link.
+
+Python sets the connections up (listening where the peers are told to connect, the hello with the
+listener's token, the job secret through the exchange); then the connected sockets go to the C
+engine (pyrdma._engine.Engine.over_sockets), which runs every schedule over them as it runs them
+over queue pairs: the same slots, credits, headers and wait-for diagnosis, non-blocking sockets
+polled without the GIL, header and payload written by one gathering sendmsg() and large payloads
+read straight into their slot."""
 import hmac
+import os
 import secrets
 import socket
 import struct
-import threading
 import time
 
 import numpy as np
 
-from pyrdma import _reduce
-from pyrdma.collectives.schedule import consumer, execute
-from pyrdma.collectives.transport.base import (_KIND_ABORT, _KIND_DATA, _REASONS, DEFAULT_TCP_MESSAGE, DESC,
-                                               KINDS, NO_CULPRIT, PEER_FAILED, _as_desc, _grow, _OwnBuffer,
-                                               _malformed, _Waits, abort_error, check_header, describe,
-                                               too_long_error)
+from pyrdma.collectives.transport.base import (DEFAULT_SLOTS, DEFAULT_TCP_MESSAGE, MAX_RDMA_MESSAGE, PEER_FAILED,
+                                               _as_desc, _EngineFailures, _grow, _imm_abort, _OwnBuffer, _Waits,
+                                               describe)
 from pyrdma.collectives.work import HOST
 from pyrdma.errors import PeerError, UsageError, WireFormatError
 
 _HELLO = struct.Struct("!8sBxxxii16s")       # magic, version, rank, world size, the listener's token
 _HELLO_MAGIC = b"PYRDMATC"
-_HELLO_VERSION = 3                           # 2: data frames carry the collective's description; 3: token
+_HELLO_VERSION = 4                           # 3: token; 4: the engine's frames (the verbs link's messages)
 _TOKEN_SIZE = 16
-_FRAME = struct.Struct("!BxxxIQ")             # kind, 0 (abort: reason; control: epoch), length or value
-_TCP_QUERY, _TCP_REPORT = 3, 4
-MAX_TCP_MESSAGE = 1 << 30                     # the bound on max_message, so on any frame a peer may send
+MAX_TCP_MESSAGE = MAX_RDMA_MESSAGE            # a frame's immediate carries the length, as over RDMA
 HELLO_TIMEOUT = 10.0                          # the longest an accepted connection may take to say hello
-_KIND_AT, _SEND_KIND = 38, KINDS.index("send")  # where a description says its kind, and point-to-point's
+HEADER_ROOM = 64                              # a slot: the header, then the payload (as over RDMA)
+DEFAULT_SPIN = 200e-6
 
 
-
-
-def read_frame(sock, peer, max_message, size):
-    """The next frame from ``peer``'s socket: (kind, a, b, description, payload), None at a clean end.
-    Every field is checked against what the protocol can send (a data frame holds at most
-    ``max_message`` bytes, ranks are < ``size``) before anything is allocated; anything else raises
-    PeerError (``malformed`` set when the bytes were wrong rather than the connection)."""
-    try:
-        try:
-            header = _recv_exact(sock, _FRAME.size, idle_ok=True)
-        except EOFError:
-            return None
-        kind, a, b = _FRAME.unpack(header)
-        desc = data = None
-        if kind == _KIND_DATA:
-            if b > max_message or a:
-                raise _malformed(peer, f"a {b}-byte data frame, max_message is {max_message}")
-            desc = bytes(_recv_exact(sock, DESC.size))
-            data = _recv_exact(sock, b) if b else b""
-        elif kind == _KIND_ABORT:
-            if a not in _REASONS or not (b < size or b == NO_CULPRIT):
-                raise _malformed(peer, f"an abort with reason {a} and culprit {b}")
-        elif kind in (_TCP_QUERY, _TCP_REPORT):
-            if a > 0xFFF or (b != 0 if kind == _TCP_QUERY else b >= size):
-                raise _malformed(peer, f"a control frame of kind {kind} with epoch {a} and value {b}")
-        else:
-            raise _malformed(peer, f"unknown frame kind {kind}")
-        return kind, a, b, desc, data
-    except (OSError, EOFError) as exc:
-        raise PeerError(f"the connection from rank {peer} broke ({exc or type(exc).__name__})", peer=peer) from None
-
-
-class TcpTransport(_OwnBuffer, _Waits):
+class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
     """The same contract over one TCP connection per pair of ranks.
 
     ``host``: the address this rank listens on and advertises (default: the address it used to
-    reach the rendezvous, from ``exchange.advertise_host``, else 127.0.0.1). Only the thread that
-    runs the collective writes to the sockets; reader threads only read."""
+    reach the rendezvous, from ``exchange.advertise_host``, else 127.0.0.1). ``max_message`` (<= 4
+    MiB) and ``slots`` are the engine's, as over RDMA: ``slots`` receive slots of ``max_message``
+    bytes per peer; ``spin`` seconds of polling the sockets precede sleeping in poll()."""
 
     name = "tcp"
 
-    def __init__(self, rank, size, exchange, timeout=60.0, host=None, max_message=DEFAULT_TCP_MESSAGE):
+    def __init__(self, rank, size, exchange, timeout=60.0, host=None, max_message=DEFAULT_TCP_MESSAGE,
+                 slots=DEFAULT_SLOTS, spin=DEFAULT_SPIN):
         self.rank, self.size = rank, size
         self._init_waits(timeout)
-        self.max_message = int(max_message)
-        # a send blocks in sendall(): one ahead keeps the reductions overlapping the transfers
-        self.send_window = 1
+        self.max_message, self.slots, self.spin = int(max_message), int(slots), spin
         if not 1 <= self.max_message <= MAX_TCP_MESSAGE:
             raise UsageError(f"max_message must be within 1..{MAX_TCP_MESSAGE}, got {max_message}")
+        if not 1 <= self.slots <= 0xFFFF:
+            raise UsageError(f"slots must be within 1..65535, got {slots}")
+        self.send_window = self.slots
         self.peers = [p for p in range(size) if p != rank]
-        self._desc = self._rdesc = describe(0, "")
+        self._desc = describe(0, "")
+        self._rdesc = None
         self._closed = False
-        self._cond = threading.Condition()
-        self.links = {}                      # peer -> _Link, once connected
-        self.queries = {}                    # peer -> epoch of its unanswered QUERY (answered by _step)
-        self.socks = {}                      # peer -> socket, while connecting
-        self._awaited = ()                   # the queue the current wait waits on (_check_peer)
-        self._own = self._work = None
+        self.socks = {}                      # peer -> socket
+        self._own = self._work = self._shadow = None
+        self._own_region = None
         self._kind = HOST
-        self.buffer(0)
         host = host or getattr(exchange, "advertise_host", None) or "127.0.0.1"
         try:      # listen only where the peers are told to connect
             listener = socket.create_server((host, 0))
@@ -102,36 +71,38 @@ class TcpTransport(_OwnBuffer, _Waits):
         try:
             listener.settimeout(self.timeout)
             records = exchange.allgather(
-                f"{self.max_message} {host}:{listener.getsockname()[1]} {self._token.hex()}".encode())
+                f"{self.max_message} {host}:{listener.getsockname()[1]} {self._token.hex()} {self.slots}".encode())
             addresses, tokens = [], []
             for p, rec in enumerate(records):
                 fields = rec.decode(errors="replace").split(" ")
-                if len(fields) != 3 or len(fields[2]) != 2 * _TOKEN_SIZE:
+                if len(fields) != 4 or len(fields[2]) != 2 * _TOKEN_SIZE:
                     raise WireFormatError(f"rank {p}'s TCP transport record is malformed: {bytes(rec)[:80]!r}")
-                message, address, token = fields
-                if p != self.rank and message != str(self.max_message):
-                    raise UsageError(f"rank {p} uses max_message={message}, rank {self.rank} {self.max_message}: "
-                                     f"all ranks must be given the same")
+                message, address, token, slots = fields
+                if p != self.rank and (message, slots) != (str(self.max_message), str(self.slots)):
+                    raise UsageError(f"rank {p} uses max_message={message} and slots={slots}, rank {self.rank} "
+                                     f"{self.max_message} and {self.slots}: all ranks must be given the same")
                 try:
                     tokens.append(bytes.fromhex(token))
                 except ValueError:
                     raise WireFormatError(f"rank {p}'s TCP transport record has a malformed token") from None
                 addresses.append(address)
             self._connect_all(listener, addresses, tokens)
+            for s in self.socks.values():
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                s.setblocking(False)
+            from pyrdma._engine import Engine
+            self.slot_stride = (HEADER_ROOM + self.max_message + 63) & ~63
+            self.slot_array = np.zeros(max(1, len(self.peers) * self.slots * self.slot_stride), np.uint8)
+            fds = [-1 if p == rank else self.socks[p].fileno() for p in range(size)]
+            self.engine = Engine.over_sockets(fds, self.slot_array, rank, size, self.slots, self.slot_stride,
+                                              self.max_message, self.timeout, spin)
         except BaseException:
             for s in self.socks.values():
                 s.close()
             raise
         finally:
             listener.close()
-        self._readers = []
-        self.links = {p: _Link(s) for p, s in self.socks.items()}
-        for p, s in self.socks.items():
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(self.timeout)
-            t = threading.Thread(target=self._reader, args=(p, s), daemon=True, name=f"pyrdma-tcp-{rank}<-{p}")
-            t.start()
-            self._readers.append(t)
+        self.buffer(0)
 
     def _connect_all(self, listener, addresses, tokens):
         end = time.monotonic() + self.timeout
@@ -181,81 +152,49 @@ class TcpTransport(_OwnBuffer, _Waits):
 
     def set_tag(self, desc, recv_desc=None):
         self._desc = _as_desc(desc)
-        self._rdesc = self._desc if recv_desc is None else _as_desc(recv_desc)
+        self._rdesc = None if recv_desc is None else _as_desc(recv_desc)
 
-    parked_ticket = None     # a send never waits for its receive here (the peer's reader drains it)
+    parked_ticket = None     # a send never waits for its receive here (no rendezvous: the slots take it)
 
     def run(self, schedule, dtype=0, op=0, consume=None, park=False):
-        """Execute ``schedule`` on the work area, in Python (schedule.execute). Returns the length
-        of the point-to-point message it received (None if none)."""
-        if consume is None:
-            consume = consumer(self._work, functools.partial(_reduce.reduce_bytes, dtype=dtype, op=op))
-        return execute(self, schedule, consume)
-
-    def can_send(self, peer):
-        return True   # the peer's reader thread drains its socket, so a send never waits on it
-
-    def send(self, peer, offset, nbytes):
-        if nbytes > self.max_message:
-            raise UsageError(f"message of {nbytes} bytes exceeds max_message={self.max_message}")
+        """Execute ``schedule`` on the work area in the C engine: one call, without the GIL.
+        Returns the length of the point-to-point message it received (None if none). Memory that
+        consumes in Python (a GPU work area, gpu_path="direct") runs on a host copy of it: the
+        sockets move host memory only."""
+        work = self._work
+        if consume is not None:
+            if self._shadow is None or self._shadow.nbytes < work.nbytes:
+                self._shadow = np.empty(_grow(work.nbytes), np.uint8)
+            host = self._shadow[:work.nbytes]
+            host[...] = np.asarray(self._kind.read(work)).reshape(-1).view(np.uint8)
+        else:
+            host = work
+        if self.failure is None:
+            addr = HOST.address(host) if host.nbytes else HOST.address(self.slot_array)
+            if self.engine.run(self.engine.program(schedule), addr, host.nbytes, 0, self._desc, dtype, op, None,
+                               self.background, self._rdesc):
+                self.engine_failed()
         if self.failure is not None:
             raise self.failure
-        header = _FRAME.pack(_KIND_DATA, 0, nbytes) + self._desc
-        chunk = self._kind.read(self._work[offset:offset + nbytes])
-        if nbytes <= 65536:
-            self._send_bytes(peer, header + chunk.tobytes())
-        else:
-            self._send_bytes(peer, header)
-            self._send_bytes(peer, memoryview(chunk))
-
-    def recv(self, peer, nbytes):
-        inbox = self.links[peer].inbox
-        if not inbox:
-            self._awaited = inbox
-            self._wait(lambda: len(inbox) > 0, peer, f"a {nbytes}-byte message")
-        with self._cond:
-            desc, data = inbox.popleft()
-        if desc != self._rdesc or len(data) != nbytes:
-            check_header(peer, self.rank, desc, len(data), self._rdesc, nbytes)
-        return np.frombuffer(data, np.uint8)
-
-    def recv_upto(self, peer, nbytes):
-        """(data, the message's whole length) of the next chunk of a point-to-point message from
-        ``peer``: at most ``nbytes``; its description's count is the sender's to say."""
-        inbox = self.links[peer].unexpected
-        if not inbox:
-            self._awaited = inbox
-            self._wait(lambda: len(inbox) > 0, peer, f"a message of up to {nbytes} bytes")
-        with self._cond:
-            desc, data = inbox.popleft()
-        mine = self._rdesc
-        if desc[:8] != mine[:8] or desc[16:] != mine[16:]:
-            check_header(peer, self.rank, desc, len(data), mine[:8] + desc[8:16] + mine[16:], nbytes)
-        return np.frombuffer(data, np.uint8), DESC.unpack(desc)[1]     # its lengths: _Message checks
-
-    def too_long(self, peer, nbytes, capacity):
-        return too_long_error(peer, self.rank, nbytes, capacity)
-
-    def release(self, peer):
-        pass
-
-    def wait_sends(self, peer=None):
-        pass   # sendall() returned: the kernel has the bytes
+        if consume is not None:
+            self._kind.write(work, host)
+        return self.engine.received if self._rdesc is not None else None
 
     def abort(self, culprit, reason):
-        frame = _FRAME.pack(_KIND_ABORT, reason, culprit)
-        for p, link in self.links.items():
-            s = link.sock
-            if link.gone is not None or (p == culprit and reason == PEER_FAILED):
+        """Tell every peer (best effort, briefly) that this group failed because of ``culprit``."""
+        if self._closed:
+            return
+        for p in self.peers:
+            if p == culprit and reason == PEER_FAILED:
                 continue
-            try:
-                s.settimeout(1.0)
-                s.sendall(frame)
-            except OSError:
-                pass
+            self.engine.post_control(p, _imm_abort(culprit, reason))
+
+    def interrupt(self):
+        super().interrupt()
+        self.engine.interrupt()
 
     def close(self):
-        """Graceful: stop sending, let each peer's reader see our end, wait briefly for theirs."""
+        """Graceful: stop sending, so that each peer sees our end, then close."""
         if self._closed:
             return
         self._closed = True
@@ -264,104 +203,14 @@ class TcpTransport(_OwnBuffer, _Waits):
                 s.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-        end = time.monotonic() + min(self.timeout, 2.0)
-        for t in self._readers:
-            t.join(max(0.0, end - time.monotonic()))
         for s in self.socks.values():
             s.close()
 
+    def _link_error(self, peer, err, _):
+        why = "the connection closed" if not err else f"the connection broke ({os.strerror(err)})"
+        return PeerError(f"rank {peer} is gone: {why} (it died, or closed its communicator)", peer=peer)
+
     # ---- internals ----------------------------------------------------------------------------
-
-    def _send_bytes(self, peer, data):
-        sock = self.links[peer].sock
-        try:
-            sock.sendall(data)
-        except socket.timeout:
-            raise PeerError(f"rank {peer} took no data from rank {self.rank} for {self.timeout:g} s "
-                            f"(dead or stalled?)", peer=peer) from None
-        except OSError as exc:
-            raise PeerError(f"rank {peer} is gone: sending to it failed ({exc})", peer=peer) from None
-
-    def _check_peer(self, peer):
-        link = self.links[peer]
-        if link.gone is not None and not self._awaited:
-            raise PeerError(f"rank {peer} is gone: {link.gone} (it died, or closed its communicator)",
-                            peer=peer)
-
-    def _send_query(self, peer, epoch):
-        try:
-            self._send_bytes(peer, _FRAME.pack(_TCP_QUERY, epoch, 0))
-        except PeerError:
-            pass
-
-    def _step(self, seconds):
-        with self._cond:
-            if not self.queries and self.failure is None:
-                self._cond.wait(max(0.0, seconds))
-            queries, self.queries = self.queries, {}
-        for p, epoch in queries.items():   # answer "what are you waiting for?" from the wait loop
-            if self.waiting_on is not None:
-                try:
-                    self._send_bytes(p, _FRAME.pack(_TCP_REPORT, epoch, self.waiting_on))
-                except PeerError:
-                    pass
-
-    def _reader(self, peer, sock):
-        why = "the connection closed"
-        try:
-            while True:
-                frame = read_frame(sock, peer, self.max_message, self.size)
-                if frame is None:
-                    break
-                kind, a, b, desc, data = frame
-                with self._cond:
-                    if kind == _KIND_DATA:
-                        link = self.links[peer]
-                        (link.unexpected if desc[_KIND_AT] == _SEND_KIND else link.inbox).append((desc, data))
-                    elif kind == _KIND_ABORT:
-                        if self.failure is None:
-                            self.failure = abort_error(peer, b, a)
-                    elif kind == _TCP_QUERY:
-                        self.queries[peer] = a
-                    elif a == self.epoch:
-                        self.reports[peer] = b
-                    self._cond.notify_all()
-        except PeerError as exc:
-            why = str(exc)
-            if getattr(exc, "malformed", False):
-                # the stream is out of step for good: drop it and fail the group now
-                with self._cond:
-                    if self.failure is None:
-                        self.failure = exc
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-        except Exception as exc:      # never die silently: a reader that stops must say why
-            why = f"its reader failed ({type(exc).__name__}: {exc})"
-        with self._cond:
-            self.links[peer].gone = why
-            self._cond.notify_all()
-
-    def interrupt(self):
-        super().interrupt()
-        with self._cond:
-            self._cond.notify_all()
-
-
-class _Link:
-    """All state of the connection to one peer."""
-    __slots__ = ("sock", "inbox", "unexpected", "gone")
-
-    def __init__(self, sock):
-        self.sock = sock
-        # (description, payload) of arrived data frames: the collectives' in their order, and apart
-        # from them the point-to-point messages (MPI's unexpected-message queue), so a message sent
-        # by isend before a collective waits for its receive after it, and is never taken for the
-        # collective's
-        self.inbox = collections.deque()
-        self.unexpected = collections.deque()
-        self.gone = None                     # why the connection ended, once it has
 
 
 def _recv_exact(sock, n, idle_ok=False):
