@@ -198,11 +198,15 @@ def test_send_recv_tags_sizes_and_interleaved_collectives(worlds, transport, siz
     assert all(w.run(_p2p_uninvolved, timeout=120))
 
 
-def _isend_beside_collectives(comm):
+def _isend_beside_collectives(comm, eager=False):
     """MPI's progress rule, as a 1F1B pipeline beside data-parallel gradients uses it: each rank
-    isends to the next (small messages and one of several chunks, over the zero-copy size), runs
-    collectives, and only then receives from the previous. The messages that arrive during the
-    collectives are kept for their receives, never taken for the collectives' own."""
+    isends to the next (small messages and one of several chunks, over the zero-copy size and
+    longer than the receiver's slots hold), runs collectives, and only then receives from the
+    previous. The messages that arrive during the collectives are kept for their receives, never
+    taken for the collectives' own. ``eager``: no rendezvous (over TCP there is none anyway): the
+    big one goes through the slots, which the receiver empties while it waits (Engine._keep_arrivals)."""
+    if eager:
+        comm.transport.rendezvous_bytes = 0
     n, r = comm.size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
     engine = comm.transport.engine
@@ -230,8 +234,10 @@ def _isend_beside_collectives(comm):
         assert h.wait(timeout=60) is None
     # over RDMA the big one went by rendezvous and left its turn before its receive (parked); over
     # TCP it went through the slots, kept by the receiver once they were full (Engine._keep_arrivals)
-    assert engine.parks == parks + (comm.transport_name == "rdma"), (engine.parks, parks)
+    assert engine.parks == parks + (comm.transport_name == "rdma" and not eager), (engine.parks, parks)
     assert sent.test()
+    if eager:
+        comm.transport.rendezvous_bytes = comm.zero_copy_bytes
     return True
 
 
@@ -239,6 +245,8 @@ def _isend_beside_collectives(comm):
 def test_isend_then_collectives_then_recv(worlds, transport, size):
     w = worlds(transport, size)
     assert all(w.run(_isend_beside_collectives, timeout=120))
+    if transport == "rdma":
+        assert all(w.run(_isend_beside_collectives, True, timeout=120))
 
 
 def _big_send(comm, nbytes, zero_copy_bytes):
