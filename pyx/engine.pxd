@@ -171,6 +171,10 @@ cdef class Engine:
     cdef uint8_t *work
     cdef int64_t work_len
     cdef uint32_t work_lkey
+    # a run may have a second work area (run's ``out``): the offsets from ``split`` on lie in it
+    cdef uint8_t *work2
+    cdef int64_t split
+    cdef uint32_t work2_lkey
     cdef int dtype, op, itemsize
     cdef object consume              # None, or the Python callback of GPU work areas
     cdef object py_error             # an exception raised in a callback or a signal handler
@@ -237,6 +241,7 @@ cdef class Engine:
     cdef int _wait(self, int what, int peer, int64_t n) noexcept nogil
     cdef int _progress(self, double seconds) noexcept nogil
     cdef int _handle(self, int n) noexcept nogil
+    cdef uint8_t *_at(self, int64_t off) noexcept nogil
     cdef int _on_imm(self, int peer, uint32_t imm) noexcept nogil
     cdef int _init_common(self, int rank, int size, int slots, int slot_stride, int max_message, int sq_depth,
                           double timeout, double spin) except -1

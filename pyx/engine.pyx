@@ -23,7 +23,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
 from libc.errno cimport errno, EAGAIN, EINTR
 from posix.uio cimport iovec
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memcmp, memset
 from pyrdma._verbs.libibverbs cimport *
@@ -476,7 +476,7 @@ cdef class Engine:
 
     def run(self, Program program not None, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
             bytes desc not None, int dtype, int op, consume=None, bint background=False, bytes recv_desc=None,
-            uint32_t work_rkey=0, bint park=False):
+            uint32_t work_rkey=0, bint park=False, uint64_t out_addr=0, int64_t out_len=-1, uint32_t out_lkey=0):
         """Execute a Program (see program()) on the work area [work_addr, + work_len) (registered
         with work_lkey). ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None
         (host memory: reductions and copies in C), or ``consume(kind, offset, nbytes, aux,
@@ -489,6 +489,9 @@ cdef class Engine:
         rendezvous message to it fails). ``park``: a rendezvous send this run begins may stay
         pending when the run ends (an isend, whose memory stays the caller's until its wait: later
         runs write it once the receiver answers, settle() finishes it; ``parks`` counts them).
+        ``out_addr``/``out_len``/``out_lkey``: a second work area (out_len >= 0; host memory, no
+        rendezvous or RDMA READ into it), where the offsets from work_len on lie: an all-to-all
+        sends from the caller's buffer and receives into its output in place.
         Returns 0; on failure returns the failure kind (see failure() and python_error()), leaving
         the error to the caller."""
         cdef int rc
@@ -499,8 +502,13 @@ cdef class Engine:
         if self.fail_kind != FAIL_NONE:
             return self.fail_kind
         memcpy(self.rdesc, <const uint8_t *><char *>recv_desc, DESC_SIZE)
-        self._begin(program, work_addr, work_len, work_lkey, <const uint8_t *><char *>desc, dtype, op, consume,
-                    background, work_rkey)
+        if out_len >= 0 and consume is not None:
+            raise UsageError("a second work area is host memory (no consume callback)")
+        self._begin(program, work_addr, work_len + max(out_len, 0), work_lkey, <const uint8_t *><char *>desc, dtype,
+                    op, consume, background, work_rkey)
+        if out_len >= 0:
+            self.work_len, self.split = work_len, work_len
+            self.work2, self.work2_lkey = <uint8_t *><uintptr_t>out_addr, out_lkey
         self.park = park
         try:
             with nogil:
@@ -526,6 +534,7 @@ cdef class Engine:
         self.dtype, self.op, self.itemsize = dtype, op, <int>pyrdma_itemsize[dtype]
         memcpy(self.desc, desc, DESC_SIZE)
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
+        self.work2, self.split, self.work2_lkey = NULL, INT64_MAX, 0
         self.work_rkey = work_rkey
         self.park = False
         self.consume = consume
@@ -667,8 +676,9 @@ cdef class Engine:
         for k in range(ns):
             send_len += sch[k * CHUNK_COLUMNS + 1]
         # one rendezvous send at a time: while one is parked, the others go through the slots
+        # (from the first work area only: a second one has no remote key)
         if ns and self.rendezvous_bytes > 0 and self.mailboxes and send_len >= self.rendezvous_bytes \
-                and self.rdv_peer < 0:
+                and self.rdv_peer < 0 and sch[0] + send_len <= self.work_len:
             if self._send(sp, sch[0], 0) < 0:            # the RTS: its description's count is the length
                 return -1
             self.rdv_peer, self.rdv_len, began = sp, send_len, True
@@ -708,7 +718,7 @@ cdef class Engine:
                             if self._callback(CONSUME_COPY, rch[k * CHUNK_COLUMNS], self.last_length, 0, data) < 0:
                                 return -1
                         else:
-                            memcpy(self.work + rch[k * CHUNK_COLUMNS], data, self.last_length)
+                            memcpy(self._at(rch[k * CHUNK_COLUMNS]), data, self.last_length)
                     got += self.last_length
                     if self._release(rp) < 0:
                         return -1
@@ -871,7 +881,8 @@ cdef class Engine:
         """One WRITE_WITH_IMM of two gather entries, the header's room and the payload, into the
         peer's next slot: one packet for a small message (a separate header WRITE doubled the
         packets, and rxe's work, of every small collective)."""
-        return self._send_from(peer, <uint64_t><uintptr_t>(self.work + off), self.work_lkey, n, self.desc)
+        return self._send_from(peer, <uint64_t><uintptr_t>self._at(off), self.work_lkey if off < self.split
+                               else self.work2_lkey, n, self.desc)
 
     cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n, const uint8_t *desc) noexcept nogil:
         """_send of the payload at ``addr`` (registered under ``lkey``) behind ``desc``."""
@@ -1048,13 +1059,13 @@ cdef class Engine:
             return self._callback(kind, off, n, aux, data)
         count = <size_t>(n // self.itemsize)
         if kind == CONSUME_COPY:
-            memcpy(self.work + off, data, <size_t>n)
+            memcpy(self._at(off), data, <size_t>n)
         elif kind == CONSUME_REDUCE:
-            pyrdma_reduce(self.work + off, self.work + off, data, count, self.dtype, self.op)
+            pyrdma_reduce(self._at(off), self._at(off), data, count, self.dtype, self.op)
         elif kind == CONSUME_REDUCE_LOWER:
-            pyrdma_reduce(self.work + off, self.work + aux, data, count, self.dtype, self.op)
+            pyrdma_reduce(self._at(off), self._at(aux), data, count, self.dtype, self.op)
         else:
-            pyrdma_reduce(self.work + off, data, self.work + aux, count, self.dtype, self.op)
+            pyrdma_reduce(self._at(off), data, self._at(aux), count, self.dtype, self.op)
         return 0
 
     cdef int _callback(self, int kind, int64_t off, int64_t n, int64_t aux, uint8_t *data) noexcept nogil:
@@ -1241,6 +1252,11 @@ cdef class Engine:
                 if wc.wr_id & 1:                  # a payload read from the work area (not inline)
                     p.data_outstanding -= 1
         return n if self.fail_kind == FAIL_NONE else -1
+
+    cdef inline uint8_t *_at(self, int64_t off) noexcept nogil:
+        """The address of work-area offset ``off`` (in the second area from ``split`` on; a chunk
+        never straddles it: the planner of a two-area run keeps them apart)."""
+        return self.work + off if off < self.split else self.work2 + (off - self.split)
 
     cdef int _on_imm(self, int peer, uint32_t imm) noexcept nogil:
         """A message from ``peer`` is in, by the immediate it carries (both links): a data message's

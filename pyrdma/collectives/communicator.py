@@ -649,7 +649,7 @@ class Communicator:
                 run.fill(work)
             t.set_tag(run.tag, run.recv_tag)
             consume = consumer(work, run.kind.reduce, run.kind.write) if run.kind.consumes else None
-            received = t.run(schedule, run.dtype, run.op, consume, park=park and run.lend is not None)
+            received = t.run(schedule, run.dtype, run.op, consume, park=park and run.lend is not None, out=run.out)
             if run.finish is not None:
                 value = run.finish(work, schedule, received)
         return value if spec.result is None else spec.result()

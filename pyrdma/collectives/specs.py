@@ -34,15 +34,18 @@ class Run:
     ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes.
     ``kind``: the kind of the lent memory (work.HostMemory's protocol: HOST, or GPU memory's
     DirectArea), which the transport registers, syncs, reads and writes it by, and which says
-    whether received chunks are consumed in Python (its ``reduce``) instead of in C."""
+    whether received chunks are consumed in Python (its ``reduce``) instead of in C. ``out``: a
+    second work area of host memory in place (flat uint8), where the schedule's offsets from
+    ``area`` on lie (an all-to-all receives into the caller's output as it sends from its input)."""
 
-    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "kind")
+    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "kind",
+                 "out")
 
     def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None,
-                 kind=HOST):
+                 kind=HOST, out=None):
         self.plan, self.tag, self.area, self.fill, self.finish = plan, tag, area, fill, finish
         self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
-        self.kind = kind
+        self.kind, self.out = kind, out
 
 
 class Spec:
@@ -125,9 +128,11 @@ def check_root(comm, root):
 
 
 def zero_copy(comm, nbytes):
-    """Whether a collective works on ``nbytes`` of the caller's memory itself (registered, no
-    copies) rather than on the transport's buffer."""
-    return bool(comm.zero_copy_bytes) and nbytes >= comm.zero_copy_bytes
+    """Whether a collective works on ``nbytes`` of the caller's memory itself (no copies) rather
+    than on the transport's buffer: over RDMA from zero_copy_bytes on (a first use registers the
+    memory, which the registration cache keeps), over TCP at every size (nothing to register);
+    zero_copy_bytes=0 turns it off on both."""
+    return bool(comm.zero_copy_bytes) and (nbytes >= comm.zero_copy_bytes or comm.transport_name == "tcp")
 
 
 def allreduce_work(comm, entry, nbytes):
@@ -421,6 +426,14 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
     entry = algorithms.only("alltoall")
     tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
 
+    plan = functools.partial(entry.planner, n, r, sb, rb, base)
+    if zero_copy(comm, base + rb[-1]) and not np.shares_memory(src, dst):
+        # sent from buf and received into out where they are: no copy in or out
+        def own_piece(work, schedule, received):
+            dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
+            return out
+        return Spec([Run(plan, tag, base, finish=own_piece, lend=src, out=dst)])
+
     def fill(work):
         work[:base] = src
 
@@ -428,7 +441,6 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
         dst[:] = work[base:base + rb[-1]]
         dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
         return out
-    plan = functools.partial(entry.planner, n, r, sb, rb, base)
     return Spec([Run(plan, tag, base + rb[-1], fill, finish)])
 
 

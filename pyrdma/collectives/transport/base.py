@@ -1,7 +1,6 @@
 """What both transports share: the description every message carries, the abort reasons, the
 errors, and the waits with their wait-for diagnosis (_Waits)."""
 import struct
-import time
 
 import numpy as np
 
@@ -158,11 +157,9 @@ def _grow(nbytes, minimum=64 * 1024):
 
 
 class _Waits:
-    """Timeouts and the wait-for diagnosis shared by both transports.
-
-    Subclasses provide ``_step(seconds)`` (make progress or sleep at most that long),
-    ``_send_query(peer, epoch)`` and keep ``self.reports`` ({peer: rank it waits for}, for the
-    current epoch) up to date from incoming REPORTs."""
+    """Timeouts and the words of the wait-for diagnosis, for both transports: the C engine waits,
+    asks around before its deadline and keeps the answers (``reports``, {peer: the rank it waits
+    for}); _stall_error names the rank to blame from them."""
 
     # True while a collective runs behind the caller's back (a non-blocking one, on the
     # communicator's thread): its waits sleep rather than spin, leaving the CPU to the caller.
@@ -178,54 +175,13 @@ class _Waits:
         if self.size > MAX_RANKS:
             raise UsageError(f"at most {MAX_RANKS} ranks are supported, got {self.size}")
         self.timeout = float(timeout)
-        self.probe_lead = min(1.0, self.timeout / 4)   # ask around this long before the deadline
         self.failure = None
-        self.waiting_on = None
-        self.epoch = 0
         self.reports = {}
-        self._closing = False
 
     def interrupt(self):
         """Make every wait, now and later, raise UsageError ("closed") within CLOSE_POLL seconds
         (any thread may call this; close() still has to follow, once the collective has left)."""
-        self._closing = True
-
-    def _wait(self, ready, peer, what):
-        """Make progress until ``ready()``; on timeout raise PeerError naming the rank to blame."""
-        if ready():
-            return
-        self.epoch = (self.epoch + 1) & 0xFFF
-        self.reports = {}
-        self.waiting_on = peer
-        queried = set()
-        start = time.monotonic()
-        deadline = start + self.timeout
-        probe_at = deadline - self.probe_lead
-        try:
-            while True:
-                if self.failure is not None:
-                    raise self.failure
-                if self._closing:
-                    raise closed_error()
-                self._check_peer(peer)
-                now = time.monotonic()
-                if now >= deadline:
-                    raise self._stall_error(peer, what)
-                if now >= probe_at:
-                    suspect = self._chain_end(peer)[0]
-                    if suspect not in queried and suspect != self.rank:
-                        queried.add(suspect)
-                        self._send_query(suspect, self.epoch)
-                    self._step(min(deadline - now, 0.05))
-                else:
-                    self._step(min(min(probe_at, deadline) - now, CLOSE_POLL))
-                if ready():
-                    return
-        finally:
-            self.waiting_on = None
-
-    def _check_peer(self, peer):
-        pass
+        self.engine.interrupt()
 
     def _chain_end(self, peer):
         """Follow "X waits for Y" reports from ``peer``: (last rank, the chain)."""
@@ -261,10 +217,6 @@ def _malformed(peer, what):
 
 def _imm_abort(culprit, reason):
     return (_KIND_ABORT << 30) | ((reason & 0x3F) << 24) | (culprit & 0xFFFFFF)
-
-
-def _imm_control(sub, epoch, value=0):
-    return (_KIND_CONTROL << 30) | (sub << 28) | ((epoch & 0xFFF) << 16) | (value & 0xFFFF)
 
 
 class _EngineFailures:

@@ -7,11 +7,10 @@ import numpy as np
 from pyrdma.collectives.transport.base import (DEFAULT_QP_TIMEOUT,
                                                DEFAULT_RDMA_MESSAGE, DEFAULT_SLOTS, MAX_RDMA_MESSAGE,
                                                PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _OwnBuffer,
-                                               _EngineFailures, _imm_abort, _imm_control, _Waits, describe)
+                                               _EngineFailures, _imm_abort, _Waits, describe)
 from pyrdma.collectives.work import HOST
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
-_CTRL_QUERY, _CTRL_REPORT = 0, 1
 DEFAULT_RENDEZVOUS_BYTES = 1 << 20
 HEADER_ROOM = 64           # a slot: the header, then the payload (64-byte aligned)
 # A message this long (the header room and up to 192 payload bytes) goes inline: the NIC copies it
@@ -267,13 +266,14 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
         self._desc = _as_desc(desc)
         self._rdesc = None if recv_desc is None else _as_desc(recv_desc)
 
-    def run(self, schedule, dtype=0, op=0, consume=None, park=False):
+    def run(self, schedule, dtype=0, op=0, consume=None, park=False, out=None):
         """Execute ``schedule`` (schedule.Schedule) on the work area in the C engine: one call,
         without the GIL. ``dtype``/``op``: pyrdma._reduce codes; ``consume(kind, chunk, data)``:
         the consumer of received chunks where the work area's kind consumes in Python (GPU memory;
         None: reduced and copied in C). ``park``: the run is an isend from a lent work area, whose
         rendezvous may stay pending after it (the engine's ``park``); ``parked_ticket`` is then
         what settle() takes to finish it (else None).
+        ``out``: a second work area of host memory (Run's), registered as lent ones are.
         Returns the length of the point-to-point message it received (None if none)."""
         self._sync()
         callback = None if consume is None else _slot_consumer(consume, self.slot_array, self.slot_mr.addr)
@@ -283,9 +283,13 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
             self.settle(ticket)           # written and done meanwhile: let its registration go
         if self.failure is None:
             parks = self.engine.parks
+            extra = ()
+            if out is not None:
+                out_mr, out_offset = self.registration(out) if out.nbytes else (self._work_mr, self._work_offset)
+                extra = (out_mr.addr + out_offset, out.nbytes, out_mr.lkey)
             failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,
                                      self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback,
-                                     self.background, self._rdesc, self._work_mr.rkey, park)
+                                     self.background, self._rdesc, self._work_mr.rkey, park, *extra)
             if failed:
                 self.engine_failed()
             elif self.engine.parks != parks:
@@ -312,10 +316,6 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
         for mr in [m for m in self._evicted if not any(m is h for h in held)]:
             self._evicted.remove(mr)
             mr.close()
-
-    def interrupt(self):
-        super().interrupt()
-        self.engine.interrupt()
 
     def _link_error(self, peer, status, _):
         rd = self.rd
@@ -353,9 +353,6 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
     def _post_control(self, peer, imm):
         """A zero-byte message outside flow control; dropped when the send queue is full."""
         self.engine.post_control(peer, imm)
-
-    def _send_query(self, peer, epoch):
-        self._post_control(peer, _imm_control(_CTRL_QUERY, epoch))
 
 
 class _Link:

@@ -156,11 +156,11 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
 
     parked_ticket = None     # a send never waits for its receive here (no rendezvous: the slots take it)
 
-    def run(self, schedule, dtype=0, op=0, consume=None, park=False):
+    def run(self, schedule, dtype=0, op=0, consume=None, park=False, out=None):
         """Execute ``schedule`` on the work area in the C engine: one call, without the GIL.
         Returns the length of the point-to-point message it received (None if none). Memory that
         consumes in Python (a GPU work area, gpu_path="direct") runs on a host copy of it: the
-        sockets move host memory only."""
+        sockets move host memory only. ``out``: a second work area of host memory (Run's)."""
         work = self._work
         if consume is not None:
             if self._shadow is None or self._shadow.nbytes < work.nbytes:
@@ -171,8 +171,9 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
             host = work
         if self.failure is None:
             addr = HOST.address(host) if host.nbytes else HOST.address(self.slot_array)
+            extra = () if out is None else (0, False, HOST.address(out) if out.nbytes else addr, out.nbytes)
             if self.engine.run(self.engine.program(schedule), addr, host.nbytes, 0, self._desc, dtype, op, None,
-                               self.background, self._rdesc):
+                               self.background, self._rdesc, *extra):
                 self.engine_failed()
         if self.failure is not None:
             raise self.failure
@@ -188,10 +189,6 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
             if p == culprit and reason == PEER_FAILED:
                 continue
             self.engine.post_control(p, _imm_abort(culprit, reason))
-
-    def interrupt(self):
-        super().interrupt()
-        self.engine.interrupt()
 
     def close(self):
         """Graceful: stop sending, so that each peer sees our end, then close."""
