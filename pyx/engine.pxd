@@ -254,3 +254,11 @@ cdef class Engine:
     cdef int _sock_lost(self, int peer, int err) noexcept nogil
     cdef int _sock_pass(self) noexcept nogil
     cdef int _sock_progress(self, double seconds) noexcept nogil
+
+
+@cython.final
+cdef class HostRegion:
+    cdef readonly uint64_t addr, length
+    cdef readonly uint32_t lkey, rkey
+    cdef public bint closed
+    cdef readonly object memory

@@ -1537,3 +1537,17 @@ cdef class Engine:
                         self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)
                     self.spin_now = self.spin_adaptive
         return n
+
+
+@cython.final
+cdef class HostRegion:
+    """Memory the one-call path (pyx/hostcalls.pyx) works in where nothing is registered (the
+    socket link's): what it reads of a MemoryRegion (address, length, keys 0), and ``closed`` once
+    its owner let it go (the transport's own buffer grew)."""
+
+
+    def __init__(self, memory):
+        cdef const uint8_t[::1] view = memory
+        self.memory = memory
+        self.addr = <uint64_t><uintptr_t>&view[0] if view.shape[0] else 0
+        self.length = view.shape[0]

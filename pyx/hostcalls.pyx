@@ -1,5 +1,5 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""The one-call path of the blocking collectives on host memory over RDMA (pyrdma._hostcalls).
+"""The one-call path of the blocking collectives on host memory, over RDMA or TCP (pyrdma._hostcalls).
 
 A warm blocking allreduce, reduce, broadcast, allgather, reduce-scatter, all-to-all, gather, scatter,
 barrier, send or recv of host memory is one C call: HostCollectives takes the buffer by the buffer
@@ -16,11 +16,11 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.long cimport PyLong_AsLongAndOverflow
 from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock, PyThread_allocate_lock,
                                PyThread_free_lock, PyThread_release_lock, PyLockStatus, PY_LOCK_ACQUIRED)
-from libc.stdint cimport uint8_t, uint64_t, int64_t, uintptr_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.string cimport memcpy, strcmp
 from pyrdma._verbs.base cimport monotonic_now
 from pyrdma._verbs.mr cimport MemoryRegion
-from pyrdma._engine cimport Engine, Program, DESC_SIZE, FAIL_NONE
+from pyrdma._engine cimport Engine, HostRegion, Program, DESC_SIZE, FAIL_NONE
 
 from numpy import ndarray as _ndarray, empty as _empty, empty_like as _empty_like
 
@@ -51,10 +51,10 @@ cdef class HostCall:
     cdef int dtype, op
     cdef int64_t nbytes, result_offset, work_bytes, in_offset, out_bytes
     cdef int64_t own_from, own_to, own_len
-    cdef MemoryRegion work_region
+    cdef object work_region                          # a MemoryRegion (RDMA) or HostRegion (TCP)
 
     def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
-                 int64_t result_offset, int64_t work_bytes, MemoryRegion work_region=None, own=(0, 0, 0),
+                 int64_t result_offset, int64_t work_bytes, work_region=None, own=(0, 0, 0),
                  int64_t in_offset=0, int64_t out_bytes=-1):
         if len(desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
@@ -79,6 +79,26 @@ cdef class HostCall:
 
 
 cdef object _MISSING = object()
+
+
+cdef struct region_t:
+    uint64_t addr, length
+    uint32_t lkey, rkey
+    bint closed
+
+
+cdef inline region_t _region(object r):
+    """A work area's MemoryRegion or HostRegion, as the one-call path uses it."""
+    cdef region_t out
+    cdef MemoryRegion mr
+    cdef HostRegion hr
+    if type(r) is HostRegion:
+        hr = <HostRegion>r
+        out.addr, out.length, out.lkey, out.rkey, out.closed = hr.addr, hr.length, 0, 0, hr.closed
+    else:
+        mr = <MemoryRegion>r
+        out.addr, out.length, out.lkey, out.rkey, out.closed = mr.addr, mr.length, mr.lkey, mr.rkey, mr._closed
+    return out
 
 
 cdef bytes _format(Py_buffer *view):
@@ -190,7 +210,7 @@ cdef class _LastCall:
 
 @cython.final
 cdef class HostCollectives:
-    """Blocking collectives on host memory over RDMA as one C call each: ``allreduce(buf, op,
+    """Blocking collectives on host memory as one C call each (both links): ``allreduce(buf, op,
     algorithm)`` and ``reduce`` in place, ``broadcast``, ``allgather``, ``reduce_scatter``,
     ``alltoall``, ``gather``, ``scatter``, ``barrier()`` and the messages of Communicator.send/recv.
     The buffer comes by the buffer protocol, the prepared HostCall (pyrdma.collectives.hostplans)
@@ -208,7 +228,7 @@ cdef class HostCollectives:
     cdef _LastCall last_allreduce, last_reduce, last_broadcast, last_allgather, last_reduce_scatter
     cdef _LastCall last_gather, last_scatter, last_alltoall, last_send, last_recv
     cdef tuple lasts                                      # all of them
-    cdef MemoryRegion lent                                # the last registration of a buffer in place
+    cdef object lent                                      # the last registration of a buffer in place
     cdef list sent, received                              # the communicator's messages per peer so far
 
     def __init__(self, Engine engine not None, executor, comm, transport, plans):
@@ -489,7 +509,7 @@ cdef class HostCollectives:
         element count."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
-        cdef MemoryRegion region
+        cdef region_t region
         cdef uint8_t *data = <uint8_t *>view.buf
         cdef uint8_t *work
         cdef uint64_t seq
@@ -505,9 +525,10 @@ cdef class HostCollectives:
             seq = counters[peer]
             counters[peer] = seq + 1
             try:
-                region = call.work_region
-                if region._closed:
-                    region = call.work_region = self.transport.own_region(call.work_bytes)
+                region = _region(call.work_region)
+                if region.closed:
+                    call.work_region = self.transport.own_region(call.work_bytes)
+                    region = _region(call.work_region)
                 work = <uint8_t *><uintptr_t>region.addr
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
@@ -584,7 +605,7 @@ cdef class HostCollectives:
         ``out_view`` (NULL: into view), and return ``result``."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
-        cdef MemoryRegion region
+        cdef region_t region
         cdef uint8_t *data = <uint8_t *>view.buf if view != NULL else NULL
         cdef uint8_t *out_data = <uint8_t *>out_view.buf if out_view != NULL else data
         cdef uint8_t *work
@@ -600,12 +621,13 @@ cdef class HostCollectives:
             ex.seq = seq + 1                # the call is accepted: its number is taken, as in submit
             try:
                 if copy:
-                    region = call.work_region
-                    if region._closed:          # the transport's own buffer has grown since
-                        region = call.work_region = self.transport.own_region(call.work_bytes)
+                    region = _region(call.work_region)
+                    if region.closed:           # the transport's own buffer has grown since
+                        call.work_region = self.transport.own_region(call.work_bytes)
+                        region = _region(call.work_region)
                     work = <uint8_t *><uintptr_t>region.addr
                 else:
-                    region = self._registration(result, view)
+                    region = _region(self._registration(result, view))
                     work = data
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
@@ -633,15 +655,19 @@ cdef class HostCollectives:
         finally:
             self.lock._give()
 
-    cdef MemoryRegion _registration(self, buf, Py_buffer *view):
+    cdef object _registration(self, buf, Py_buffer *view):
         """The registration that covers the buffer (the last one, else the transport's cache)."""
-        cdef MemoryRegion mr = self.lent
         cdef uint64_t addr = <uint64_t><uintptr_t>view.buf
-        if mr is None or mr._closed or addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
-            mr = self.lent = self.plans.registration(self.comm, buf)
-            if addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
-                raise UsageError("the registration does not cover the buffer")
-        return mr
+        cdef region_t mr
+        if self.lent is not None:
+            mr = _region(self.lent)
+            if not mr.closed and mr.addr <= addr and addr + <uint64_t>view.len <= mr.addr + mr.length:
+                return self.lent
+        self.lent = self.plans.registration(self.comm, buf)
+        mr = _region(self.lent)
+        if addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
+            raise UsageError("the registration does not cover the buffer")
+        return self.lent
 
 
 # Communicator.send and Communicator.recv (the class takes these functions as its methods): a warm

@@ -96,16 +96,20 @@ def test_schedules_are_cached_and_read_only():
 
 # ---- device: the engine ------------------------------------------------------------------------
 
-def _comm(rank, size, port, **kw):
+def _comm(rank, size, port, transport="rdma", **kw):
     from pyrdma.collectives import Communicator
-    return Communicator(rank, size, f"127.0.0.1:{port}", transport="rdma", **kw)
+    return Communicator(rank, size, f"127.0.0.1:{port}", transport=transport, **kw)
+
+
+# the one-call path and its Python cost, on both links (the socket link's on every host)
+BOTH_LINKS = pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.device)])
 
 
 _count_calls = count_python_calls
 
 
-def _python_cost(rank, size, port):
-    with _comm(rank, size, port, timeout=60) as comm:
+def _python_cost(rank, size, port, transport):
+    with _comm(rank, size, port, transport, timeout=60) as comm:
         small = np.ones(1024, np.float32)                    # 4 KiB
         large = np.ones(2 * 1024 * 1024, np.float32)         # 8 MiB
         counts = {}
@@ -115,9 +119,9 @@ def _python_cost(rank, size, port):
         return counts
 
 
-@pytest.mark.device
-def test_python_cost_per_call_is_independent_of_the_size():
-    for counts in run_ranks(_python_cost, 2, free_port(), timeout=300):
+@BOTH_LINKS
+def test_python_cost_per_call_is_independent_of_the_size(transport):
+    for counts in run_ranks(_python_cost, 2, free_port(), transport, timeout=300):
         assert counts["4KiB"] == counts["8MiB"], counts
         assert counts["4KiB"] < 200, counts          # a few dozen: the argument checks and the plan lookup
 
@@ -225,12 +229,12 @@ def test_a_malformed_schedule_is_refused_before_anything_is_posted():
         assert ok
 
 
-def _fast_and_general(rank, size, port):
+def _fast_and_general(rank, size, port, transport):
     """Every blocking host allreduce(buf) runs as one C call (pyrdma._hostcalls.HostCollectives); the
     same call with out= takes the general path. Both must give the same bits."""
     rng = np.random.default_rng(1234 + rank)
     mismatches, frames = [], []
-    with _comm(rank, size, port, timeout=60) as comm:
+    with _comm(rank, size, port, transport, timeout=60) as comm:
         cases = []
         for dtype in (np.float32, np.float16, np.int64, np.uint8):
             for op in ("sum", "prod", "min", "max"):
@@ -276,9 +280,9 @@ def _fast_and_general(rank, size, port):
         return mismatches, max(frames), errors, check.tolist()
 
 
-@pytest.mark.device
-def test_the_one_call_host_allreduce_matches_the_general_path():
-    for mismatches, frames, errors, check in run_ranks(_fast_and_general, 2, free_port(), timeout=300):
+@BOTH_LINKS
+def test_the_one_call_host_allreduce_matches_the_general_path(transport):
+    for mismatches, frames, errors, check in run_ranks(_fast_and_general, 2, free_port(), transport, timeout=300):
         assert mismatches == []
         assert frames == 2, "a warm host allreduce is one Python frame (allreduce itself, and the lambda)"
         assert errors == ["UsageError", "UsageError"]     # not C-contiguous; read-only

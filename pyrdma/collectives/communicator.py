@@ -247,7 +247,7 @@ class Communicator:
         self.transport_name = chosen
         self.cost_model = cost_model or CostModel(transport=chosen, software=self.transport.software)
         self._host = None
-        if chosen == "rdma" and size > 1:
+        if size > 1:
             # blocking host allreduces, all-to-alls and barriers are one C call each, which takes
             # the executor's lock without a Python call
             from pyrdma._hostcalls import ExecLock, HostCollectives

@@ -128,11 +128,10 @@ def check_root(comm, root):
 
 
 def zero_copy(comm, nbytes):
-    """Whether a collective works on ``nbytes`` of the caller's memory itself (no copies) rather
-    than on the transport's buffer: over RDMA from zero_copy_bytes on (a first use registers the
-    memory, which the registration cache keeps), over TCP at every size (nothing to register);
-    zero_copy_bytes=0 turns it off on both."""
-    return bool(comm.zero_copy_bytes) and (nbytes >= comm.zero_copy_bytes or comm.transport_name == "tcp")
+    """Whether a collective works on ``nbytes`` of the caller's memory itself (registered, no
+    copies) rather than on the transport's buffer. Below zero_copy_bytes a copy costs less than a
+    registration (RDMA), and the one-call path, which copies, costs less Python than lending does."""
+    return bool(comm.zero_copy_bytes) and nbytes >= comm.zero_copy_bytes
 
 
 def allreduce_work(comm, entry, nbytes):
@@ -334,15 +333,21 @@ def gather(comm, buf, out, root, algorithm):
             raise UsageError(f"out must hold {n} x {arr.size} elements of {arr.dtype}; it has {dst_arr.size} "
                              f"of {dst_arr.dtype}")
 
-    def fill(work, at):
-        work[at:at + block] = data
+    def lend(full, algo):
+        # the root receives into out; a rank that only sends its block sends it from buf
+        return dst if r == root else (data if not full else None)
 
-    def finish(work, at):
+    def fill(work, at, lent):
+        if not (lent and r != root):
+            work[at:at + block] = data
+
+    def finish(work, at, lent):
         if r != root:
             return None
-        dst[:] = work[:n * block]
+        if not lent:
+            dst[:] = work[:n * block]
         return out
-    return rooted_copy(comm, "gather", root, algorithm, arr.dtype, arr.size, block, fill, finish)
+    return rooted_copy(comm, "gather", root, algorithm, arr.dtype, arr.size, block, fill, finish, lend)
 
 
 def scatter(comm, buf, out, root, algorithm):
@@ -366,29 +371,42 @@ def scatter(comm, buf, out, root, algorithm):
         raise UsageError(f"buf must hold {n} pieces like out ({out_arr.size} elements of {out_arr.dtype}); it "
                          f"has {arr.size} of {arr.dtype}")
 
-    def fill(work, at):
+    def lend(full, algo):
+        # the root sends from buf (but an RDMA READ needs its own buffer's remote access), a rank
+        # that only receives its block receives it into out
         if r == root:
+            return src if algo != "read" else None
+        return dst if not full else None
+
+    def fill(work, at, lent):
+        if r == root and not lent:
             work[:n * block] = src
 
-    def finish(work, at):
-        dst[:] = work[at:at + block]
+    def finish(work, at, lent):
+        if not lent or r == root:
+            dst[:] = work[at:at + block]
         return out
-    return rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish)
+    return rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish, lend)
 
 
-def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish):
+def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish, lend):
     """The spec of a gather or scatter of ``block`` bytes per rank. The work area holds every
     rank's block in rank order where the root or the algorithm needs them all, else this rank's
-    at 0; ``fill(work, at)`` and ``finish(work, at)`` get where this rank's block lies."""
+    at 0; ``fill(work, at, lent)`` and ``finish(work, at, lent)`` get where this rank's block lies
+    and whether the work area is the caller's memory: ``lend(full, algorithm)``'s (None: none),
+    taken where zero-copy pays."""
     n, r = comm.size, comm.rank
     algo = copy_algorithm(comm, kind, algorithm, block)
     entry = algorithms.ALGORITHMS[kind][algo]
     full = entry.full_area or r == root
     at = r * block if full else 0
+    area = n * block if full else block
+    mem = lend(full, algo) if zero_copy(comm, area) else None
+    lent = mem is not None
     return Spec([Run(functools.partial(entry.planner, n, r, root, block),
                      describe_call(comm, kind, entry, dtype=dtype, count=count, root=root),
-                     n * block if full else block, lambda work: fill(work, at),
-                     lambda work, schedule, received: finish(work, at))])
+                     area, lambda work: fill(work, at, lent),
+                     lambda work, schedule, received: finish(work, at, lent), lend=mem)])
 
 
 def alltoall(comm, buf, out, send_counts, recv_counts):

@@ -143,12 +143,27 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
         """``lend[start:start + nbytes]`` in place (memory of ``kind``, work.HostMemory's protocol),
         else this transport's own buffer (>= nbytes)."""
         if lend is None:
-            if self._own is None or self._own.nbytes < nbytes:
-                self._own = np.empty(_grow(nbytes), np.uint8)
+            self.own_region(nbytes)
             self._work, self._kind = self._own, HOST
         else:
             self._work, self._kind = lend[start:start + nbytes], kind
         return self._work
+
+    def own_region(self, nbytes):
+        """This transport's own work buffer, grown to at least ``nbytes``, as the one-call path
+        takes it (pyrdma._hostcalls.HostRegion: a grown buffer's old region is marked closed)."""
+        from pyrdma._engine import HostRegion
+        if self._own is None or self._own.nbytes < nbytes:
+            if self._own_region is not None:
+                self._own_region.closed = True
+            self._own = np.empty(_grow(nbytes), np.uint8)
+            self._own_region = HostRegion(self._own)
+        return self._own_region
+
+    def registration(self, lend, kind=HOST):
+        """(region, 0) of a lent host array: nothing to register over TCP."""
+        from pyrdma._engine import HostRegion
+        return HostRegion(lend), 0
 
     def set_tag(self, desc, recv_desc=None):
         self._desc = _as_desc(desc)
