@@ -84,6 +84,7 @@ cdef struct txframe_t:
     uint64_t addr
     uint64_t done            # bytes of head and payload written so far
     int data                 # the payload is read from the work area (data_outstanding counts it)
+    uint8_t *owned           # a copy of the payload the engine owns (a failed run's frame mid-write)
 
 
 cdef struct peer_t:

@@ -356,6 +356,9 @@ cdef class Engine:
             for p in range(self.size):
                 free(self.peers[p].arrivals)
                 free(self.peers[p].taken)
+                if self.peers[p].txq != NULL:
+                    for c in range(self.sq_depth):
+                        free(self.peers[p].txq[c].owned)
                 free(self.peers[p].txq)
                 free(self.peers[p].rx)
                 for c in range(2):
@@ -556,17 +559,28 @@ cdef class Engine:
     cdef void _end(self) noexcept:
         cdef int i
         cdef peer_t *p
+        cdef txframe_t *f
         for i in range(len(self.keep)):
             unuse(<VerbsObject>self.keep[i])
         if self.sockets and self.fail_kind != FAIL_NONE:
-            # a failed run's frames are never written: their payloads may be the caller's memory, and
-            # freed once it returns. A stream left mid-frame takes nothing more (not even an abort).
+            # a failed run's frames are not written: their payloads may be the caller's memory, freed
+            # once it returns. One already begun is finished from a copy, so that the stream stays
+            # in step for the abort behind it (without memory for the copy: no more to that peer).
             for i in range(self.size):
                 p = &self.peers[i]
-                if i != self.rank and p.outstanding:
-                    if p.txq[p.tx_head].done:
-                        p.gone = 1
-                    p.outstanding = p.data_outstanding = 0
+                if i == self.rank or not p.outstanding:
+                    continue
+                f = &p.txq[p.tx_head]
+                p.outstanding = p.data_outstanding = 0
+                if f.done:
+                    if f.length and f.owned == NULL:
+                        f.owned = <uint8_t *>malloc(f.length)
+                        if f.owned == NULL:
+                            p.gone = 1
+                            continue
+                        memcpy(f.owned, <void *><uintptr_t>f.addr, f.length)
+                        f.addr = <uint64_t><uintptr_t>f.owned
+                    p.outstanding, p.data_outstanding = 1, f.data
         self.consume = None
         self.runs += 1
 
@@ -1353,7 +1367,8 @@ cdef class Engine:
             f.head_len = 4 + HEADER_SIZE
         else:
             f.head_len = 4
-        f.addr, f.length, f.done = addr, n, 0
+        free(f.owned)                                   # (a dropped frame's copy)
+        f.addr, f.length, f.done, f.owned = addr, n, 0, NULL
         f.data = desc != NULL
         p.outstanding += 1
         p.data_outstanding += f.data
@@ -1403,6 +1418,9 @@ cdef class Engine:
                     f.done += <uint64_t>n
                     break
                 n -= <ssize_t>left
+                if f.owned != NULL:
+                    free(f.owned)
+                    f.owned = NULL
                 p.tx_head = (p.tx_head + 1) % self.sq_depth
                 p.outstanding -= 1
                 p.data_outstanding -= f.data
