@@ -457,7 +457,7 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
 
     def finish(work, schedule, received):
         dst[:] = work[base:base + rb[-1]]
-        dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
+        dst[rb[r]:rb[r + 1]] = work[sb[r]:sb[r + 1]]     # (from the copy: out may be buf itself)
         return out
     return Spec([Run(plan, tag, base + rb[-1], fill, finish)])
 
