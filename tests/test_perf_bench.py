@@ -274,3 +274,24 @@ def test_spawn_ranks_gives_the_values_by_rank_and_names_a_rank_that_fails():
         allreduce_bench.spawn_ranks(_rank_value, 2, (1,), timeout=120)
     with pytest.raises(RuntimeError, match=r"exit codes \[(0|None), 3\]"):
         allreduce_bench.spawn_ranks(_rank_exits, 2, timeout=120)
+
+
+def test_tcp_bench_runs_beside_sockperf_and_iperf3(tmp_path):
+    """bench/tcp_bench.py, briefly: pyrdma's ping-pong and stream over TCP beside sockperf's and
+    iperf3's on this host, each figure measured (positive) and the ratios taken from them."""
+    import json
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "tcp.json"
+    run = subprocess.run([sys.executable, os.path.join(root, "bench", "tcp_bench.py"), "--sizes", "16",
+                          "--stream-bytes", str(1 << 20), "--seconds", "1", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = json.loads(out.read_text())["rows"]
+    latency = [r for r in rows if r["test"] == "latency"]
+    assert [r["bytes"] for r in latency] == [16]
+    for r in latency:
+        assert r["pyrdma_us"] > 0 and r["sockperf_us"] > 0 and r["ratio"] == r["pyrdma_us"] / r["sockperf_us"]
+    bw, = [r for r in rows if r["test"] == "bandwidth"]
+    assert bw["pyrdma_Bps"] > 0 and bw["iperf3_Bps"] > 0 and bw["ratio"] == bw["iperf3_Bps"] / bw["pyrdma_Bps"]
+    assert "sockperf ping-pong" in run.stdout and "iperf3" in run.stdout
