@@ -195,6 +195,36 @@ def test_guest_script_is_valid_bash_and_quotes_everything(tmp_path):
 
 
 
+def test_cached_dirs_are_pythons_and_the_tree_outermost_first(tmp_path):
+    import sysconfig
+    dirs = vm.cached_dirs(str(tmp_path))
+    assert str(tmp_path) in dirs and os.path.realpath(sysconfig.get_paths()["stdlib"]) in dirs
+    for d in dirs:                       # none inside another, and never the whole root
+        assert d != "/" and not any(o != d and d.startswith(o + "/") for o in dirs), dirs
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "c").mkdir()
+    paths = [str(tmp_path / "a" / "b"), str(tmp_path / "a"), str(tmp_path / "c"), str(tmp_path / "missing"), "/"]
+    assert vm.cached_dirs("/", paths=paths) == [str(tmp_path / "a"), str(tmp_path / "c")]
+
+
+def test_guest_script_binds_the_cached_view_and_keeps_the_writable_dirs(tmp_path):
+    plain = vm.guest_script(["mycmd"], "/tree", {}, str(tmp_path))
+    assert vm.CACHED_TAG not in plain
+    script = vm.guest_script(["mycmd"], "/tree", {}, str(tmp_path), cached=["/tree", "/py/lib"],
+                             rwdirs=["/tree/build/out", "/elsewhere"])
+    path = tmp_path / "guest.sh"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True, timeout=30)
+    assert "cache=loose" in script and f"{vm.CACHED_TAG} {vm.CACHED_MOUNT}" in script
+    keep = script.index(f"mount --bind /tree/build/out {vm.CACHED_MOUNT}-rw/0")
+    bind = script.index(f"mount --bind {vm.CACHED_MOUNT}/tree /tree")
+    back = script.index(f"mount --bind {vm.CACHED_MOUNT}-rw/0 /tree/build/out")
+    assert script.index("rdma link add rxe0") < keep < bind < back < script.index("mycmd")
+    assert f"mount --bind {vm.CACHED_MOUNT}/py/lib /py/lib" in script
+    assert "/elsewhere" not in script             # not under a cached directory: nothing hides it
+    assert "the cached export did not mount" in script    # the uncached root is the fallback
+
+
 # ---------------------------------------------------------------- the multi-host test bed (--hosts)
 
 def test_host_layout_names_sort_after_rxe0_and_stay_in_the_test_range():
@@ -362,6 +392,10 @@ def test_vng_command(monkeypatch, tmp_path):
                         "--disable-kvm", "--append", "tsc=reliable clocksource=tsc",
                         "--rwdir", "/tmp/s", "--rwdir", "/out", "--exec", "bash /tmp/s/guest.sh"]
     assert "--disable-kvm" not in vm.vng_command("/k", "/s.sh", [], kvm=True)
+    cached = vm.vng_command("/k", "/s.sh", ["/out"], cached=True)
+    opts = [a for a in cached if a.startswith("--qemu-opts=")]     # one argument: its value starts with "-"
+    assert len(opts) == 1 and f"mount_tag={vm.CACHED_TAG}" in opts[0] and "path=/," in opts[0], opts
+    assert "readonly=on" in opts[0] and cached[-2:] == ["--exec", "bash /s.sh"]
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with pytest.raises(FileNotFoundError, match="virtme-ng"):
         vm.vng_command("/k", "/s.sh", [])

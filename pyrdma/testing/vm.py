@@ -53,6 +53,35 @@ HOST_MTUS = (1500, 9000)
 # Policy-routing preferences: the per-pair rules come before the local table, which moves from 0 to here.
 LOCAL_RULE_PREF = 1000
 HOSTS_ENV = "PYRDMA_TEST_HOSTS"
+# The cached view of the host's files (``cached_dirs``): a second 9p export of /, mounted in the guest
+# with the page and attribute cache (cache=loose) and bound over the directories Python imports from.
+CACHED_TAG = "pyrdma.cached"
+CACHED_MOUNT = "/run/pyrdma-cached"
+
+
+def cached_dirs(cwd, *, paths=None):
+    """The directories the guest sees through the cached export: the interpreter's own (stdlib and
+    site-packages, by ``sysconfig``) and ``cwd`` (the tree under test), outermost first, without
+    one inside another (guest_script brings back the writable directories inside them).
+
+    Why: vng's root is 9p without a cache, so each stat, open and read of a file goes to the host,
+    and under emulation that is most of a Python process's start-up (``import numpy`` 24 s,
+    ``import pyrdma.collectives`` 41 s in a CI-sized VM); the device tests start hundreds of them. The
+    export is read-only and nothing changes these files while the VM runs, so a cache cannot go stale."""
+    import sysconfig
+    if paths is None:
+        paths = [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+        paths.append(cwd)
+    dirs = []
+    for d in sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)}, key=len):
+        if d != "/" and not any(_inside(d, o) for o in dirs):
+            dirs.append(d)
+    return dirs
+
+
+def _inside(path, top):
+    """Whether ``path`` is ``top`` or lies under it (both real, absolute paths)."""
+    return path == top or path.startswith(top.rstrip("/") + "/")
 
 
 def host_layout(n, mtu=1500):
@@ -204,13 +233,31 @@ def guest_environment(env=None, environ=None):
     return out
 
 
-def guest_script(cmd, cwd, env, state_dir, hosts=0, mtu=1500):
+def guest_script(cmd, cwd, env, state_dir, hosts=0, mtu=1500, cached=(), rwdirs=()):
     """The bash script the guest runs: bring up rxe0 (and with ``hosts`` the test bed of
     topology_script), run ``cmd`` in ``cwd`` with ``env``, and leave markers in ``state_dir`` (shared
     with the host): ``booted``, then either ``vm-error`` (the set-up failed, with the reason) or
     ``status`` (cmd's exit status). The kernel's log streams to ``kernel.log`` there, with soft
-    lockups and hung tasks reported with their stacks, so a VM that hangs leaves its cause behind."""
+    lockups and hung tasks reported with their stacks, so a VM that hangs leaves its cause behind.
+    ``cached``: the directories to see through the cached export (cached_dirs; vng_command(cached=True)
+    exports it); a writable directory (``rwdirs``, ``state_dir``) inside one is bound back over its
+    cached view. Should the export not mount, the guest says so and runs on the uncached root."""
     state = shlex.quote(state_dir)
+    q = shlex.quote
+    binds = []
+    for d in cached:
+        inner = [w for w in dict.fromkeys([state_dir, *rwdirs]) if _inside(w, d)]
+        binds += [f"mkdir -p {CACHED_MOUNT}-rw/{i} && mount --bind {q(w)} {CACHED_MOUNT}-rw/{i} || fail cannot keep {q(w)}"
+                  for i, w in enumerate(inner)]
+        binds.append(f"mount --bind {CACHED_MOUNT}{q(d)} {q(d)} || fail cannot bind the cached view of {q(d)}")
+        binds += [f"mount --bind {CACHED_MOUNT}-rw/{i} {q(w)} && umount -l {CACHED_MOUNT}-rw/{i} || fail cannot bring back {q(w)}"
+                  for i, w in enumerate(inner)]
+    cache = (f"""mkdir -p {CACHED_MOUNT}
+if mount -t 9p -o ro,trans=virtio,version=9p2000.L,msize=524288,cache=loose {CACHED_TAG} {CACHED_MOUNT}; then
+""" + "".join(f"  {b}\n" for b in binds) + f"""else
+  echo "pyrdma-vm: the cached export did not mount; the command reads the uncached root"
+fi
+""" if cached else "")
     port_state = "/sys/class/infiniband/rxe0/ports/1/state"
     exports = "\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     topology = topology_script(hosts, mtu, os.path.join(state_dir, "hosts.json")) if hosts else ""
@@ -230,7 +277,7 @@ done
 grep -q ACTIVE {port_state} 2>/dev/null || fail "rxe0 port 1 not ACTIVE after {PORT_ACTIVE_WAIT_S} s: $(cat {port_state} 2>&1)"
 ibv_devices 2>/dev/null | grep -q rxe0 || fail "ibv_devices does not list rxe0"
 echo "pyrdma-vm: rxe0 is ACTIVE on lo"
-{exports}
+{cache}{exports}
 {topology}
 cd {shlex.quote(cwd)} || fail cannot cd to {shlex.quote(cwd)}
 {shlex.join(cmd)}
@@ -241,8 +288,9 @@ exit $status
 """
 
 
-def vng_command(kernel, script_path, rwdirs, memory="4G", cpus=2, kvm=False):
-    """The virtme-ng command line that boots ``kernel`` and runs ``bash script_path``."""
+def vng_command(kernel, script_path, rwdirs, memory="4G", cpus=2, kvm=False, cached=False):
+    """The virtme-ng command line that boots ``kernel`` and runs ``bash script_path``; with ``cached``
+    also the read-only export of / that the guest mounts with a cache (``CACHED_TAG``, see cached_dirs)."""
     vng = shutil.which("vng")
     if vng is None:
         raise FileNotFoundError("vng (virtme-ng) not found on PATH; pip install virtme-ng")
@@ -256,6 +304,10 @@ def vng_command(kernel, script_path, rwdirs, memory="4G", cpus=2, kvm=False):
         argv += ["--disable-kvm", "--append", "tsc=reliable clocksource=tsc"]
     for d in rwdirs:
         argv += ["--rwdir", d]
+    if cached:
+        # one =-joined argument: a value that starts with "-" is an option to vng's parser
+        argv.append(f"--qemu-opts=-fsdev local,id=pyrdmacached,path=/,security_model=none,readonly=on,"
+                    f"multidevs=remap -device virtio-9p-pci,fsdev=pyrdmacached,mount_tag={CACHED_TAG}")
     return argv + ["--exec", f"bash {shlex.quote(script_path)}"]
 
 
@@ -347,13 +399,14 @@ def _kernel_trouble(path, lines=40):
 
 
 def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G", cpus=2, kvm=False,
-              stream=STDOUT, hosts=0, mtu=1500):
+              stream=STDOUT, hosts=0, mtu=1500, cache=True):
     """Run ``cmd`` (a list of arguments) in the Soft-RoCE VM; returns ``(returncode, output)``.
 
     ``rwdir``: a directory (or a list) the command may write, shared back to the host (created if missing).
     ``env``: variables to set in the guest on top of ``guest_environment()``'s defaults.
     ``stream``: where output is echoed as it arrives (None: nowhere). ``output`` has it all.
     ``hosts``: build the multi-host test bed of ``hosts`` hosts (2..4; 0: none) at Ethernet MTU ``mtu``.
+    ``cache``: the guest reads Python's files and the tree under test through a cached export (cached_dirs).
     returncode is cmd's own, ``VM_FAILED`` if the VM or rxe0 did not come up, ``TIMED_OUT`` after
     ``timeout`` seconds (the VM is killed).
     """
@@ -370,10 +423,11 @@ def run_in_vm(cmd, rwdir=None, timeout=DEFAULT_TIMEOUT, env=None, *, memory="4G"
     state_dir = tempfile.mkdtemp(prefix="pyrdma-vm-")
     try:
         script_path = os.path.join(state_dir, "guest.sh")
+        cached = cached_dirs(os.getcwd()) if cache else []
         with open(script_path, "w") as f:
-            f.write(guest_script(cmd, os.getcwd(), guest_environment(env), state_dir, hosts, mtu))
+            f.write(guest_script(cmd, os.getcwd(), guest_environment(env), state_dir, hosts, mtu, cached, rwdirs))
         try:
-            argv = vng_command(kernel, script_path, [state_dir, *rwdirs], memory, cpus, kvm)
+            argv = vng_command(kernel, script_path, [state_dir, *rwdirs], memory, cpus, kvm, cached=bool(cached))
         except FileNotFoundError as exc:
             return VM_FAILED, _say(stream, f"VM failed: {exc}")
         vng_code, output = _run_streaming(argv, timeout, stream)
@@ -447,6 +501,9 @@ def main(argv=None):
     parser.add_argument("--hosts", type=int, default=0, metavar="N",
                         help=f"build a test bed of N (2..{MAX_HOSTS}) hosts on one bridge in the VM; "
                              f"{HOSTS_ENV} names their description (always in the VM)")
+    parser.add_argument("--no-cache", dest="cache", action="store_false",
+                        help="read every file through vng's uncached root (default: Python's directories "
+                             "and the current one through a cached read-only export)")
     parser.add_argument("--mtu", type=int, default=1500, choices=HOST_MTUS,
                         help="the test bed's Ethernet MTU (default 1500: RoCE active MTU 1024)")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
@@ -465,7 +522,8 @@ def main(argv=None):
     previous = {sig: signal.signal(sig, _exit_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         code, _ = run_with_device(cmd, args.rwdir, args.timeout, env, force_vm=args.force_vm,
-                                  memory=args.memory, cpus=args.cpus, kvm=args.kvm, hosts=args.hosts, mtu=args.mtu)
+                                  memory=args.memory, cpus=args.cpus, kvm=args.kvm, hosts=args.hosts, mtu=args.mtu,
+                                  cache=args.cache)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
