@@ -239,7 +239,7 @@ cdef class HostCollectives:
         self.engine, self.ex, self.comm, self.transport, self.plans = engine, executor, comm, transport, plans
         self.lock = executor.lock
         self.calls = {}
-        self.sent, self.received = comm._p2p_sent, comm._p2p_received
+        self.sent, self.received = executor.sent, executor.received
         self.lasts = tuple(_LastCall() for _ in range(10))
         (self.last_allreduce, self.last_reduce, self.last_broadcast, self.last_allgather, self.last_reduce_scatter,
          self.last_gather, self.last_scatter, self.last_alltoall, self.last_send, self.last_recv) = self.lasts

@@ -215,8 +215,6 @@ class Communicator:
             raise UsageError(f"unknown gpu_path {gpu_path!r}; use one of {', '.join(GPU_PATHS)}")
         self.gpu_path = gpu_path
         self._gpudirect_agreed = {}      # GPU ordinal -> whether every rank can do GPUDirect RDMA
-        self._p2p_sent = [0] * size          # messages sent to each rank so far
-        self._p2p_received = [0] * size      # and received from each
         own_exchange = exchange is None
         if exchange is None:
             if master is None:

@@ -127,6 +127,10 @@ class Executor:
     def __init__(self, rank, size, transport, lock):
         self.rank, self.size, self.transport, self.lock = rank, size, transport, lock
         self.seq = 0
+        # point-to-point messages sent to each rank so far, and received from each: their numbers
+        # (per pair of ranks, apart from the collectives' call numbers ``seq``)
+        self.sent = [0] * size
+        self.received = [0] * size
         self.pending = 0
         self.broken = None
         self.closed = False

@@ -483,11 +483,11 @@ def p2p(comm, buf, dst, src, tag):
     item = r_arr.dtype.itemsize if r_arr is not None else 1
     send_desc = recv_desc = describe(0, "")
     if dst is not None:
-        send_desc = describe_message(comm._p2p_sent[dst], s_data.nbytes, s_arr.dtype, send_tag)
-        comm._p2p_sent[dst] += 1
+        send_desc = describe_message(comm._exec.sent[dst], s_data.nbytes, s_arr.dtype, send_tag)
+        comm._exec.sent[dst] += 1
     if src is not None:
-        recv_desc = describe_message(comm._p2p_received[src], 0, r_arr.dtype, recv_tag)
-        comm._p2p_received[src] += 1
+        recv_desc = describe_message(comm._exec.received[src], 0, r_arr.dtype, recv_tag)
+        comm._exec.received[src] += 1
     nbytes = s_data.nbytes if s_data is not None else 0
     capacity = r_data.nbytes if r_data is not None else 0
     # a lone send or receive works on the caller's memory itself when zero-copy pays

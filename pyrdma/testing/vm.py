@@ -73,7 +73,7 @@ def cached_dirs(cwd, *, paths=None):
         paths = [sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")]
         paths.append(cwd)
     dirs = []
-    for d in sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)}, key=len):
+    for d in sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)}, key=lambda p: (len(p), p)):
         if d != "/" and not any(_inside(d, o) for o in dirs):
             dirs.append(d)
     return dirs
