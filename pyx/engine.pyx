@@ -101,7 +101,7 @@ cdef int CLOCK_EVERY = 32           # polls of a spin between two clock reads
 # the same where the spin does not yield (Engine.spin_yields): a poll alone is an order of magnitude
 # quicker (8 B ping-pong in the VM: 5-15 polls per round trip with the yields, 50-190 without)
 cdef int FIRST_POLLS_NO_YIELD = 1024
-cdef double KEEP_AFTER = 0.05       # a receive's wait this long copies full slots out (_keep_arrivals)
+cdef double KEEP_AFTER = 0.2        # a receive's wait this long copies full slots out (_keep_arrivals)
 # The socket link reads ahead into a buffer per peer (a read takes many small frames at once) and
 # straight into the slot a payload this long or longer (one copy less where it pays)
 cdef int RXBUF = 65536
@@ -1182,9 +1182,12 @@ cdef class Engine:
             if self.peers[peer].gone:           # the socket link: its stream ended, this will not come
                 self._fail(FAIL_LINK, peer, 0, 0)
                 break
-            # past the spin: a peer that filled our slots may wait for us as we wait (a receive
-            # waits a little longer first: its slots may just be the next collective's sends ahead)
-            if (what != WAIT_ARRIVAL or now - start > KEEP_AFTER) and self._keep_arrivals() < 0:
+            # past the spin: a peer that filled our slots may wait for us as we wait for its credit
+            # (or its rendezvous answer); a receive waits longer first: another peer's full slots are
+            # most often just its next collective's sends ahead. (A wait for our sends' completion
+            # never depends on the peer's receives: the credits bound what is in flight.)
+            if (what == WAIT_CREDIT or what == WAIT_CTS or what == WAIT_ARRIVAL and now - start > KEEP_AFTER) \
+                    and self._keep_arrivals() < 0:
                 break
         self.waiting_on = -1
         return -1
