@@ -1,14 +1,15 @@
 """Run a command where a real RDMA device exists: on the host if it has an ACTIVE RDMA port,
 otherwise inside a virtme-ng VM with the kernel's Soft-RoCE driver (rxe0 on lo).
 
-    python -m pyrdma.testing.vm [--rwdir DIR] [--timeout S] [--hosts N [--mtu 1500|9000]] -- CMD [ARGS...]
+    python -m pyrdma.testing.vm [--rwdir DIR] [--timeout S] [--hosts N [--mtu 1500|9000]] [--no-cache] -- CMD [ARGS...]
 
 The VM boots the newest /boot/vmlinuz-* that has the rdma_rxe module, with this machine's files
 as its root filesystem (read-only, with a throw-away overlay; each ``--rwdir`` directory is writable
-and shared back to the host). A guest script loads rdma_rxe, creates rxe0 on lo, waits for its port
-to be ACTIVE, then runs CMD from the current directory with the caller's environment variables
-(PYTHONPATH, PYRDMA_*, ... see ``PASSED_ENV``; the guest's PATH is its own, so name the host's
-Python by absolute path, e.g. ``sys.executable``). CMD's output streams through.
+and shared back to the host; Python's directories and the current one are read through a cached
+read-only export, ``cached_dirs``, unless ``--no-cache``). A guest script loads rdma_rxe, creates
+rxe0 on lo, waits for its port to be ACTIVE, then runs CMD from the current directory with the
+caller's environment variables (PYTHONPATH, PYRDMA_*, ... see ``PASSED_ENV``; the guest's PATH is its
+own, so name the host's Python by absolute path, e.g. ``sys.executable``). CMD's output streams through.
 
 ``--hosts N`` (2..4) also builds a multi-host test bed in the guest (``topology_script``): N "hosts",
 each the end of a veth pair whose other end is a port of one bridge, with its own address
