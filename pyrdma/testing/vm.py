@@ -255,7 +255,7 @@ def guest_script(cmd, cwd, env, state_dir, hosts=0, mtu=1500, cached=(), rwdirs=
                   for i, w in enumerate(inner)]
     cache = (f"""mkdir -p {CACHED_MOUNT}
 if mount -t 9p -o ro,trans=virtio,version=9p2000.L,msize=524288,cache=loose {CACHED_TAG} {CACHED_MOUNT}; then
-""" + "".join(f"  {b}\n" for b in binds) + f"""else
+""" + "".join(f"  {b}\n" for b in binds) + """else
   echo "pyrdma-vm: the cached export did not mount; the command reads the uncached root"
 fi
 """ if cached else "")
