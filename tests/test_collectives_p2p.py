@@ -624,9 +624,9 @@ def _one_call_reductions_and_rooted(comm):
     return {name: sorted(set(f)) for name, f in frames.items()}
 
 
-@pytest.mark.device
-def test_warm_blocking_host_collectives_over_rdma_are_one_python_call_each():
-    with World(3, "rdma", timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.device)])
+def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
+    with World(3, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
         for frames in w.run(_one_call_copies, timeout=300):
             assert frames == {name: [2, 2, 2] for name in ("alltoall", "gather", "scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"

@@ -137,8 +137,8 @@ def alltoall(comm, buf):
     except UsageError:
         return None
     n, r = comm.size, comm.rank
-    if arr.size % n or not data.nbytes or specs.zero_copy(comm, 2 * data.nbytes):
-        return None           # (from the zero-copy size the general path works in place)
+    if arr.size % n or not data.nbytes:
+        return None
     piece = data.nbytes // n
     bounds = tuple(i * piece for i in range(n + 1))
     t = comm.transport
@@ -166,8 +166,6 @@ def rooted_copy(comm, kind, piece, root, algorithm):
     schedule = entry.planner(n, r, root, block, t.max_message)
     tag = specs.describe_call(comm, kind, entry, dtype=arr.dtype, count=arr.size, root=root)
     area = n * block if full else block
-    if specs.zero_copy(comm, area):
-        return None               # the general path works in place
     if kind == "gather":          # in: this rank's block; out: all of them, on the root
         return HostCall(t.engine.program(schedule), tag, 0, 0, block, 0, area, t.own_region(area), in_offset=at,
                         out_bytes=n * block if r == root else 0)
