@@ -255,6 +255,7 @@ cdef class Engine:
     cdef int _sock_lost(self, int peer, int err) noexcept nogil
     cdef int _sock_pass(self) noexcept nogil
     cdef int _sock_progress(self, double seconds) noexcept nogil
+    cdef void _adapt_spin(self, bint woken, double slept) noexcept nogil
 
 
 @cython.final

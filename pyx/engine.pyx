@@ -1229,12 +1229,7 @@ cdef class Engine:
                     if rc > 0 and ibv_get_cq_event(self.channel, &ev_cq, &ev_ctx) == 0:
                         ibv_ack_cq_events(ev_cq, 1)
                     n = ibv_poll_cq(self.cq, NWC, self.wcs)
-                    if self.spin_now > 0:
-                        if n > 0 and monotonic_now() - slept < SPIN_MAX:
-                            self.spin_adaptive = min(2 * self.spin_adaptive, SPIN_MAX)
-                        else:
-                            self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)
-                        self.spin_now = self.spin_adaptive
+                    self._adapt_spin(n > 0, slept)
         if n < 0:
             return self._fail(FAIL_POLL, -1, errno, 0)
         n = self._handle(n)
@@ -1551,13 +1546,18 @@ cdef class Engine:
                 slept = monotonic_now()
                 poll(self.pfds, m, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1)
                 n = self._sock_pass()
-                if self.spin_now > 0:
-                    if n > 0 and monotonic_now() - slept < SPIN_MAX:
-                        self.spin_adaptive = min(2 * self.spin_adaptive, SPIN_MAX)
-                    else:
-                        self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)
-                    self.spin_now = self.spin_adaptive
+                self._adapt_spin(n > 0, slept)
         return n
+
+    cdef void _adapt_spin(self, bint woken, double slept) noexcept nogil:
+        """After a foreground sleep that began at ``slept``: double the spin when what ended it came
+        within SPIN_MAX (``woken``), else halve it back toward the configured spin (both links)."""
+        if self.spin_now > 0:
+            if woken and monotonic_now() - slept < SPIN_MAX:
+                self.spin_adaptive = min(2 * self.spin_adaptive, SPIN_MAX)
+            else:
+                self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)
+            self.spin_now = self.spin_adaptive
 
 
 @cython.final

@@ -221,7 +221,18 @@ def _imm_abort(culprit, reason):
 
 class _EngineFailures:
     """The C engine's failures (``self.engine.failure()``) as exceptions of the one hierarchy, for
-    both of its links; ``_link_error(peer, a, b)`` says what a failed link means on each."""
+    both of its links; ``_link_error(peer, a, b)`` says what a failed link means on each. And the
+    abort that tells the peers, over the engine's link."""
+
+    def abort(self, culprit, reason):
+        """Tell every peer (best effort: a full queue drops it) that this group failed because of
+        ``culprit``."""
+        if self._closed:
+            return
+        for p in self.peers:
+            if p == culprit and reason == PEER_FAILED:
+                continue
+            self.engine.post_control(p, _imm_abort(culprit, reason))
 
     def engine_failed(self):
         """Record the engine's failure as this transport's (every later collective raises it) and

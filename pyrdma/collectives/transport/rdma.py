@@ -6,8 +6,8 @@ import numpy as np
 
 from pyrdma.collectives.transport.base import (DEFAULT_QP_TIMEOUT,
                                                DEFAULT_RDMA_MESSAGE, DEFAULT_SLOTS, MAX_RDMA_MESSAGE,
-                                               PEER_FAILED, USER_MR_CACHE, _as_desc, _grow, _OwnBuffer,
-                                               _EngineFailures, _imm_abort, _Waits, describe)
+                                               USER_MR_CACHE, _as_desc, _grow, _OwnBuffer,
+                                               _EngineFailures, _Waits, describe)
 from pyrdma.collectives.work import HOST
 from pyrdma.errors import PeerError, RDMAError, UsageError, WireFormatError
 
@@ -326,15 +326,6 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
         return PeerError(f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(status)} "
                          f"({rd.wc_status_str(status)}); {why}", peer=peer)
 
-    def abort(self, culprit, reason):
-        """Tell every peer (best effort, no waiting) that this group failed because of ``culprit``."""
-        if self._closed:
-            return
-        for p in self.peers:
-            if p == culprit and reason == PEER_FAILED:
-                continue
-            self._post_control(p, _imm_abort(culprit, reason))
-
     def close(self):
         if self._closed:
             return
@@ -347,12 +338,6 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
             except RDMAError:
                 pass
         self.ctx.close()   # closes QPs, MRs, CQ, channel and PD, children first
-
-    # ---- internals ----------------------------------------------------------------------------
-
-    def _post_control(self, peer, imm):
-        """A zero-byte message outside flow control; dropped when the send queue is full."""
-        self.engine.post_control(peer, imm)
 
 
 class _Link:

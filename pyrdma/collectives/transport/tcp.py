@@ -15,8 +15,8 @@ import time
 
 import numpy as np
 
-from pyrdma.collectives.transport.base import (DEFAULT_SLOTS, DEFAULT_TCP_MESSAGE, MAX_RDMA_MESSAGE, PEER_FAILED,
-                                               _as_desc, _EngineFailures, _grow, _imm_abort, _OwnBuffer, _Waits,
+from pyrdma.collectives.transport.base import (DEFAULT_SLOTS, DEFAULT_TCP_MESSAGE, MAX_RDMA_MESSAGE,
+                                               _as_desc, _EngineFailures, _grow, _OwnBuffer, _Waits,
                                                describe)
 from pyrdma.collectives.work import HOST
 from pyrdma.errors import PeerError, UsageError, WireFormatError
@@ -196,15 +196,6 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
             self._kind.write(work, host)
         return self.engine.received if self._rdesc is not None else None
 
-    def abort(self, culprit, reason):
-        """Tell every peer (best effort, briefly) that this group failed because of ``culprit``."""
-        if self._closed:
-            return
-        for p in self.peers:
-            if p == culprit and reason == PEER_FAILED:
-                continue
-            self.engine.post_control(p, _imm_abort(culprit, reason))
-
     def close(self):
         """Graceful: stop sending, so that each peer sees our end, then close."""
         if self._closed:
@@ -222,22 +213,14 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
         why = "the connection closed" if not err else f"the connection broke ({os.strerror(err)})"
         return PeerError(f"rank {peer} is gone: {why} (it died, or closed its communicator)", peer=peer)
 
-    # ---- internals ----------------------------------------------------------------------------
 
-
-def _recv_exact(sock, n, idle_ok=False):
-    """Exactly n bytes. EOFError on a clean end before the first byte (idle_ok: a timeout before
-    the first byte just waits on)."""
+def _recv_exact(sock, n):
+    """Exactly n bytes (the hello). EOFError when the peer closes first."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except socket.timeout:
-            if idle_ok and got == 0:
-                continue
-            raise
+        k = sock.recv_into(view[got:])
         if k == 0:
             raise EOFError("the peer closed the connection" + (" mid-message" if got else ""))
         got += k
