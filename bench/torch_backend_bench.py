@@ -1,8 +1,7 @@
 """The "pyrdma" torch backend against gloo, in the same processes and the same run:
 
     python3 bench/torch_backend_bench.py [--device cpu|cuda] [--ranks 2] [--sizes 8,65536,1048576]
-        [--ops all_reduce,broadcast,all_to_all_single,reduce_scatter_tensor] [--iters 20] [--ddp-steps 10]
-        [--json OUT]
+        [--ops all_reduce,broadcast,...] [--iters 20] [--ddp-steps 10] [--json OUT]
 
 ``--ranks`` processes on this host join one job: the default group over pyrdma and a second group
 over gloo. For each op and size (bytes of the op's input tensor) each backend runs the op
@@ -11,7 +10,14 @@ tensors, torch.cuda.synchronize(); a backend's time is the slowest rank's median
 alternate per size, so drift affects both. Then a DDP step (``--layers`` x Linear(``--width``),
 batch ``--batch``, SGD) over each backend from the same seed: median step time, and whether the two
 models' parameters agree afterwards. Prints a table of pyrdma's time / gloo's (below 1: pyrdma is
-faster) and writes the figures as JSON.
+faster) and the targets with their verdicts (the issue's: every cell <= 1.0x gloo, all_reduce <= 0.7x
+from 16 MiB, the DDP step <= 1.0x with equal parameters), and writes all of it as JSON.
+
+The ops (``--ops``, default all): the collectives of the torch API by their names (gather and
+scatter to and from rank 0); ``send_recv``, a ping-pong of ranks 0 and 1 (the time of a round
+trip; the other ranks wait at the barrier); and ``numpy_allreduce``, on pyrdma's side the
+Communicator's own allreduce of a numpy array (the backend's Communicator, no torch in the call)
+against gloo's all_reduce of a CPU tensor of the same bytes.
 
 With CUDA tensors every rank uses GPU ``rank % device_count``; without an RDMA device pyrdma runs
 over TCP (PYRDMA_TRANSPORT as for the backend), as gloo does.
@@ -26,41 +32,75 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)        # pyrdma from this checkout, in the launcher and the ranks alike
-OPS = ("all_reduce", "broadcast", "all_to_all_single", "reduce_scatter_tensor")
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+       "gather", "scatter", "send_recv", "numpy_allreduce")
+RATIO_TARGET = 1.0              # every cell: our time / gloo's
+LARGE_ALLREDUCE = (16 << 20, 0.7)   # all_reduce from this many bytes: at most this ratio
 
 
-def _tensors(op, nbytes, n, device):
-    """(input, output) of ``op`` with an input of about ``nbytes`` (float32, a multiple of n elements)."""
+def _tensors(op, nbytes, n, rank, device):
+    """(input, output) of ``op`` with an input of about ``nbytes`` (float32, a multiple of n elements);
+    gather's and scatter's lists on rank 0."""
     import torch
     count = max(n, (nbytes // 4) // n * n)
     x = torch.ones(count, dtype=torch.float32, device=device)
-    if op == "all_to_all_single":
+    if op in ("all_to_all_single",):
         return x, torch.empty_like(x)
     if op == "reduce_scatter_tensor":
         return x, torch.empty(count // n, dtype=torch.float32, device=device)
+    if op == "all_gather_into_tensor":
+        return x, torch.empty(count * n, dtype=torch.float32, device=device)
+    if op == "gather":
+        return x, [torch.empty_like(x) for _ in range(n)] if rank == 0 else None
+    if op == "scatter":
+        return x, [torch.ones_like(x) for _ in range(n)] if rank == 0 else None
+    if op == "numpy_allreduce":
+        return x, x.numpy() if device.type == "cpu" else None
     return x, None
 
 
-def _call(op, x, out, group):
+def _call(op, x, out, group, comm):
     import torch.distributed as dist
-    if op == "all_reduce":
+    if op == "all_reduce" or (op == "numpy_allreduce" and comm is None):
         dist.all_reduce(x, group=group)
+    elif op == "numpy_allreduce":
+        comm.allreduce(out)
     elif op == "broadcast":
         dist.broadcast(x, src=0, group=group)
+    elif op == "reduce":
+        dist.reduce(x, dst=0, group=group)
+    elif op == "all_gather_into_tensor":
+        dist.all_gather_into_tensor(out, x, group=group)
     elif op == "all_to_all_single":
         dist.all_to_all_single(out, x, group=group)
-    else:
+    elif op == "reduce_scatter_tensor":
         dist.reduce_scatter_tensor(out, x, group=group)
+    elif op == "gather":
+        dist.gather(x, out, dst=0, group=group)
+    elif op == "scatter":
+        dist.scatter(x, out, src=0, group=group)
+    elif op == "send_recv":
+        rank = dist.get_rank()
+        if rank == 0:
+            dist.send(x, 1, group=group)
+            dist.recv(x, 1, group=group)
+        elif rank == 1:
+            dist.recv(x, 0, group=group)
+            dist.send(x, 0, group=group)
+    else:
+        raise ValueError(op)
 
 
-def _time(op, nbytes, group, barrier, n, device, iters):
+def _time(op, nbytes, group, barrier, n, device, iters, comm):
     import torch
-    x, out = _tensors(op, nbytes, n, device)
+    x, out = _tensors(op, nbytes, n, torch.distributed.get_rank(), device)
+    if op == "numpy_allreduce" and device.type != "cpu":
+        raise ValueError("numpy_allreduce runs on CPU tensors only (--device cpu)")
     times = []
     for i in range(iters + 1):
         barrier()
         t0 = time.perf_counter()
-        _call(op, x, out, group)
+        _call(op, x, out, group, comm)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:
@@ -101,7 +141,7 @@ def worker(rank, args, port, results):
     warnings.filterwarnings("ignore", category=FutureWarning)     # reduce_scatter_tensor's new name
     import torch
     import torch.distributed as dist
-    import pyrdma.torch  # noqa: F401 -- registers the backend
+    import pyrdma.torch  # registers the backend
     n = args.ranks
     device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", rank % torch.cuda.device_count())
     if device.type == "cuda":
@@ -109,6 +149,8 @@ def worker(rank, args, port, results):
     dist.init_process_group("pyrdma", rank=rank, world_size=n)
     gloo = dist.new_group(backend="gloo")
     groups = {"pyrdma": dist.group.WORLD, "gloo": gloo}
+    pg = dist.distributed_c10d._get_default_group()       # 2.13: the backend; 2.14: a ProcessGroup holding it
+    ours = (pg if isinstance(pg, pyrdma.torch.ProcessGroupPyrdma) else pg._get_backend(torch.device("cpu"))).comm
 
     def barrier():
         dist.barrier(group=gloo)
@@ -118,7 +160,8 @@ def worker(rank, args, port, results):
             order = ("pyrdma", "gloo") if k % 2 == 0 else ("gloo", "pyrdma")
             for name in order:
                 try:
-                    t = _time(op, nbytes, groups[name], barrier, n, device, args.iters)
+                    t = _time(op, nbytes, groups[name], barrier, n, device, args.iters,
+                              ours if name == "pyrdma" else None)
                 except Exception as exc:  # noqa: BLE001 -- a backend that lacks the op: reported, not fatal
                     t = f"{type(exc).__name__}: {exc}"[:200]
                 mine["ops"][f"{op} {nbytes} {name}"] = t
@@ -185,11 +228,36 @@ def main(argv=None):
         for name in ("pyrdma", "gloo"):
             if isinstance(row[f"{name}_s"], str):
                 print(f"{row['op']} {row['bytes']} {name}: {row[f'{name}_s']}")
+    report["targets"] = targets(rows, report.get("ddp"))
+    for t in report["targets"]:
+        print(f"# target {t['target']}: {t['verdict']} ({t['detail']})")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def targets(rows, ddp):
+    """The issue's targets with verdicts: [{target, verdict, detail}] (detail: the cells that miss)."""
+    out = []
+
+    def add(target, cells, limit):
+        missed = [f"{r['op']} {r['bytes']} B: " + ("error" if r["pyrdma_vs_gloo"] is None else f"{r['pyrdma_vs_gloo']:.2f}")
+                  for r in cells if r["pyrdma_vs_gloo"] is None or r["pyrdma_vs_gloo"] > limit]
+        worst = max((r["pyrdma_vs_gloo"] for r in cells if r["pyrdma_vs_gloo"] is not None), default=None)
+        out.append(dict(target=target, verdict=("PASS" if not missed else "FAIL") if cells else "not measured",
+                        detail=(f"worst {worst:.2f}" if worst is not None else "no cells")
+                        + (f"; missed: {', '.join(missed)}" if missed else "")))
+    add(f"every cell <= {RATIO_TARGET}x gloo", rows, RATIO_TARGET)
+    big, limit = LARGE_ALLREDUCE
+    add(f"all_reduce from {big >> 20} MiB <= {limit}x gloo",
+        [r for r in rows if r["op"] == "all_reduce" and r["bytes"] >= big], limit)
+    if ddp is not None:
+        ok = ddp["pyrdma_vs_gloo"] <= RATIO_TARGET and ddp["params_equal"]
+        out.append(dict(target=f"DDP step <= {RATIO_TARGET}x gloo, parameters equal", verdict="PASS" if ok else "FAIL",
+                        detail=f"{ddp['pyrdma_vs_gloo']:.2f}, parameters equal: {ddp['params_equal']}"))
+    return out
 
 
 def _us(t):

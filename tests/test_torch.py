@@ -111,6 +111,7 @@ def test_torchrun_collectives_ddp_workloads_and_a_dead_rank_over_tcp(tmp_path, n
     _assert_all_passed(reports, "tcp")
     assert len(reports[0]["checks"]) > 30        # the collectives ran, not only DDP
     _assert_workloads_ran(reports)
+    assert all("waited calls run at once" in rep["checks"] for rep in reports)
     _assert_dead_rank_named(tmp_path, nproc - 1, step="fsdp2")
 
 

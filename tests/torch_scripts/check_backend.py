@@ -150,6 +150,36 @@ def collectives(gloo, rank, size, checks):
     same("reduce_scatter_tensor", out, ref)
     dist.barrier()
     checks["barrier"] = True
+    if DEVICE.type == "cpu":
+        waited_at_once(rank, size, checks)
+
+
+def waited_at_once(rank, size, checks):
+    """Host-tensor calls that the caller waits for at once (async_op=False), larger than what runs
+    inline anyway, and a blocking send/recv, run on the caller's thread: nothing is queued on the
+    communicator's thread (pyrdma.torch: INLINE_BYTES, asyncOp); an async_op=True call of that
+    size is."""
+    pg = dist.distributed_c10d._get_default_group()
+    ex = (pg if isinstance(pg, pyrdma.torch.ProcessGroupPyrdma) else pg._get_backend(torch.device("cpu"))).comm._exec
+    n = 4 * pyrdma.torch.INLINE_BYTES // 4 // size * size
+    x, out = torch.ones(n), torch.zeros(n)
+    queued = []
+    submit = ex._pool.submit
+    ex._pool.submit = lambda *a, **k: (queued.append(1), submit(*a, **k))[1]
+    try:
+        dist.all_reduce(x)
+        dist.broadcast(x, src=0)
+        dist.reduce(x, dst=0)
+        dist.all_to_all_single(out, x)
+        dist.gather(x, [torch.zeros(n) for _ in range(size)] if rank == 0 else None, dst=0)
+        dist.scatter(out, [x] * size if rank == 0 else None, src=0)
+        if rank < 2:
+            (dist.send if rank == 0 else dist.recv)(x, 1 - rank)
+        checks["waited calls run at once"] = not queued or f"{len(queued)} calls were queued"
+        dist.all_reduce(x, async_op=True).wait()
+        checks["an async call of that size is queued"] = len(queued) == 1 or f"{len(queued)} calls were queued"
+    finally:
+        ex._pool.submit = submit
 
 
 def main():
