@@ -7,12 +7,17 @@ from pyrdma._engine import Engine, Program
 from pyrdma._verbs.mr import MemoryRegion
 from pyrdma.errors import UsageError as UsageError
 
+LENT_NONE: int
+LENT_IN: int
+LENT_OUT: int
+LENT_BOTH: int
+
 @final
 class HostCall:
     """A blocking collective on host memory, prepared once by the Communicator."""
     def __init__(self, program: Program, desc: bytes, dtype: int, op: int, nbytes: int, result_offset: int,
                  work_bytes: int, work_region: Optional[MemoryRegion] = ...,
-                 own: Tuple[int, int, int] = ..., in_offset: int = ..., out_bytes: int = ...) -> None: ...
+                 own: Tuple[int, int, int] = ..., in_offset: int = ..., out_bytes: int = ..., lent: int = ...) -> None: ...
 
 @final
 class ExecLock:

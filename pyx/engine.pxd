@@ -213,6 +213,7 @@ cdef class Engine:
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
                     const uint8_t *desc, int dtype, int op, object consume, bint background=*,
                     uint32_t work_rkey=*) except -1
+    cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey) noexcept
     cdef void _end(self) noexcept
     cdef int _fail(self, int kind, int peer, int64_t a, int64_t b) noexcept nogil
     cdef int _execute(self, const int64_t *steps, Py_ssize_t nsteps, const int64_t *chunks) noexcept nogil

@@ -510,8 +510,7 @@ cdef class Engine:
         self._begin(program, work_addr, work_len + max(out_len, 0), work_lkey, <const uint8_t *><char *>desc, dtype,
                     op, consume, background, work_rkey)
         if out_len >= 0:
-            self.work_len, self.split = work_len, work_len
-            self.work2, self.work2_lkey = <uint8_t *><uintptr_t>out_addr, out_lkey
+            self._second_area(work_len, out_addr, out_lkey)
         self.park = park
         try:
             with nogil:
@@ -555,6 +554,12 @@ cdef class Engine:
             self.consume = None
             raise
         return 0
+
+    cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey) noexcept:
+        """After _begin (whose work_len counted both): the offsets from ``split`` on lie in a second
+        work area at ``addr`` (host memory, registered with ``lkey``)."""
+        self.work_len, self.split = split, split
+        self.work2, self.work2_lkey = <uint8_t *><uintptr_t>addr, lkey
 
     cdef void _end(self) noexcept:
         cdef int i

@@ -36,40 +36,58 @@ cdef double SIGNAL_CHECK = 0.05     # how often a wait for the lock runs the sig
 # ping-pong; larger copies leave the GIL to other threads, as every run did before.
 cdef int64_t HOLD_GIL_BYTES = 65536
 
+# Where a HostCall works: through the transport's buffer (a copy in and out), or in the caller's
+# memory: its input (an allreduce in place; a scatter's root sends from it), its output (a gather's
+# root receives into it) or both, the input first and the output from ``nbytes`` on (an all-to-all).
+LENT_NONE, LENT_IN, LENT_OUT, LENT_BOTH = 0, 1, 2, 3
+
 
 @cython.final
 cdef class HostCall:
     """A blocking collective on host memory, prepared once by the Communicator (for an allreduce,
     per buffer format, size, op and algorithm: hostplans.allreduce): the Program, the description
     (whose call number HostCollectives patches per call), the reduction codes, and the work area:
-    the caller's buffer itself (``work_region`` None) or the transport's own buffer, with a copy
-    in (``nbytes`` at ``in_offset``) and a copy out (``out_bytes``, default nbytes, from
-    ``result_offset``). ``own``: (from, to, length) of a copy within the work area after the copy
-    in (an all-to-all's own block, which no message carries)."""
+    the transport's own buffer (``work_region``), with a copy in (``nbytes`` at ``in_offset``) and a
+    copy out (``out_bytes``, default nbytes, from ``result_offset``); or the caller's memory
+    (``lent``, a LENT_ kind; ``work_region`` None), whose input has ``nbytes`` and output
+    ``out_bytes``. ``own``: (from, to, length) of a copy before the run (an all-to-all's,
+    gather's or scatter's own block, which no message carries): within the transport's buffer, or
+    from the caller's input to its output (to the input itself where the call has no output)."""
     cdef Program program
     cdef uint8_t desc[DESC_SIZE]
-    cdef int dtype, op
+    cdef int dtype, op, lent
     cdef int64_t nbytes, result_offset, work_bytes, in_offset, out_bytes
     cdef int64_t own_from, own_to, own_len
     cdef object work_region                          # a MemoryRegion (RDMA) or HostRegion (TCP)
 
     def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
                  int64_t result_offset, int64_t work_bytes, work_region=None, own=(0, 0, 0),
-                 int64_t in_offset=0, int64_t out_bytes=-1):
+                 int64_t in_offset=0, int64_t out_bytes=-1, int lent=-1):
+        cdef int64_t area
         if len(desc) != DESC_SIZE:
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
         if not 0 <= dtype < 8 or not 0 <= op < 4:
             raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
+        if lent < 0:
+            lent = LENT_NONE if work_region is not None else LENT_IN
+        if not LENT_NONE <= lent <= LENT_BOTH or (lent == LENT_NONE) != (work_region is not None):
+            raise UsageError(f"HostCall: lent={lent} with work_region={work_region!r}")
         if out_bytes < 0:
             out_bytes = nbytes
-        if nbytes < 0 or result_offset < 0 or in_offset < 0 or result_offset + out_bytes > work_bytes \
-                or in_offset + nbytes > work_bytes or program.extent > work_bytes or (work_region is None and (
-                    result_offset or in_offset or work_bytes != nbytes or out_bytes != nbytes)):
+        # the work area: the transport's buffer, or the lent memory (an all-to-all's: both)
+        area = (work_bytes if lent == LENT_NONE else nbytes if lent == LENT_IN else out_bytes if lent == LENT_OUT
+                else nbytes + out_bytes)
+        if nbytes < 0 or result_offset < 0 or in_offset < 0 or out_bytes < 0 or program.extent > area \
+                or work_bytes != area or (lent == LENT_NONE and (
+                    result_offset + out_bytes > work_bytes or in_offset + nbytes > work_bytes)) \
+                or (lent != LENT_NONE and (result_offset or in_offset)):
             raise UsageError("HostCall: the result or the schedule is outside the work area")
         self.own_from, self.own_to, self.own_len = own
-        if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or work_region is None and self.own_len \
-                or max(self.own_from, self.own_to) + self.own_len > work_bytes:
+        if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or (lent == LENT_NONE and max(
+                self.own_from, self.own_to) + self.own_len > work_bytes) or (lent != LENT_NONE and self.own_len and (
+                self.own_from + self.own_len > nbytes or self.own_to + self.own_len > out_bytes)):
             raise UsageError("HostCall: the own block's copy is outside the work area")
+        self.lent = lent
         self.program = program
         memcpy(self.desc, <char *>desc, DESC_SIZE)
         self.dtype, self.op = dtype, op
@@ -105,6 +123,11 @@ cdef bytes _format(Py_buffer *view):
     if view.format == NULL:
         return b"B"
     return PyBytes_FromString(view.format)
+
+
+cdef bint _overlap(Py_buffer *a, Py_buffer *b):
+    cdef uintptr_t x = <uintptr_t>a.buf, y = <uintptr_t>b.buf
+    return x < y + <uintptr_t>b.len and y < x + <uintptr_t>a.len
 
 
 cdef bint _same_format(Py_buffer *a, Py_buffer *b):
@@ -228,7 +251,7 @@ cdef class HostCollectives:
     cdef _LastCall last_allreduce, last_reduce, last_broadcast, last_allgather, last_reduce_scatter
     cdef _LastCall last_gather, last_scatter, last_alltoall, last_send, last_recv
     cdef tuple lasts                                      # all of them
-    cdef object lent                                      # the last registration of a buffer in place
+    cdef object lent_in, lent_out                         # the last registrations of lent inputs, outputs
     cdef list sent, received                              # the communicator's messages per peer so far
 
     def __init__(self, Engine engine not None, executor, comm, transport, plans):
@@ -389,9 +412,10 @@ cdef class HostCollectives:
                 self._check_prepared_under()
                 call = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
                     last, &view, -1, None, op, kind, prepare, (self.comm, buf) if op is None else (self.comm, buf, op))
-                if call is None or (<HostCall>call).out_bytes != oview.len or (<HostCall>call).nbytes != view.len:
+                if call is None or (<HostCall>call).out_bytes != oview.len or (<HostCall>call).nbytes != view.len \
+                        or ((<HostCall>call).lent != LENT_NONE and _overlap(&view, &oview)):
                     return None
-                return self._run(<HostCall>call, out, &view, &oview)
+                return self._run(<HostCall>call, out, &view, &oview, buf)
             finally:
                 PyBuffer_Release(&oview)
         finally:
@@ -461,11 +485,11 @@ cdef class HostCollectives:
                 call = last.call if last.matches(&pview, <int>root, algorithm, None) else self._last_or_prepared(
                     last, &pview, <int>root, algorithm, None, kind, self.plans.rooted_copy,
                     (self.comm, kind, piece, root, algorithm))
-                if call is None:
+                if call is None or ((<HostCall>call).lent != LENT_NONE and fp != NULL and _overlap(&pview, fp)):
                     return None
                 if piece_out:                   # scatter: from the root's full array into the piece
-                    return (self._run(<HostCall>call, piece, fp, &pview),)
-                return (self._run(<HostCall>call, full, &pview, fp),)
+                    return (self._run(<HostCall>call, piece, fp, &pview, full),)
+                return (self._run(<HostCall>call, full, &pview, fp, piece),)
             finally:
                 if fp != NULL:
                     PyBuffer_Release(&fview)
@@ -600,18 +624,20 @@ cdef class HostCollectives:
             self.barrier_call = self.plans.barrier(comm)
         return self._run(self.barrier_call, True, NULL)
 
-    cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL):
-        """Run a prepared call on ``view`` (NULL: no data, as a barrier's), its result copied into
-        ``out_view`` (NULL: into view), and return ``result``."""
+    cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL,
+                     object source=None):
+        """Run a prepared call on ``view`` (NULL: no data, as a barrier's; ``source``: its object,
+        where it is not ``result``), its result copied into or worked on in ``out_view`` (NULL:
+        view), and return ``result``."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
-        cdef region_t region
+        cdef region_t region, region2
         cdef uint8_t *data = <uint8_t *>view.buf if view != NULL else NULL
         cdef uint8_t *out_data = <uint8_t *>out_view.buf if out_view != NULL else data
         cdef uint8_t *work
         cdef uint64_t seq
         cdef int rc, i
-        cdef bint copy = call.work_region is not None
+        cdef bint copy = call.lent == LENT_NONE
         self.lock._take(-1.0)
         try:
             ex = self.ex
@@ -626,21 +652,31 @@ cdef class HostCollectives:
                         call.work_region = self.transport.own_region(call.work_bytes)
                         region = _region(call.work_region)
                     work = <uint8_t *><uintptr_t>region.addr
+                elif call.lent == LENT_OUT:
+                    region = _region(self._registration(result, out_view, True))
+                    work = out_data
                 else:
-                    region = _region(self._registration(result, view))
+                    region = _region(self._registration(result if source is None else source, view, False))
                     work = data
+                    if call.lent == LENT_BOTH:
+                        region2 = _region(self._registration(result, out_view, True))
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
                 memcpy(engine.rdesc, call.desc, DESC_SIZE)
                 # the own buffer may be read remotely (a scatter's OFFER), lent memory not
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
                               call.dtype, call.op, None, False, region.rkey if copy else 0)
+                if call.lent == LENT_BOTH:
+                    engine._second_area(call.nbytes, <uint64_t><uintptr_t>out_data, region2.lkey)
                 try:
                     with nogil:
                         if copy and call.nbytes:
                             memcpy(work + call.in_offset, data, <size_t>call.nbytes)
                         if call.own_len:
-                            memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
+                            if copy:
+                                memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
+                            else:
+                                memcpy(out_data + call.own_to, data + call.own_from, <size_t>call.own_len)
                         rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
                         if rc == 0 and copy and call.out_bytes:
                             memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
@@ -655,19 +691,25 @@ cdef class HostCollectives:
         finally:
             self.lock._give()
 
-    cdef object _registration(self, buf, Py_buffer *view):
-        """The registration that covers the buffer (the last one, else the transport's cache)."""
+    cdef object _registration(self, buf, Py_buffer *view, bint output):
+        """The registration that covers the buffer (the last one of a lent input, or ``output``,
+        else the transport's cache)."""
         cdef uint64_t addr = <uint64_t><uintptr_t>view.buf
         cdef region_t mr
-        if self.lent is not None:
-            mr = _region(self.lent)
+        last = self.lent_out if output else self.lent_in
+        if last is not None:
+            mr = _region(last)
             if not mr.closed and mr.addr <= addr and addr + <uint64_t>view.len <= mr.addr + mr.length:
-                return self.lent
-        self.lent = self.plans.registration(self.comm, buf)
-        mr = _region(self.lent)
+                return last
+        last = self.plans.registration(self.comm, buf)
+        mr = _region(last)
         if addr < mr.addr or addr + <uint64_t>view.len > mr.addr + mr.length:
             raise UsageError("the registration does not cover the buffer")
-        return self.lent
+        if output:
+            self.lent_out = last
+        else:
+            self.lent_in = last
+        return last
 
 
 # Communicator.send and Communicator.recv (the class takes these functions as its methods): a warm

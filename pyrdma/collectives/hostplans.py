@@ -8,7 +8,7 @@ returns None where the general path must run the call (and raise the errors of b
 import numpy as np
 
 from pyrdma import _reduce
-from pyrdma._hostcalls import HostCall
+from pyrdma._hostcalls import LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, HostCall
 from pyrdma.buffers import host_array
 from pyrdma.collectives import algorithms, specs
 from pyrdma.collectives.algorithms import exchange
@@ -130,8 +130,9 @@ def reduce_scatter(comm, buf, op):
 
 def alltoall(comm, buf):
     """The HostCall of a blocking all-to-all of equal pieces (see allreduce): the
-    same plan and description as the general path's (specs.alltoall), or None where that one must
-    run it."""
+    same plan and description as the general path's (specs.alltoall), from the zero-copy size on
+    sent from buf and received into out where they are, as there; or None where that one must run
+    it."""
     try:
         arr, data = plain_bytes(buf, "buf")
     except UsageError:
@@ -145,6 +146,9 @@ def alltoall(comm, buf):
     entry = algorithms.only("alltoall")
     schedule = entry.planner(n, r, bounds, bounds, data.nbytes, t.max_message)
     tag = specs.describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=arr.size)
+    if specs.zero_copy(comm, 2 * data.nbytes):
+        return HostCall(t.engine.program(schedule), tag, 0, 0, data.nbytes, 0, 2 * data.nbytes, None,
+                        own=(r * piece, r * piece, piece), out_bytes=data.nbytes, lent=LENT_BOTH)
     return HostCall(t.engine.program(schedule), tag, 0, 0, data.nbytes, data.nbytes, 2 * data.nbytes,
                     t.own_region(2 * data.nbytes), own=(r * piece, data.nbytes + r * piece, piece))
 
@@ -152,7 +156,7 @@ def alltoall(comm, buf):
 def rooted_copy(comm, kind, piece, root, algorithm):
     """A gather's or scatter's (``kind``) HostCall for this rank's ``piece`` (gather: its input,
     scatter: its output): the same plan, description and work area as the general path's
-    (specs.rooted_copy); or None."""
+    (specs.rooted_copy, whose ``lend`` the zero-copy size decides here alike); or None."""
     try:
         arr, data = plain_bytes(piece, "buf")
         algo = specs.copy_algorithm(comm, kind, algorithm, data.nbytes)
@@ -166,11 +170,23 @@ def rooted_copy(comm, kind, piece, root, algorithm):
     schedule = entry.planner(n, r, root, block, t.max_message)
     tag = specs.describe_call(comm, kind, entry, dtype=arr.dtype, count=arr.size, root=root)
     area = n * block if full else block
+    lent = LENT_NONE
+    if specs.zero_copy(comm, area):      # the caller's memory is the work area where specs' lend says so
+        if kind == "gather":
+            lent = LENT_OUT if r == root else (LENT_IN if not full else LENT_NONE)
+        else:                            # (the read algorithm's root offers its own, remotely readable, buffer)
+            lent = (LENT_IN if algo != "read" else LENT_NONE) if r == root else (LENT_OUT if not full else LENT_NONE)
+    prog = t.engine.program(schedule)
+    if lent != LENT_NONE and kind == "gather":
+        return HostCall(prog, tag, 0, 0, block, 0, n * block if r == root else block, None, lent=lent,
+                        own=(0, at, block) if r == root else (0, 0, 0), out_bytes=n * block if r == root else 0)
+    if lent != LENT_NONE:
+        return HostCall(prog, tag, 0, 0, n * block if r == root else 0, 0, n * block if r == root else block, None,
+                        lent=lent, own=(at, 0, block) if r == root else (0, 0, 0), out_bytes=block)
     if kind == "gather":          # in: this rank's block; out: all of them, on the root
-        return HostCall(t.engine.program(schedule), tag, 0, 0, block, 0, area, t.own_region(area), in_offset=at,
+        return HostCall(prog, tag, 0, 0, block, 0, area, t.own_region(area), in_offset=at,
                         out_bytes=n * block if r == root else 0)
-    return HostCall(t.engine.program(schedule), tag, 0, 0, n * block if r == root else 0, at, area,
-                    t.own_region(area), out_bytes=block)
+    return HostCall(prog, tag, 0, 0, n * block if r == root else 0, at, area, t.own_region(area), out_bytes=block)
 
 
 def message(comm, buf, peer, tag, receive):
