@@ -123,6 +123,8 @@ cdef struct peer_t:
     uint8_t rx_imm[4]
     uint8_t *rx_dst          # where that piece goes
     uint32_t rx_need, rx_got
+    int direct               # the payload being read (1), or arrived (2), went to ``direct_dst``
+    uint8_t *direct_dst      # (the destination a waiting receive posted: Engine.post_peer)
 
 
 @cython.final
@@ -208,6 +210,14 @@ cdef class Engine:
     cdef bint sockets                # the socket link: peers' fd, not qp (Engine.over_sockets)
     cdef pollfd *pfds                # its poll() set, one per rank
     cdef object slot_owner           # the memory of its slots
+    # a receive waiting on the socket link for a message of its call, whose payload may be read
+    # straight into its destination (the work area), not into the slot: peer (-1: none), where, how
+    # long (``post_upto``: at most that long, a point-to-point message's)
+    cdef int post_peer
+    cdef uint8_t *post_dst
+    cdef int64_t post_len
+    cdef bint post_upto
+    cdef readonly unsigned long long directs    # payloads read straight into place so far
 
     cdef int _check_peer(self, int peer) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
@@ -231,7 +241,7 @@ cdef class Engine:
     cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
-    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*) noexcept nogil
+    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*, uint8_t *dst=*) noexcept nogil
     cdef int _keep(self, peer_t *p, const uint8_t *start, uint32_t got) noexcept nogil
     cdef int _release(self, int peer) noexcept nogil
     cdef int _return_slot(self, int peer) noexcept nogil
@@ -253,6 +263,8 @@ cdef class Engine:
     cdef int _sock_flush(self, int peer) noexcept nogil
     cdef int _sock_read(self, int peer) noexcept nogil
     cdef int _sock_piece(self, int peer) noexcept nogil
+    cdef bint _direct_ok(self, const uint8_t *header, uint32_t length) noexcept nogil
+    cdef uint8_t *_dst(self, int kind, const int64_t *chunk) noexcept nogil
     cdef int _sock_lost(self, int peer, int err) noexcept nogil
     cdef int _sock_pass(self) noexcept nogil
     cdef int _sock_progress(self, double seconds) noexcept nogil

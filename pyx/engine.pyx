@@ -330,6 +330,7 @@ cdef class Engine:
         self.spin_adaptive = spin
         self.probe_lead = min(1.0, timeout / 4)
         self.rdv_peer = -1
+        self.post_peer = -1
         self.peers = <peer_t *>calloc(size, sizeof(peer_t))
         self.queried = <uint8_t *>calloc(size, 1)
         self.visited = <uint8_t *>calloc(size, 1)
@@ -567,6 +568,16 @@ cdef class Engine:
         cdef txframe_t *f
         for i in range(len(self.keep)):
             unuse(<VerbsObject>self.keep[i])
+        self.post_peer = -1
+        if self.sockets:
+            # a payload read straight into this run's memory (the caller's, maybe) that the run did
+            # not take (it failed): the rest of it goes to its slot, never after the run
+            for i in range(self.size):
+                p = &self.peers[i]
+                if p.direct == 1:
+                    p.rx_dst = p.slots + ((p.recv_seq + <uint64_t>p.arr_count) % <uint64_t>self.slots) \
+                        * self.slot_stride + C_HEADER_ROOM
+                p.direct = 0
         if self.sockets and self.fail_kind != FAIL_NONE:
             # a failed run's frames are not written: their payloads may be the caller's memory, freed
             # once it returns. One already begun is finished from a copy, so that the stream stays
@@ -653,7 +664,7 @@ cdef class Engine:
         if ns == 1 and nr == 1:
             if self._send(sp, sch[0], sch[1]) < 0:
                 return -1
-            data = self._recv(rp, rch[1])
+            data = self._recv(rp, rch[1], False, self._dst(ck, rch))
             if data == NULL or self._consume(ck, rch, data) < 0:
                 return -1
             return self._release(rp)
@@ -666,7 +677,7 @@ cdef class Engine:
             if self._send_ahead(sp, sch, ns, &sent, k) < 0:
                 return -1
             if k < nr:
-                data = self._recv(rp, rch[k * CHUNK_COLUMNS + 1])
+                data = self._recv(rp, rch[k * CHUNK_COLUMNS + 1], False, self._dst(ck, rch + k * CHUNK_COLUMNS))
                 if data == NULL or self._send_ahead(sp, sch, ns, &sent, k) < 0:
                     return -1
                 if self._consume(ck, rch + k * CHUNK_COLUMNS, data) < 0 or self._release(rp) < 0:
@@ -713,7 +724,8 @@ cdef class Engine:
             if self._send_ahead(sp, sch, ns, &sent, k) < 0:
                 return -1
             if k < nr:
-                data = self._recv(rp, rch[k * CHUNK_COLUMNS + 1], True)
+                data = self._recv(rp, rch[k * CHUNK_COLUMNS + 1], True,
+                                  self._dst(CONSUME_COPY, rch + k * CHUNK_COLUMNS))
                 if data == NULL:
                     return -1
                 if k == 0:
@@ -736,7 +748,7 @@ cdef class Engine:
                         if self.consume is not None:
                             if self._callback(CONSUME_COPY, rch[k * CHUNK_COLUMNS], self.last_length, 0, data) < 0:
                                 return -1
-                        else:
+                        elif data != self._at(rch[k * CHUNK_COLUMNS]):      # (else read straight there)
                             memcpy(self._at(rch[k * CHUNK_COLUMNS]), data, self.last_length)
                     got += self.last_length
                     if self._release(rp) < 0:
@@ -981,14 +993,17 @@ cdef class Engine:
         p.outstanding += 1
         return 0
 
-    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=False) noexcept nogil:
+    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=False, uint8_t *dst=NULL) noexcept nogil:
         """The payload of the next message from ``peer`` once it has arrived and its header
         matches this collective; NULL on failure. ``upto``: a point-to-point chunk, at most ``n``
-        bytes, whose description's count (the whole message's length) is the sender's to say."""
+        bytes, whose description's count (the whole message's length) is the sender's to say.
+        ``dst``: where the caller copies it (_dst); on the socket link a message that arrives while
+        this receive waits for it is read straight there, and the payload returned is ``dst``."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint32_t got, length
         cdef uint8_t *start
         cdef uint8_t *data
+        cdef int rc
         cdef kept_t *k = p.kept[<int>upto]
         if k != NULL:                   # kept while a call of the other class ran: it came first
             p.kept[<int>upto] = k.next
@@ -999,7 +1014,11 @@ cdef class Engine:
         else:
             while True:
                 if p.arr_count == 0:
-                    if self._wait(WAIT_ARRIVAL, peer, n) < 0:
+                    if dst != NULL and n > 0:
+                        self.post_peer, self.post_dst, self.post_len, self.post_upto = peer, dst, n, upto
+                    rc = self._wait(WAIT_ARRIVAL, peer, n)
+                    self.post_peer = -1
+                    if rc < 0:
                         return NULL
                 got = p.arrivals[p.arr_head]
                 p.arr_head = (p.arr_head + 1) % self.slots
@@ -1014,6 +1033,8 @@ cdef class Engine:
                 if self._keep(p, start, got) < 0 or self._return_slot(peer) < 0:
                     return NULL
             data = start + C_HEADER_ROOM
+            if p.direct == 2:           # (the first arrival: _sock_piece directed it only then)
+                data, p.direct = p.direct_dst, 0
         memcpy(&length, start + DESC_SIZE, 4)
         if upto:
             if memcmp(start, self.rdesc, 8) != 0 or memcmp(start + 16, self.rdesc + 16, DESC_SIZE - 16) != 0 \
@@ -1078,7 +1099,8 @@ cdef class Engine:
             return self._callback(kind, off, n, aux, data)
         count = <size_t>(n // self.itemsize)
         if kind == CONSUME_COPY:
-            memcpy(self._at(off), data, <size_t>n)
+            if data != self._at(off):          # (else the socket link read it straight there)
+                memcpy(self._at(off), data, <size_t>n)
         elif kind == CONSUME_REDUCE:
             pyrdma_reduce(self._at(off), self._at(off), data, count, self.dtype, self.op)
         elif kind == CONSUME_REDUCE_LOWER:
@@ -1320,8 +1342,8 @@ cdef class Engine:
         cdef uint32_t got
         for q in range(self.size):
             p = &self.peers[q]
-            if q == self.rank or p.held < self.slots:
-                continue
+            if q == self.rank or p.held < self.slots or p.direct:
+                continue            # (a payload read straight into a receive's destination is that receive's)
             while p.arr_count > 0 and p.outstanding < self.sq_depth:
                 got = p.arrivals[p.arr_head]
                 p.arr_head = (p.arr_head + 1) % self.slots
@@ -1502,11 +1524,39 @@ cdef class Engine:
             return 0
         if p.rx_state == RX_HEADER and length:
             p.rx_state, p.rx_need, p.rx_got = RX_PAYLOAD, length, 0
-            p.rx_dst += C_HEADER_ROOM
+            if self.post_peer == peer and p.arr_count == 0 and self._direct_ok(p.rx_dst, length):
+                # the message the waiting receive takes next: its payload straight into place
+                p.direct, p.direct_dst, p.rx_dst = 1, self.post_dst, self.post_dst
+                self.post_peer = -1
+                self.directs += 1
+            else:
+                p.rx_dst += C_HEADER_ROOM
             return 0
         # the frame is in: handled as the verbs link handles its completion
+        if p.direct == 1:
+            p.direct = 2
         p.rx_state, p.rx_dst, p.rx_need, p.rx_got = RX_IMM, p.rx_imm, 4, 0
         return 1 if self._on_imm(peer, imm) == 0 else -1
+
+    cdef bint _direct_ok(self, const uint8_t *header, uint32_t length) noexcept nogil:
+        """Whether a message of ``length`` payload bytes whose header (in its slot) is ``header``
+        is what the posted receive takes (the checks _recv then makes, so no other message's
+        bytes ever land in the receive's destination, and never more than it posted)."""
+        cdef uint32_t said
+        memcpy(&said, header + DESC_SIZE, 4)
+        if said != length:
+            return False
+        if self.post_upto:
+            return length <= self.post_len and memcmp(header, self.rdesc, 8) == 0 \
+                and memcmp(header + 16, self.rdesc + 16, DESC_SIZE - 16) == 0
+        return length == self.post_len and memcmp(header, self.rdesc, DESC_SIZE) == 0
+
+    cdef uint8_t *_dst(self, int kind, const int64_t *chunk) noexcept nogil:
+        """Where a received chunk is copied (for _recv's ``dst``), or NULL: not a copy into host
+        memory, or not the socket link."""
+        if not self.sockets or kind != CONSUME_COPY or self.consume is not None:
+            return NULL
+        return self._at(chunk[0])
 
     cdef int _sock_pass(self) noexcept nogil:
         """Write and read what every peer's socket takes and has now; the frames done, -1 on failure."""

@@ -495,3 +495,39 @@ def test_the_exec_lock_behaves_as_an_rlock():
     other.start()
     other.join(10)
     assert got == [True]
+
+
+def _direct_reads(rank, size, port):
+    """Over TCP, copied chunks (a broadcast's, an all-to-all's, a point-to-point message's) that
+    arrive while their receive waits are read straight into place; a message of another call
+    (an isend ahead of a collective) never is: each result is exact."""
+    n = 1 << 20                                     # 4 MiB of float32: several 1 MiB chunks
+    with _comm(rank, size, port, "tcp", timeout=60) as comm:
+        engine = comm.transport.engine
+        before = engine.directs
+        peer = 1 - rank
+        small = comm.isend(np.full(1000, 7 + rank, np.int32), peer, tag=3)     # kept for its recv
+        buf = np.arange(n, dtype=np.float32) if rank == 0 else np.zeros(n, np.float32)
+        comm.barrier()
+        if rank == 1:
+            import time
+            time.sleep(0.3)                 # rank 0's chunks wait for this rank's receive to post
+        comm.broadcast(buf, root=0)
+        a2a = comm.alltoall(np.arange(2 * n, dtype=np.float32) + rank * 10)
+        kept = np.zeros(1000, np.int32)
+        comm.recv(kept, peer, tag=3)
+        small.wait(60)
+        got = np.zeros(3 * n // 4, np.float32)
+        count = comm.sendrecv(np.full(3 * n // 4, rank + 1.0, np.float32), peer, got, peer, tag=5)
+        want = np.concatenate([np.arange(2 * n, dtype=np.float32)[rank * n:(rank + 1) * n] + p * 10
+                               for p in range(size)])
+        return (bool(np.array_equal(buf, np.arange(n, dtype=np.float32))), bool(np.array_equal(a2a, want)),
+                count == got.size and bool((got == peer + 1.0).all()), bool((kept == 7 + peer).all()),
+                engine.directs - before)
+
+
+def test_the_socket_link_reads_payloads_straight_into_place():
+    for rank, (bcast, a2a, message, kept, directs) in enumerate(run_ranks(_direct_reads, 2, free_port(),
+                                                                        timeout=120)):
+        assert bcast and a2a and message and kept, (rank, bcast, a2a, message, kept)
+        assert directs > 0, f"rank {rank}: no payload was read straight into place"
