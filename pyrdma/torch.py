@@ -39,6 +39,7 @@ except ImportError as _exc:
 
 from pyrdma.collectives.bootstrap import StoreExchange, advertise_host  # noqa: F401 - advertise_host: this module's name too
 from pyrdma.collectives.communicator import Communicator, TRANSPORTS
+from pyrdma.collectives.executor import Done
 from pyrdma.errors import PeerError, UsageError
 
 BACKEND = "pyrdma"
@@ -180,23 +181,6 @@ def _one(tensors, call):
 # asynchronous call goes to the communicator's thread, so that the caller's work (DDP's backward)
 # overlaps it.
 INLINE_BYTES = 64 * 1024
-
-
-class _Ran:
-    """The handle of a call that ran at once (Backend._start): done, with its error if it failed."""
-
-    def __init__(self, error=None):
-        self._error = error
-
-    def test(self):
-        return True
-
-    def add_done_callback(self, fn):
-        fn(self)
-
-    def wait(self, timeout=None):
-        if self._error is not None:
-            raise self._error
 
 
 class Work(_c10d.Work):
@@ -385,8 +369,8 @@ class ProcessGroupPyrdma(_backend_base()):
             try:
                 now()
             except Exception as exc:    # noqa: BLE001 -- raised by wait(), as from the queued form
-                return _Ran(exc)
-            return _Ran()
+                return Done(error=exc)
+            return Done()
         return later()
 
     def allreduce(self, tensors, opts=None):
@@ -628,9 +612,9 @@ class ProcessGroupPyrdma(_backend_base()):
                     else:
                         got = comm.recv(staged.flat(), peer, tag)
                 except Exception as exc:    # noqa: BLE001 -- raised by wait(), as from the batch
-                    work._start([_Ran(exc)])
+                    work._start([Done(error=exc)])
                     return
-                work._start([_Ran()], None if kind == "send" else _received(lambda: got, staged, peer))
+                work._start([Done()], None if kind == "send" else _received(lambda: got, staged, peer))
                 return
             handle = comm.batch([(kind, staged.flat(), peer, tag) for kind, staged, peer, tag, _ in pending])
             for i, (kind, staged, peer, tag, work) in enumerate(pending):

@@ -98,11 +98,12 @@ class SendHandle:
         return result
 
 
-class _Done:
-    """A Handle-like result of a collective that ran inline."""
+class Done:
+    """A Handle-like result of a call that ran inline: its ``result``, or the ``error`` it raised,
+    which wait() raises (as a queued call's Handle does)."""
 
-    def __init__(self, result):
-        self._result = result
+    def __init__(self, result=None, error=None):
+        self._result, self._error = result, error
 
     def test(self):
         return True
@@ -113,6 +114,8 @@ class _Done:
         fn(self)
 
     def wait(self, timeout=None):
+        if self._error is not None:
+            raise self._error
         return self._result
 
 
@@ -154,7 +157,7 @@ class Executor:
                 self.idle = False
         if inline:
             with self.lock:
-                return _Done(self._guarded(fn, *args))
+                return Done(self._guarded(fn, *args))
         future = self._pool.submit(self._run_queued, fn, *args)
         return Handle(future)
 
