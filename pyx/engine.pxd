@@ -267,7 +267,8 @@ cdef class Engine:
     cdef uint8_t *_dst(self, int kind, const int64_t *chunk) noexcept nogil
     cdef int _sock_lost(self, int peer, int err) noexcept nogil
     cdef int _sock_pass(self) noexcept nogil
-    cdef int _sock_progress(self, double seconds) noexcept nogil
+    cdef int _poll_link(self) noexcept nogil
+    cdef int _sleep_link(self, double seconds) noexcept nogil
     cdef void _adapt_spin(self, bint woken, double slept) noexcept nogil
 
 

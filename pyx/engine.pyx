@@ -1220,17 +1220,12 @@ cdef class Engine:
         return -1
 
     cdef int _progress(self, double seconds) noexcept nogil:
-        """Handle the completions there are; if none, wait up to ``seconds`` for one: spin first,
-        then sleep on the completion channel. The number handled, or -1 on failure."""
-        cdef int n, rc, k = 0
-        cdef double end, slept
-        cdef pollfd pfd
-        cdef ibv_cq *ev_cq
-        cdef void *ev_ctx
-        if self.sockets:
-            return self._sock_progress(seconds)
-        n = ibv_poll_cq(self.cq, NWC, self.wcs)
-        self.polls += 1
+        """Handle what the link has (completions, or frames read and written); if nothing, wait up
+        to ``seconds`` for something: spin first, then sleep (on the completion channel, or in
+        poll() on the sockets). The number handled, or -1 on failure."""
+        cdef int n, k = 0
+        cdef double end
+        n = self._poll_link()
         if n == 0 and seconds > 0:
             if self.spin_now > 0:
                 end = monotonic_now() + min(self.spin_now, seconds)
@@ -1240,28 +1235,58 @@ cdef class Engine:
                     # ranks: 809 us without, 421 us with a 200 us spin; 2 ranks: no difference)
                     if self.spin_yields:
                         sched_yield()
-                    n = ibv_poll_cq(self.cq, NWC, self.wcs)
+                    n = self._poll_link()
                     k += 1
-                self.polls += <unsigned long long>k
             if n == 0 and seconds > self.spin_now:
-                ibv_req_notify_cq(self.cq, 0)
-                n = ibv_poll_cq(self.cq, NWC, self.wcs)        # one that came before the arming
-                if n == 0:
-                    self.sleeps += 1
-                    pfd.fd = self.channel.fd
-                    pfd.events = POLLIN
-                    pfd.revents = 0
-                    slept = monotonic_now()
-                    rc = poll(&pfd, 1, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1)
-                    if rc > 0 and ibv_get_cq_event(self.channel, &ev_cq, &ev_ctx) == 0:
-                        ibv_ack_cq_events(ev_cq, 1)
-                    n = ibv_poll_cq(self.cq, NWC, self.wcs)
-                    self._adapt_spin(n > 0, slept)
-        if n < 0:
-            return self._fail(FAIL_POLL, -1, errno, 0)
-        n = self._handle(n)
+                n = self._sleep_link(seconds)
         if n >= 0 and self.rdv_peer >= 0 and self.peers[self.rdv_peer].cts and self._rendezvous_write() < 0:
             return -1
+        return n
+
+    cdef int _poll_link(self) noexcept nogil:
+        """One look at the link: the completions polled and handled, or a pass over the sockets."""
+        cdef int n
+        if self.sockets:
+            return self._sock_pass()
+        n = ibv_poll_cq(self.cq, NWC, self.wcs)
+        self.polls += 1
+        if n < 0:
+            return self._fail(FAIL_POLL, -1, errno, 0)
+        return self._handle(n) if n else 0
+
+    cdef int _sleep_link(self, double seconds) noexcept nogil:
+        """Sleep until the link has something (at most ``seconds``, and CLOSE_POLL), then handle it
+        (_poll_link); the spin adapts to how soon that came."""
+        cdef int n, m = 0, q
+        cdef double slept
+        cdef pollfd pfd
+        cdef ibv_cq *ev_cq
+        cdef void *ev_ctx
+        if self.sockets:
+            for q in range(self.size):
+                if q != self.rank and not self.peers[q].gone:
+                    self.pfds[m].fd = self.peers[q].fd
+                    self.pfds[m].events = POLLIN | (POLLOUT if self.peers[q].outstanding else 0)
+                    self.pfds[m].revents = 0
+                    m += 1
+        else:
+            ibv_req_notify_cq(self.cq, 0)
+            n = self._poll_link()                       # one that came before the arming
+            if n != 0:
+                return n
+        self.sleeps += 1
+        slept = monotonic_now()
+        if self.sockets:
+            poll(self.pfds, m, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1)
+        else:
+            pfd.fd = self.channel.fd
+            pfd.events = POLLIN
+            pfd.revents = 0
+            if poll(&pfd, 1, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1) > 0 \
+                    and ibv_get_cq_event(self.channel, &ev_cq, &ev_ctx) == 0:
+                ibv_ack_cq_events(ev_cq, 1)
+        n = self._poll_link()
+        self._adapt_spin(n > 0, slept)
         return n
 
     cdef int _handle(self, int n) noexcept nogil:
@@ -1575,34 +1600,6 @@ cdef class Engine:
             total += n
         self.polls += 1
         return total if self.fail_kind == FAIL_NONE else -1
-
-    cdef int _sock_progress(self, double seconds) noexcept nogil:
-        """_progress on the socket link: a pass over the sockets; if nothing moved, spin on passes,
-        then sleep in poll() until a socket is readable (or writable, where frames wait)."""
-        cdef int n, k = 0, q, m = 0
-        cdef double end, slept
-        n = self._sock_pass()
-        if n == 0 and seconds > 0:
-            if self.spin_now > 0:
-                end = monotonic_now() + min(self.spin_now, seconds)
-                while n == 0 and (k % CLOCK_EVERY != 0 or monotonic_now() < end):
-                    if self.spin_yields:
-                        sched_yield()
-                    n = self._sock_pass()
-                    k += 1
-            if n == 0 and seconds > self.spin_now:
-                for q in range(self.size):
-                    if q != self.rank and not self.peers[q].gone:
-                        self.pfds[m].fd = self.peers[q].fd
-                        self.pfds[m].events = POLLIN | (POLLOUT if self.peers[q].outstanding else 0)
-                        self.pfds[m].revents = 0
-                        m += 1
-                self.sleeps += 1
-                slept = monotonic_now()
-                poll(self.pfds, m, <int>(min(seconds, CLOSE_POLL) * 1000.0) + 1)
-                n = self._sock_pass()
-                self._adapt_spin(n > 0, slept)
-        return n
 
     cdef void _adapt_spin(self, bint woken, double slept) noexcept nogil:
         """After a foreground sleep that began at ``slept``: double the spin when what ended it came
