@@ -198,6 +198,9 @@ cdef class Engine:
     cdef uint32_t rdv_lkey           # so that a later run may write it once parked
     cdef uint8_t rdv_desc[DESC_SIZE]
     cdef bint park                   # this run's rendezvous send may stay pending after it (isend)
+    # this run returns without waiting for its sends to complete (its final WAIT_SENDS): they read
+    # the transport's own buffer, and whatever writes there next drains them first (_drain)
+    cdef bint defer_sends
     cdef readonly unsigned long long parks     # rendezvous sends left pending by a run, so far
     cdef bint hold_gil               # the run holds the GIL until a wait (_execute_holding_gil)
     cdef PyThreadState *released     # the thread state a wait of such a run saved, releasing the GIL
@@ -224,6 +227,8 @@ cdef class Engine:
                     const uint8_t *desc, int dtype, int op, object consume, bint background=*,
                     uint32_t work_rkey=*) except -1
     cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey) noexcept
+    cdef bint _sends_pending(self) noexcept nogil
+    cdef int _drain(self) noexcept nogil
     cdef void _end(self) noexcept
     cdef int _fail(self, int kind, int peer, int64_t a, int64_t b) noexcept nogil
     cdef int _execute(self, const int64_t *steps, Py_ssize_t nsteps, const int64_t *chunks) noexcept nogil

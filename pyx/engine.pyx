@@ -474,6 +474,33 @@ cdef class Engine:
                 unuse(<VerbsObject>self.keep[i])
         return self.fail_kind if rc < 0 else 0
 
+    def drain(self, double seconds=0.0):
+        """Wait until the sends of earlier runs have completed (a run of the one-call path returns
+        without waiting for its sends from the transport's own buffer: defer_sends), before that
+        buffer is written or let go. ``seconds`` > 0: at most that long instead of the timeout.
+        Returns 0; on failure the failure kind, as run()."""
+        cdef int i, used = 0, rc = 0
+        cdef double timeout = self.timeout
+        if self.fail_kind != FAIL_NONE:
+            return self.fail_kind
+        if not self._sends_pending():
+            return 0
+        for i in range(len(self.keep)):
+            use(<VerbsObject>self.keep[i])
+            used += 1
+        self.spin_now = self.spin_adaptive
+        self.signals = PyThread_get_thread_ident() == _main_thread
+        if seconds > 0:
+            self.timeout = min(seconds, timeout)
+        try:
+            with nogil:
+                rc = self._drain()
+        finally:
+            self.timeout = timeout
+            for i in range(used):
+                unuse(<VerbsObject>self.keep[i])
+        return self.fail_kind if rc < 0 else 0
+
     def description(self):
         """The description the last run expected its received messages to carry."""
         return bytes((<char *>self.rdesc)[:DESC_SIZE])
@@ -539,7 +566,7 @@ cdef class Engine:
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
         self.work2, self.split, self.work2_lkey = NULL, INT64_MAX, 0
         self.work_rkey = work_rkey
-        self.park = False
+        self.park = self.defer_sends = False
         self.consume = consume
         self.py_error = None
         self.spin_now = 0.0 if background else self.spin_adaptive
@@ -561,6 +588,22 @@ cdef class Engine:
         work area at ``addr`` (host memory, registered with ``lkey``)."""
         self.work_len, self.split = split, split
         self.work2, self.work2_lkey = <uint8_t *><uintptr_t>addr, lkey
+
+    cdef bint _sends_pending(self) noexcept nogil:
+        cdef int p
+        for p in range(self.size):
+            if p != self.rank and self.peers[p].data_outstanding:
+                return True
+        return False
+
+    cdef int _drain(self) noexcept nogil:
+        """Wait (in a run, or drain()) until every send posted so far has completed: those of a
+        run that deferred the wait (defer_sends) read the memory about to be written."""
+        cdef int p
+        for p in range(self.size):
+            if p != self.rank and self.peers[p].data_outstanding and self._wait(WAIT_SENDS_DONE, p, 0) < 0:
+                return -1
+        return 0
 
     cdef void _end(self) noexcept:
         cdef int i
@@ -614,6 +657,8 @@ cdef class Engine:
         for s in range(nsteps):
             st = steps + s * STEP_COLUMNS
             if st[0] == WAIT_SENDS:
+                if self.defer_sends and s == nsteps - 1:
+                    continue
                 for p in range(self.size):
                     if p != self.rank and (st[1] == -1 or st[1] == p) and self.peers[p].data_outstanding:
                         if self._wait(WAIT_SENDS_DONE, p, 0) < 0:

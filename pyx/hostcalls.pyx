@@ -559,8 +559,12 @@ cdef class HostCollectives:
                 memcpy(engine.rdesc, call.desc, DESC_SIZE)
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc, 0, 0, None,
                               False, region.rkey)
+                engine.defer_sends = not engine.sockets      # a send from the transport's buffer
                 try:
-                    if call.work_bytes <= HOLD_GIL_BYTES:
+                    rc = _drained(engine)
+                    if rc < 0:
+                        pass                        # (raised below)
+                    elif call.work_bytes <= HOLD_GIL_BYTES:
                         if call.nbytes:
                             memcpy(work, data, <size_t>call.nbytes)
                         rc = engine._execute_holding_gil(prog)
@@ -668,18 +672,23 @@ cdef class HostCollectives:
                               call.dtype, call.op, None, False, region.rkey if copy else 0)
                 if call.lent == LENT_BOTH:
                     engine._second_area(call.nbytes, <uint64_t><uintptr_t>out_data, region2.lkey)
+                # from the transport's buffer the sends need not be complete when the call returns
+                # (the caller's memory is not theirs): the next run that writes there waits for them
+                engine.defer_sends = copy and not engine.sockets
                 try:
-                    with nogil:
-                        if copy and call.nbytes:
-                            memcpy(work + call.in_offset, data, <size_t>call.nbytes)
-                        if call.own_len:
-                            if copy:
-                                memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
-                            else:
-                                memcpy(out_data + call.own_to, data + call.own_from, <size_t>call.own_len)
-                        rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
-                        if rc == 0 and copy and call.out_bytes:
-                            memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
+                    rc = _drained(engine) if copy else 0
+                    if rc == 0:
+                        with nogil:
+                            if copy and call.nbytes:
+                                memcpy(work + call.in_offset, data, <size_t>call.nbytes)
+                            if call.own_len:
+                                if copy:
+                                    memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
+                                else:
+                                    memcpy(out_data + call.own_to, data + call.own_from, <size_t>call.own_len)
+                            rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                            if rc == 0 and copy and call.out_bytes:
+                                memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
                 finally:
                     engine._end()
                 if rc < 0:
@@ -710,6 +719,17 @@ cdef class HostCollectives:
         else:
             self.lent_in = last
         return last
+
+
+cdef int _drained(Engine engine) except? -1:
+    """The engine's _drain, in the run just begun (0, or -1 on failure): at once where no send is
+    pending, else without the GIL."""
+    cdef int rc
+    if not engine._sends_pending():
+        return 0
+    with nogil:
+        rc = engine._drain()
+    return rc
 
 
 # Communicator.send and Communicator.recv (the class takes these functions as its methods): a warm

@@ -531,3 +531,43 @@ def test_the_socket_link_reads_payloads_straight_into_place():
                                                                         timeout=120)):
         assert bcast and a2a and message and kept, (rank, bcast, a2a, message, kept)
         assert directs > 0, f"rank {rank}: no payload was read straight into place"
+
+
+
+def _deferred_sends(rank, size, port):
+    """Over RDMA a blocking call through the transport's buffer returns without waiting for its
+    sends (the next writer of that buffer waits for them): a root that only sends, then calls that
+    write the buffer at once (the one-call path's and the general path's): every result exact."""
+    n = 4096                                              # 16 KiB blocks: not inline
+    with _comm(rank, size, port, "rdma", timeout=60) as comm:
+        piece = np.zeros(n, np.float32)
+        for i in range(12):
+            full = np.arange(size * n, dtype=np.float32) + i if rank == 0 else None
+            comm.scatter(full, out=piece, root=0)
+            assert np.array_equal(piece, np.arange(rank * n, (rank + 1) * n, dtype=np.float32) + i), i
+            b = np.full(n, float(i), np.float32) if rank == 0 else np.zeros(n, np.float32)
+            comm.broadcast(b, root=0)                       # the one-call path, through the buffer
+            assert (b == i).all(), i
+            s = comm.iallreduce(np.full(n, rank + i, np.float32)).wait(60)     # the general path
+            assert (s == sum(range(size)) + size * i).all(), i
+    return True
+
+
+def _receive_after_close(rank, size, port):
+    """A blocking send right before close(): delivered, though the receiver comes a second later."""
+    n = 4096
+    with _comm(rank, size, port, "rdma", timeout=60) as comm:
+        comm.barrier()
+        if rank == 0:
+            comm.send(np.full(n, 3.0, np.float32), 1)
+            return True                                 # close() at once
+        import time
+        time.sleep(1.0)
+        got = np.zeros(n, np.float32)
+        return comm.recv(got, 0) == n and bool((got == 3.0).all())
+
+
+@pytest.mark.device
+def test_sends_left_in_flight_by_a_blocking_call_complete_before_their_buffer_is_reused():
+    assert all(run_ranks(_deferred_sends, 3, free_port(), timeout=300))
+    assert all(run_ranks(_receive_after_close, 2, free_port(), timeout=120))

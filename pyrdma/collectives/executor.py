@@ -221,6 +221,13 @@ class Executor:
         the queued ones to finish that way, then close the transport."""
         if self.closed:
             return
+        # a blocking call that returned may have left its sends in flight (over RDMA): they go
+        # before the connections do, unless a call of another thread holds the transport
+        if not self.broken and self.lock.acquire(blocking=False):
+            try:
+                self.transport.finish_sends(min(timeout, 5.0))
+            finally:
+                self.lock.release()
         self.closed = True
         with self._count_lock:
             self.idle = False

@@ -178,6 +178,10 @@ class _Waits:
         self.failure = None
         self.reports = {}
 
+    def finish_sends(self, seconds):
+        """Let the sends already posted complete (at most ``seconds``) before close(); here they
+        always have when a run returns."""
+
     def interrupt(self):
         """Make every wait, now and later, raise UsageError ("closed") within CLOSE_POLL seconds
         (any thread may call this; close() still has to follow, once the collective has left)."""

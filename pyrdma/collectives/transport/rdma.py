@@ -207,6 +207,7 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
         on first use and stays registered (and alive) among the USER_MR_CACHE most recent, so
         calls on the same memory pay nothing."""
         if lend is None:
+            self._drain()                    # a one-call run's sends from it may be in flight
             self._work_mr = self.own_region(nbytes)
             self._work, self._work_offset = self._own, 0
             self._sync = HOST.sync
@@ -223,13 +224,28 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
         grown buffer replaces, and closes, the old one)."""
         if self._own is None or self._own.nbytes < nbytes:
             if self._own_mr is not None:
-                self._own_mr.close()         # every schedule ends with its sends completed
+                self._drain()
+                self._own_mr.close()
             # remote write: a rendezvous message is written straight into it; remote read: a
             # scatter's blocks are read from it (schedule's OFFER/FETCH)
             self._own_mr = self.rd.MemoryRegion.allocate(self.pd, _grow(nbytes), self.rd.ACCESS_LOCAL_WRITE
                                                          | self.rd.ACCESS_REMOTE_WRITE | self.rd.ACCESS_REMOTE_READ)
             self._own = self._own_mr.array()
         return self._own_mr
+
+    def _drain(self, seconds=0.0):
+        """Wait for the sends that read this transport's own buffer (a one-call run returns without
+        waiting for them: Engine.defer_sends)."""
+        if self.engine.drain(seconds):
+            raise self.engine_failed()
+
+    def finish_sends(self, seconds):
+        """Let the sends already posted complete (at most ``seconds``) before the connections go:
+        close() would flush them unsent. Their failure is left to close()."""
+        try:
+            self._drain(seconds)
+        except RDMAError:
+            pass
 
     def registration(self, lend, kind=HOST):
         """(MemoryRegion, offset of ``lend`` in it) of a lent array of memory of ``kind``, from the
