@@ -1,5 +1,7 @@
 """A/B of the collective engine's spin (``Communicator(spin=...)``: seconds a wait polls, yielding,
-before it sleeps on the completion channel), alternated call by call in the same processes, so a
+before it sleeps on the completion channel; a value ending in ``:yield`` also yields the CPU
+between polls where the ranks fit the machine's CPUs, which the engine then does not:
+Engine.spin_yields), alternated call by call in the same processes, so a
 boot's drift falls on every variant alike. Per variant: the median over iterations of the slowest
 rank's time (barrier, then the timed allreduce, as allreduce_bench.py), and the busiest rank's
 context switches per iteration, voluntary (it slept) and involuntary (preempted, or a yield that
@@ -7,6 +9,7 @@ handed the CPU over), from getrusage. Ranks are bound one per core where they fi
 
     python3 -m pyrdma.testing.vm -- "$(python3 -c 'import sys;print(sys.executable)')" \\
         bench/spin_ab.py --ranks 4 --bytes 8 --algorithm rd --iters 400 --spins 200e-6,1e-3
+        bench/spin_ab.py --ranks 2 --bytes 8388608 --algorithm ring --iters 12 --spins 200e-6,200e-6:yield
 """
 import argparse
 import multiprocessing as mp
@@ -26,7 +29,9 @@ def _rank(rank, size, ports, nbytes, algorithm, iters, spins, results):
     if cores:
         os.sched_setaffinity(0, {cores[rank]})
     comms = [Communicator(rank, size, f"127.0.0.1:{port}", transport="rdma", timeout=300, spin=spin)
-             for port, spin in zip(ports, spins)]
+             for port, (spin, _) in zip(ports, spins)]
+    for comm, (_, yields) in zip(comms, spins):
+        comm.transport.engine.spin_yields = comm.transport.engine.spin_yields or yields
     try:
         x = np.ones(max(nbytes // 4, 1), np.float32)
         for comm in comms:
@@ -62,7 +67,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=400)
     p.add_argument("--spins", default="200e-6,1e-3", help="comma-separated spin values in seconds")
     args = p.parse_args(argv)
-    spins = [float(s) for s in args.spins.split(",")]
+    spins = [(float(s.split(":")[0]), s.endswith(":yield")) for s in args.spins.split(",")]
     ports = [free_port() for _ in spins]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -78,11 +83,12 @@ def main(argv=None):
             if proc.is_alive():
                 proc.kill()
     print(f"{args.ranks} ranks, {args.bytes} B, {args.algorithm}, {args.iters} iterations per variant")
-    print(f"{'spin (us)':>10} {'time (us)':>10} {'vol. switches':>14} {'invol. switches':>16}")
-    for i, spin in enumerate(spins):
+    print(f"{'spin (us)':>16} {'time (us)':>10} {'vol. switches':>14} {'invol. switches':>16}")
+    for i, (spin, yields) in enumerate(spins):
         slowest = [max(got[r][0][i][k] for r in got) for k in range(args.iters)]
         vol, invol = max((got[r][1][i] for r in got), key=sum)
-        print(f"{spin * 1e6:>10.0f} {np.median(slowest) * 1e6:>10.1f} {vol / args.iters:>14.2f} {invol / args.iters:>16.2f}")
+        name = f"{spin * 1e6:.0f}" + (" yield" if yields else "")
+        print(f"{name:>16} {np.median(slowest) * 1e6:>10.1f} {vol / args.iters:>14.2f} {invol / args.iters:>16.2f}")
 
 
 if __name__ == "__main__":
