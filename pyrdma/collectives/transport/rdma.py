@@ -236,7 +236,8 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
     def _drain(self, seconds=0.0):
         """Wait for the sends that read this transport's own buffer (a one-call run returns without
         waiting for them: Engine.defer_sends)."""
-        if self.engine.drain(seconds):
+        engine = getattr(self, "engine", None)        # (none yet while the transport sets up)
+        if engine is not None and engine.drain(seconds):
             raise self.engine_failed()
 
     def finish_sends(self, seconds):
