@@ -331,6 +331,7 @@ cdef class Engine:
         self.probe_lead = min(1.0, timeout / 4)
         self.rdv_peer = -1
         self.post_peer = -1
+        self.credit_keep_after = 0.0
         self.peers = <peer_t *>calloc(size, sizeof(peer_t))
         self.queried = <uint8_t *>calloc(size, 1)
         self.visited = <uint8_t *>calloc(size, 1)
@@ -1101,6 +1102,7 @@ cdef class Engine:
         """Keep the message at ``start`` (``got`` payload bytes) in its class's queue."""
         cdef int c = start[DESC_KIND_AT] == DESC_KIND_SEND
         cdef kept_t *k = <kept_t *>malloc(sizeof(kept_t) + got)
+        self.keeps += 1
         if k == NULL:
             return self._fail(FAIL_MEMORY, -1, got, 0)
         k.next, k.length = NULL, got
@@ -1258,7 +1260,8 @@ cdef class Engine:
             # (or its rendezvous answer); a receive waits longer first: another peer's full slots are
             # most often just its next collective's sends ahead. (A wait for our sends' completion
             # never depends on the peer's receives: the credits bound what is in flight.)
-            if (what == WAIT_CREDIT or what == WAIT_CTS or what == WAIT_ARRIVAL and now - start > KEEP_AFTER) \
+            if (what == WAIT_CTS or (what == WAIT_CREDIT and now - start > self.credit_keep_after)
+                    or what == WAIT_ARRIVAL and now - start > KEEP_AFTER) \
                     and self._keep_arrivals() < 0:
                 break
         self.waiting_on = -1
