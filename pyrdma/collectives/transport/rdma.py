@@ -237,7 +237,8 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
         """Wait for the sends that read this transport's own buffer (a one-call run returns without
         waiting for them: Engine.defer_sends)."""
         engine = getattr(self, "engine", None)        # (none yet while the transport sets up)
-        if engine is not None and engine.drain(seconds):
+        # (a failed group's calls raise its error themselves; nothing more goes out)
+        if engine is not None and engine.failure() is None and engine.drain(seconds):
             raise self.engine_failed()
 
     def finish_sends(self, seconds):
