@@ -1,8 +1,7 @@
 """A/B of the collective engine's spin (``Communicator(spin=...)``: seconds a wait polls, yielding,
 before it sleeps on the completion channel; a value ending in ``:yield`` also yields the CPU
 between polls where the ranks fit the machine's CPUs, which the engine then does not:
-Engine.spin_yields; ``:keep=S``: a wait for credit copies full slots out after S seconds,
-Engine.credit_keep_after), alternated call by call in the same processes, so a
+Engine.spin_yields), alternated call by call in the same processes, so a
 boot's drift falls on every variant alike. Per variant: the median over iterations of the slowest
 rank's time (barrier, then the timed allreduce, as allreduce_bench.py), and the busiest rank's
 context switches per iteration, voluntary (it slept) and involuntary (preempted, or a yield that
@@ -30,11 +29,9 @@ def _rank(rank, size, ports, nbytes, algorithm, iters, spins, results):
     if cores:
         os.sched_setaffinity(0, {cores[rank]})
     comms = [Communicator(rank, size, f"127.0.0.1:{port}", transport="rdma", timeout=300, spin=spin)
-             for port, (spin, _, _) in zip(ports, spins)]
-    for comm, (_, yields, keep) in zip(comms, spins):
+             for port, (spin, _) in zip(ports, spins)]
+    for comm, (_, yields) in zip(comms, spins):
         comm.transport.engine.spin_yields = comm.transport.engine.spin_yields or yields
-        if keep is not None:
-            comm.transport.engine.credit_keep_after = keep
     try:
         x = np.ones(max(nbytes // 4, 1), np.float32)
         for comm in comms:
@@ -70,8 +67,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=400)
     p.add_argument("--spins", default="200e-6,1e-3", help="comma-separated spin values in seconds")
     args = p.parse_args(argv)
-    spins = [(float(v.split(":")[0]), ":yield" in v,
-              next((float(f[5:]) for f in v.split(":") if f.startswith("keep=")), None)) for v in args.spins.split(",")]
+    spins = [(float(v.split(":")[0]), v.endswith(":yield")) for v in args.spins.split(",")]
     ports = [free_port() for _ in spins]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -89,10 +85,10 @@ def main(argv=None):
                 proc.kill()
     print(f"{args.ranks} ranks, {args.bytes} B, {args.algorithm}, {args.iters} iterations per variant")
     print(f"{'spin (us)':>22} {'time (us)':>10} {'vol. switches':>14} {'invol. switches':>16} {'kept':>6}")
-    for i, (spin, yields, keep) in enumerate(spins):
+    for i, (spin, yields) in enumerate(spins):
         slowest = [max(got[r][0][i][k] for r in got) for k in range(args.iters)]
         vol, invol = max((got[r][1][i] for r in got), key=sum)
-        name = f"{spin * 1e6:.0f}" + (" yield" if yields else "") + ("" if keep is None else f" keep={keep:g}")
+        name = f"{spin * 1e6:.0f}" + (" yield" if yields else "")
         kept = max(got[r][2][i] for r in got)
         print(f"{name:>22} {np.median(slowest) * 1e6:>10.1f} {vol / args.iters:>14.2f} {invol / args.iters:>16.2f} {kept:>6}")
 

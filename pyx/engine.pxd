@@ -222,8 +222,6 @@ cdef class Engine:
     cdef bint post_upto
     cdef readonly unsigned long long directs    # payloads read straight into place so far
     cdef readonly unsigned long long keeps      # messages copied out of their slots (_keep) so far
-    # how long a wait for credit lasts before the peers' full slots are copied out (_keep_arrivals)
-    cdef public double credit_keep_after
 
     cdef int _check_peer(self, int peer) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,

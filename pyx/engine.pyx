@@ -331,7 +331,6 @@ cdef class Engine:
         self.probe_lead = min(1.0, timeout / 4)
         self.rdv_peer = -1
         self.post_peer = -1
-        self.credit_keep_after = 0.0
         self.peers = <peer_t *>calloc(size, sizeof(peer_t))
         self.queried = <uint8_t *>calloc(size, 1)
         self.visited = <uint8_t *>calloc(size, 1)
@@ -1260,8 +1259,7 @@ cdef class Engine:
             # (or its rendezvous answer); a receive waits longer first: another peer's full slots are
             # most often just its next collective's sends ahead. (A wait for our sends' completion
             # never depends on the peer's receives: the credits bound what is in flight.)
-            if (what == WAIT_CTS or (what == WAIT_CREDIT and now - start > self.credit_keep_after)
-                    or what == WAIT_ARRIVAL and now - start > KEEP_AFTER) \
+            if (what == WAIT_CREDIT or what == WAIT_CTS or what == WAIT_ARRIVAL and now - start > KEEP_AFTER) \
                     and self._keep_arrivals() < 0:
                 break
         self.waiting_on = -1
