@@ -517,8 +517,11 @@ class ProcessGroupPyrdma(_backend_base()):
             if len(ins) != self.size() or any(t.numel() != n or t.dtype != out.tensor.dtype for t in ins):
                 raise UsageError(f"pyrdma backend: scatter needs {self.size()} input tensors of {n} "
                                  f"{out.tensor.dtype} elements each (the output's) on the root")
-            flat = _flat_like(ins)
-            pieces = _Staged(flat, "the inputs").array
+            if all(t.device.type == "cpu" for t in ins):     # each piece sent from where it lies
+                pieces = [_Staged(t, "the inputs").flat() for t in ins]
+            else:
+                flat = _flat_like(ins)
+                pieces = _Staged(flat, "the inputs").array
         comm = self._comm()
         handle = self._start(out, opts, lambda: comm.scatter(pieces, out=out.flat(), root=root),
                              lambda: comm.iscatter(pieces, out=out.flat(), root=root))

@@ -660,3 +660,39 @@ def _each_once(comm):
 @pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
 def test_each_new_operation_at_8_ranks(worlds, transport):
     assert all(worlds(transport, 8).run(_each_once, timeout=600))
+
+
+def _scatter_from_pieces(comm):
+    """scatter(list of pieces): the array form's result at every size (copied in below the
+    zero-copy size, each piece sent from where it lies from it on, blocking and not), the pieces
+    untouched; a wrong list is named before anything is sent."""
+    import pyrdma
+    n, r = comm.size, comm.rank
+    for count in (3, 1000, 300_000):                       # 24 B to 2.4 MB per rank (zero_copy: 1 MiB)
+        for root in range(n):
+            pieces = [piece(p, root, count, "float64") for p in range(n)] if r == root else None
+            keep = [p.copy() for p in pieces] if pieces else None
+            out = np.zeros(count)
+            assert comm.scatter(pieces, out=out, root=root) is out
+            assert np.array_equal(out, piece(r, root, count, "float64")), (count, root)
+            got = comm.iscatter(pieces, root=root).wait(60) if r == root else \
+                comm.iscatter(None, out=np.zeros(count), root=root).wait(60)
+            assert np.array_equal(got, piece(r, root, count, "float64")), (count, root)
+            assert keep is None or all(np.array_equal(a, b) for a, b in zip(pieces, keep))
+    errors = []
+    for bad in ([np.zeros(4)] * (n + 1), [np.zeros(4)] * (n - 1) + [np.zeros(5)],
+                [np.zeros(4)] * (n - 1) + [np.zeros(4, np.int32)]):
+        try:
+            comm.scatter(bad, out=np.zeros(4), root=r)       # every rank its own root: refused at once
+        except pyrdma.UsageError as exc:
+            errors.append(str(exc).split(";")[0])
+    return errors
+
+
+@pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.device)])
+@pytest.mark.parametrize("size", [2, 3])
+def test_scatter_from_a_list_of_pieces(transport, size):
+    with World(size, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
+        for errors in w.run(_scatter_from_pieces, timeout=300):
+            last = f"buf[{size - 1}] must be a piece like out (4 elements of float64)"
+            assert errors == [f"scatter: buf is a list of {size + 1} pieces", last, last], errors

@@ -428,9 +428,10 @@ class Communicator:
 
     def scatter(self, buf, out=None, root=0, algorithm="auto"):
         """Root's ``buf`` holds ``size`` equal pieces in rank order; rank i receives piece i into
-        ``out`` (default a new array of shape (len(buf) // size,) + buf.shape[1:]). Elsewhere ``buf``
-        may be None when ``out`` is given (or an array of the root's shape: its piece shape is
-        used). Returns out."""
+        ``out`` (default a new array of shape (len(buf) // size,) + buf.shape[1:]). ``buf`` may also
+        be a list of the ``size`` pieces (as mpi4py's scatter takes one), each sent from where it
+        lies from the zero-copy size on. Elsewhere ``buf`` may be None when ``out`` is given (or an
+        array of the root's shape: its piece shape is used). Returns out."""
         if self._host is not None:
             done = self._host.scatter(buf, out, root, algorithm)
             if done is not None:

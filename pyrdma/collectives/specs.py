@@ -15,7 +15,7 @@ import numpy as np
 
 from pyrdma import _reduce
 from pyrdma.collectives import algorithms
-from pyrdma.collectives.algorithms import exchange
+from pyrdma.collectives.algorithms import exchange, rooted
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.transport import NO_ROOT, describe, describe_message
 from pyrdma.collectives.work import HOST, Avg, Operand, byte_bounds, in_and_out, plain_bytes
@@ -353,8 +353,14 @@ def gather(comm, buf, out, root, algorithm):
 def scatter(comm, buf, out, root, algorithm):
     root = check_root(comm, root)
     n, r = comm.size, comm.rank
-    src = None
-    if buf is not None:
+    src = pieces = None
+    if isinstance(buf, (list, tuple)):         # one piece per rank, each where it lies
+        if len(buf) != n:
+            raise UsageError(f"scatter: buf is a list of {len(buf)} pieces; it needs one per rank ({n})")
+        pieces = [plain_bytes(piece, f"buf[{i}]") for i, piece in enumerate(buf)]
+        if out is None:
+            out = np.empty_like(pieces[0][0])
+    elif buf is not None:
         arr, src = plain_bytes(buf, "buf")
         if arr.ndim == 0 or arr.shape[0] % n:
             raise UsageError(f"buf's first dimension ({arr.shape[0] if arr.ndim else 'a scalar'}) must split "
@@ -370,23 +376,53 @@ def scatter(comm, buf, out, root, algorithm):
     if src is not None and (arr.dtype != out_arr.dtype or src.nbytes != n * block):
         raise UsageError(f"buf must hold {n} pieces like out ({out_arr.size} elements of {out_arr.dtype}); it "
                          f"has {arr.size} of {arr.dtype}")
+    if pieces is not None:
+        bad = [i for i, (a, d) in enumerate(pieces) if a.dtype != out_arr.dtype or d.nbytes != block]
+        if bad:
+            a = pieces[bad[0]][0]
+            raise UsageError(f"buf[{bad[0]}] must be a piece like out ({out_arr.size} elements of {out_arr.dtype}); "
+                             f"it has {a.size} of {a.dtype}")
+        if r == root and n > 1 and zero_copy(comm, block) and \
+                copy_algorithm(comm, "scatter", algorithm, block) == "direct":
+            return _scatter_parts(comm, pieces, out, dst, root, block, out_arr)
 
     def lend(full, algo):
-        # the root sends from buf (but an RDMA READ needs its own buffer's remote access), a rank
-        # that only receives its block receives it into out
+        # the root sends from buf (but an RDMA READ needs its own buffer's remote access; a list of
+        # pieces is copied in below the zero-copy size), a rank that only receives its block
+        # receives it into out
         if r == root:
             return src if algo != "read" else None
         return dst if not full else None
 
     def fill(work, at, lent):
         if r == root and not lent:
-            work[:n * block] = src
+            if pieces is None:
+                work[:n * block] = src
+            else:
+                for i, (_, piece) in enumerate(pieces):
+                    work[i * block:(i + 1) * block] = piece
 
     def finish(work, at, lent):
         if not lent or r == root:
             dst[:] = work[at:at + block]
         return out
     return rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish, lend)
+
+
+def _scatter_parts(comm, pieces, out, dst, root, block, out_arr):
+    """The root's direct scatter from a list of pieces in place: one run per other rank, sending
+    its piece from where it lies (registered over RDMA), the root's own piece copied; the other
+    ranks run the plain scatter (algorithms.rooted.direct_scatter_part)."""
+    n, r = comm.size, comm.rank
+    entry = algorithms.ALGORITHMS["scatter"]["direct"]
+    tag = describe_call(comm, "scatter", entry, dtype=out_arr.dtype, count=out_arr.size, root=root)
+    others = [(root + k) % n for k in range(1, n)]
+
+    def own(work, schedule, received):
+        dst[:] = pieces[r][1]
+        return out
+    return Spec([Run(functools.partial(rooted.direct_scatter_part, n, r, root, block, peer=p, last=p == others[-1]),
+                     tag, block, finish=own if p == others[-1] else None, lend=pieces[p][1]) for p in others])
 
 
 def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish, lend):

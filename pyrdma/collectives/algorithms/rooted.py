@@ -74,6 +74,19 @@ def direct_scatter(n, r, root, block, max_message):
 
 
 @_cached
+def direct_scatter_part(n, r, root, block, max_message, peer, last):
+    """The root's part of a direct scatter that sends ``peer``'s block from memory of its own (a
+    work area holding that block at 0, as a list of pieces gives them): one run per peer, whose
+    messages are those of direct_scatter to that peer; the ``last`` part takes the greeting."""
+    b = Builder()
+    b.send(peer, message_chunks(0, block, max_message))
+    if last:
+        b.root_greeted(n, r, root)
+    b.wait_sends()
+    return b.build()
+
+
+@_cached
 def read_scatter(n, r, root, block, max_message):
     b = Builder()
     b.greet_root(n, r, root)
