@@ -608,7 +608,8 @@ def bench_rank(rank, size, master, plan):
     """The pyrdma side of pyrdma.perf.collectives_bench in one rank (allreduce_bench.spawn_ranks
     runs it). ``plan``: dict(collectives=[name], pieces=[bytes per peer], iters, transport,
     pingpong=(bytes, iters) or None, stream=(bytes, messages, repeats) or None, count_calls=[bytes
-    per peer] or None, breakdown: whether to time the engine's part of each call in a second pass).
+    per peer] or None, breakdown: whether to time the engine's part of each call in a second pass;
+    a call of the one-call path, one C call, has no Python part to split off: its part is None).
     The loop is mpi_collectives.py's: per iteration a barrier, the call, its time. Returns a dict."""
     from pyrdma.collectives import Communicator
     out = dict(rows=[], wrong=[], pingpong=None, stream=None, python_calls=None, breakdown=[])
@@ -634,12 +635,16 @@ def bench_rank(rank, size, master, plan):
                     call, _ = per_peer_call(comm, name, piece)
                     call()
                     pairs = []
+                    engine = comm.transport.engine
                     for _ in range(plan["iters"]):
                         comm.barrier()
-                        before = spent[0]
+                        before, runs = spent[0], engine.runs
                         t0 = time.perf_counter()
                         call()
-                        pairs.append((time.perf_counter() - t0, spent[0] - before))
+                        took = time.perf_counter() - t0
+                        # the one-call path runs the engine from C, past the timer: no split (None)
+                        one_call = spent[0] == before and engine.runs != runs
+                        pairs.append((took, None if one_call else spent[0] - before))
                     out["breakdown"].append((name, piece, pairs))
             del comm.transport.run                       # the class's own again
         if plan.get("count_calls"):
