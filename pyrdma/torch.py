@@ -360,12 +360,13 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def _start(self, staged, opts, now, later):
         """The handle of a call on ``staged`` memory: ``later()``, the Communicator's non-blocking
-        form (run on its thread), or, for host memory while nothing is queued there (so the order of
-        calls holds), ``now()``, the blocking form, on this thread, if the call is at most
-        INLINE_BYTES or its caller waits for it at once (``opts.asyncOp`` false)."""
+        form (run on its thread), or, while nothing is queued there (so the order of calls holds),
+        ``now()``, the blocking form, on this thread, if its caller waits for it at once
+        (``opts.asyncOp`` false: host or CUDA memory alike, whose staging then waits on this thread
+        as the caller would) or it is of host memory and at most INLINE_BYTES."""
         comm = self._comm()
-        if isinstance(staged.array, np.ndarray) and comm._exec.idle and self._coalesced is None and (
-                staged.array.nbytes <= INLINE_BYTES or not getattr(opts, "asyncOp", True)):
+        if comm._exec.idle and self._coalesced is None and (not getattr(opts, "asyncOp", True) or (
+                isinstance(staged.array, np.ndarray) and staged.array.nbytes <= INLINE_BYTES)):
             try:
                 now()
             except Exception as exc:    # noqa: BLE001 -- raised by wait(), as from the queued form
