@@ -607,23 +607,25 @@ class ProcessGroupPyrdma(_backend_base()):
             if not pending:
                 return
             comm = self.comm
-            if len(pending) == 1 and pending[0][4] is waiter and isinstance(pending[0][1].array, np.ndarray) \
-                    and comm._exec.idle and self._coalesced is None:
-                kind, staged, peer, tag, work = pending[0]
-                try:
-                    if kind == "send":
-                        comm.send(staged.flat(), peer, tag)
-                    else:
-                        got = comm.recv(staged.flat(), peer, tag)
-                except Exception as exc:    # noqa: BLE001 -- raised by wait(), as from the batch
-                    work._start([Done(error=exc)])
-                    return
-                work._start([Done()], None if kind == "send" else _received(lambda: got, staged, peer))
+            inline = len(pending) == 1 and pending[0][4] is waiter and isinstance(pending[0][1].array, np.ndarray) \
+                and comm._exec.idle and self._coalesced is None
+            if not inline:
+                handle = comm.batch([(kind, staged.flat(), peer, tag) for kind, staged, peer, tag, _ in pending])
+                for i, (kind, staged, peer, tag, work) in enumerate(pending):
+                    work._start([handle], None if kind == "send" else
+                                _received(lambda i=i: handle.wait()[i], staged, peer))
                 return
-            handle = comm.batch([(kind, staged.flat(), peer, tag) for kind, staged, peer, tag, _ in pending])
-            for i, (kind, staged, peer, tag, work) in enumerate(pending):
-                work._start([handle], None if kind == "send" else
-                            _received(lambda i=i: handle.wait()[i], staged, peer))
+        # the blocking call outside the lock: a thread that queues a send meanwhile must not wait on it
+        kind, staged, peer, tag, work = pending[0]
+        try:
+            if kind == "send":
+                comm.send(staged.flat(), peer, tag)
+            else:
+                got = comm.recv(staged.flat(), peer, tag)
+        except Exception as exc:    # noqa: BLE001 -- raised by wait(), as from the batch
+            work._start([Done(error=exc)])
+            return
+        work._start([Done()], None if kind == "send" else _received(lambda: got, staged, peer))
 
     def _comm(self):
         """The Communicator, once the sends and receives issued before this call have gone."""
