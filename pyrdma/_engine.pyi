@@ -34,6 +34,7 @@ class Engine:
                      max_message: int, timeout: float, spin: float) -> Engine: ...
     rendezvous_bytes: int
     spin_yields: bool
+    crowded: bool
     @property
     def runs(self) -> int: ...
     @property

@@ -347,7 +347,7 @@ cdef class Engine:
                 raise MemoryError()
         self.waiting_on = -1
         self.consume = None
-        self.spin_yields = size > sysconf(_SC_NPROCESSORS_ONLN)
+        self.spin_yields = self.crowded = size > sysconf(_SC_NPROCESSORS_ONLN)
         return 0
 
     def __dealloc__(self):
@@ -454,15 +454,11 @@ cdef class Engine:
         answer (``newest``: it is the last one parked, which may still wait for it), write the
         message, and wait until the writes are done (its memory is the caller's again). Returns 0;
         on failure the failure kind, as run()."""
-        cdef int i, used = 0, rc = 0
+        cdef int rc = 0
         self._check_peer(peer)
         if self.fail_kind != FAIL_NONE:
             return self.fail_kind
-        for i in range(len(self.keep)):
-            use(<VerbsObject>self.keep[i])
-            used += 1
-        self.spin_now = 0.0 if background else self.spin_adaptive
-        self.signals = PyThread_get_thread_ident() == _main_thread
+        self._hold(background)
         try:
             with nogil:
                 if newest and self.rdv_peer == peer:
@@ -470,8 +466,7 @@ cdef class Engine:
                 if rc == 0 and self.peers[peer].data_outstanding:
                     rc = self._wait(WAIT_SENDS_DONE, peer, 0)
         finally:
-            for i in range(used):
-                unuse(<VerbsObject>self.keep[i])
+            self._let_go()
         return self.fail_kind if rc < 0 else 0
 
     def drain(self, double seconds=0.0):
@@ -479,17 +474,13 @@ cdef class Engine:
         without waiting for its sends from the transport's own buffer: defer_sends), before that
         buffer is written or let go. ``seconds`` > 0: at most that long instead of the timeout.
         Returns 0; on failure the failure kind, as run()."""
-        cdef int i, used = 0, rc = 0
+        cdef int rc = 0
         cdef double timeout = self.timeout
         if self.fail_kind != FAIL_NONE:
             return self.fail_kind
         if not self._sends_pending():
             return 0
-        for i in range(len(self.keep)):
-            use(<VerbsObject>self.keep[i])
-            used += 1
-        self.spin_now = self.spin_adaptive
-        self.signals = PyThread_get_thread_ident() == _main_thread
+        self._hold(False)
         if seconds > 0:
             self.timeout = min(seconds, timeout)
         try:
@@ -497,8 +488,7 @@ cdef class Engine:
                 rc = self._drain()
         finally:
             self.timeout = timeout
-            for i in range(used):
-                unuse(<VerbsObject>self.keep[i])
+            self._let_go()
         return self.fail_kind if rc < 0 else 0
 
     def description(self):
@@ -552,7 +542,6 @@ cdef class Engine:
                     uint32_t work_rkey=0) except -1:
         """Check a run's arguments against the program, then hold the verbs objects (a close()
         elsewhere waits for _end)."""
-        cdef int i, used = 0
         if not 0 <= dtype < 8 or not 0 <= op < 4:
             raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
         if prog.rank != self.rank or prog.size != self.size or prog.max_message != self.max_message:
@@ -569,9 +558,18 @@ cdef class Engine:
         self.park = self.defer_sends = False
         self.consume = consume
         self.py_error = None
-        self.spin_now = 0.0 if background else self.spin_adaptive
-        # only the main thread runs signal handlers: elsewhere a wait never takes the GIL for them
-        self.signals = PyThread_get_thread_ident() == _main_thread
+        try:
+            self._hold(background)
+        except BaseException:
+            self.consume = None
+            raise
+        return 0
+
+    cdef int _hold(self, bint background) except -1:
+        """Before a run or a wait outside one (settle, drain): hold the verbs objects (a close()
+        elsewhere waits for _let_go), and set how its waits spin and whether they run signal
+        handlers."""
+        cdef int i, used = 0
         try:
             for i in range(len(self.keep)):
                 use(<VerbsObject>self.keep[i])
@@ -579,9 +577,16 @@ cdef class Engine:
         except BaseException:
             for i in range(used):
                 unuse(<VerbsObject>self.keep[i])
-            self.consume = None
             raise
+        self.spin_now = 0.0 if background else self.spin_adaptive
+        # only the main thread runs signal handlers: elsewhere a wait never takes the GIL for them
+        self.signals = PyThread_get_thread_ident() == _main_thread
         return 0
+
+    cdef void _let_go(self) noexcept:
+        cdef int i
+        for i in range(len(self.keep)):
+            unuse(<VerbsObject>self.keep[i])
 
     cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey) noexcept:
         """After _begin (whose work_len counted both): the offsets from ``split`` on lie in a second
@@ -609,8 +614,7 @@ cdef class Engine:
         cdef int i
         cdef peer_t *p
         cdef txframe_t *f
-        for i in range(len(self.keep)):
-            unuse(<VerbsObject>self.keep[i])
+        self._let_go()
         self.post_peer = -1
         if self.sockets:
             # a payload read straight into this run's memory (the caller's, maybe) that the run did
@@ -1649,9 +1653,10 @@ cdef class Engine:
 
     cdef void _adapt_spin(self, bint woken, double slept) noexcept nogil:
         """After a foreground sleep that began at ``slept``: double the spin when what ended it came
-        within SPIN_MAX (``woken``), else halve it back toward the configured spin (both links)."""
+        within SPIN_MAX (``woken``) and the ranks do not outnumber the CPUs (``crowded``), else
+        halve it back toward the configured spin (both links)."""
         if self.spin_now > 0:
-            if woken and monotonic_now() - slept < SPIN_MAX:
+            if woken and not self.crowded and monotonic_now() - slept < SPIN_MAX:
                 self.spin_adaptive = min(2 * self.spin_adaptive, SPIN_MAX)
             else:
                 self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)

@@ -157,13 +157,15 @@ def test_a_background_collective_sleeps_instead_of_spinning():
     assert background < 0.25, (blocking, background)
 
 
-def _late_replies(rank, size, port, delays):
+def _late_replies(rank, size, port, delays, transport="rdma", crowded=None):
     """Ping-pongs whose rank 1 replies late, by each of ``delays`` (seconds) in turn: rank 0's sleeps
-    on the completion channel per round trip, a list per delay."""
+    on the completion channel per round trip, a list per delay. ``crowded``: set the engine's."""
     import time
-    with _comm(rank, size, port, timeout=60) as comm:          # the default spin, 200 us
+    with _comm(rank, size, port, transport, timeout=60) as comm:          # the default spin, 200 us
         buf = np.zeros(8, np.uint8)
         engine = comm.transport.engine
+        if crowded is not None:
+            engine.crowded = crowded
         sleeps = []
         for delay in delays:
             sleeps.append([])
@@ -191,6 +193,13 @@ def test_the_spin_grows_past_a_short_sleep_and_not_past_a_long_one():
     # grown spin (3 in a run beside another VM on the 2 cores); a fixed spin sleeps at all 10
     assert sum(short[:5]) >= 1 and sum(short[-10:]) <= 4, short
     assert all(n >= 1 for n in busy[-10:]), busy
+
+
+def test_where_ranks_outnumber_the_cpus_the_spin_does_not_grow():
+    """Engine.crowded (more ranks than CPUs): a wait's spin stays the configured 200 us, since a
+    longer one takes the core a peer needs, so a reply 1 ms late is slept for at every round trip."""
+    short, = run_ranks(_late_replies, 2, free_port(), (0.001,), "tcp", True, timeout=120)[0]
+    assert all(n >= 1 for n in short), short
 
 
 def _malformed(rank, size, port):

@@ -329,6 +329,7 @@ def _pair_once(server_cmd, client_cmd, port, timeout):
 
 
 PERF_PAIRS = ["ours-ours", "ours-perftest", "perftest-perftest"]
+PERFTEST_WC_ERROR = "Completion with error"
 
 
 @pytest.mark.parametrize("pair", PERF_PAIRS)
@@ -351,7 +352,17 @@ def test_write_bw_client_on_one_host_server_on_another(pair):
         server = [perftest, *b.perf_args(), *common]
         client = [perftest, *a.perf_args(), *common, b.address]
     before = tx(a)
-    out_s, out_c = _pair(server, client, port)
+    try:
+        out_s, out_c = _pair(server, client, port)
+    except AssertionError as exc:
+        # perftest against perftest is the reference: none of our code runs in it. Soft-RoCE once
+        # failed it with a remote-invalid-request completion (status 9) mid-run on CI, never again
+        # in ~50 runs; a second try tells a kernel hiccup from a wiring that does not work.
+        if pair != "perftest-perftest" or PERFTEST_WC_ERROR not in str(exc):
+            raise
+        fresh = free_port(b.address)
+        server, client = ([str(fresh) if arg == str(port) else arg for arg in cmd] for cmd in (server, client))
+        out_s, out_c = _pair(server, client, fresh)
     assert "65536" in out_c and "BW" in out_c
     if pair == "ours-ours":
         assert "Data check      : OK" in out_c and "Data check      : OK" in out_s

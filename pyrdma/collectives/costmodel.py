@@ -10,7 +10,8 @@ inverse bandwidth, ``gamma`` the inverse reduction throughput, ``overhead`` the 
 pays for each of several messages in flight at once (LogP's o: a direct gather's root handles
 n-1 messages whose latencies overlap), ``copy`` the CPU time per byte of the rank that starts
 an RDMA operation where its CPU moves the data (a software device: Soft-RoCE copies at both
-ends in the poster's context; 0 where a NIC does it), all in seconds. Messages larger
+ends in the poster's context; 0 where a NIC does it), all in seconds; ``one_sided``: the link
+has RDMA READ (not the socket link, which sends what a read would fetch). Messages larger
 than ``max_message`` are split, and each piece pays alpha. The estimates only need to rank the
 algorithms, not predict time exactly.
 
@@ -53,6 +54,8 @@ class CostModel:
         self.gamma = g if gamma is None else gamma
         self.overhead = self.alpha * OVERHEAD_SHARE if overhead is None else overhead
         self.copy = (SOFTWARE_COPY if software else 0.0) if copy is None else copy
+        # RDMA READ: over sockets a read is the holder's send, so a scheme of reads only adds rounds
+        self.one_sided = transport != "tcp"
         self._chosen = {}      # the allreduce choices made so far: the same sizes come back every step
         # read once: looking the environment up costs more than the choice itself
         self.forced_allreduce = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM") or None
