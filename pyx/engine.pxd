@@ -13,6 +13,7 @@ cdef enum:
     WAIT_SENDS = 1
     OFFER = 2                        # tell a peer where its chunks lie here, for it to read them
     FETCH = 3                        # RDMA READ the chunks a peer offers
+    SPREAD = 4                       # EXCHANGE, run together with the SPREAD steps next to it
     CONSUME_NONE = 0
     CONSUME_COPY = 1
     CONSUME_REDUCE = 2
@@ -48,6 +49,7 @@ cdef enum:
     WAIT_SEND_QUEUE = 2
     WAIT_SENDS_DONE = 3
     WAIT_CTS = 4
+    WAIT_SPREAD = 5                  # an arrival or a credit for any exchange of a spread
     FAIL_NONE = 0
     FAIL_LINK = 1
     FAIL_ABORT = 2
@@ -160,6 +162,11 @@ cdef class Engine:
     cdef ibv_wc wcs[NWC]
     cdef uint8_t *queried
     cdef uint8_t *visited
+    # the spread that runs (_spread): its steps, how many, and per step the chunks sent and received
+    cdef const int64_t *spread_steps
+    cdef const int64_t *spread_chunks
+    cdef int spread_count
+    cdef int *spread_done
     cdef int closing
     cdef bint signals
     cdef int epoch
@@ -240,6 +247,9 @@ cdef class Engine:
     cdef int _fail(self, int kind, int peer, int64_t a, int64_t b) noexcept nogil
     cdef int _execute(self, const int64_t *steps, Py_ssize_t nsteps, const int64_t *chunks) noexcept nogil
     cdef int _execute_holding_gil(self, Program prog) noexcept
+    cdef int _spread(self, const int64_t *steps, int count, const int64_t *chunks) noexcept nogil
+    cdef int _arrived(self, int peer) noexcept nogil
+    cdef bint _spread_ready(self) noexcept nogil
     cdef int _exchange(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch, int nr,
                        int ck) noexcept nogil
     cdef int _exchange_message(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch,

@@ -73,12 +73,12 @@ cdef extern from "pyrdma_reduce.h" nogil:
     const size_t pyrdma_itemsize[8]
 
 LAYOUT = dict(STEP_COLUMNS=STEP_COLUMNS, CHUNK_COLUMNS=CHUNK_COLUMNS, EXCHANGE=EXCHANGE, WAIT_SENDS=WAIT_SENDS,
-              OFFER=OFFER, FETCH=FETCH,
+              OFFER=OFFER, FETCH=FETCH, SPREAD=SPREAD,
               CONSUME_NONE=CONSUME_NONE, CONSUME_COPY=CONSUME_COPY, CONSUME_REDUCE=CONSUME_REDUCE,
               CONSUME_REDUCE_LOWER=CONSUME_REDUCE_LOWER, CONSUME_REDUCE_UPPER=CONSUME_REDUCE_UPPER,
               CONSUME_COPY_UPTO=CONSUME_COPY_UPTO, HEADER_ROOM=C_HEADER_ROOM)
 WAITS = {WAIT_CREDIT: "credit", WAIT_ARRIVAL: "arrival", WAIT_SEND_QUEUE: "send queue", WAIT_SENDS_DONE: "sends",
-         WAIT_CTS: "rendezvous"}
+         WAIT_CTS: "rendezvous", WAIT_SPREAD: "spread"}
 FAILURES = {FAIL_LINK: "link", FAIL_ABORT: "abort", FAIL_MISMATCH: "mismatch", FAIL_TIMEOUT: "timeout",
             FAIL_CLOSED: "closed", FAIL_POST: "post", FAIL_POLL: "poll", FAIL_MALFORMED: "malformed",
             FAIL_PYTHON: "python", FAIL_MEMORY: "memory"}
@@ -156,18 +156,22 @@ cdef class Program:
         cdef Py_ssize_t s, c, nchunks = chunks.shape[0]
         cdef int64_t kind, sp, rp, s0, ns, r0, nr, ck, off, n, aux
         cdef int64_t extent = 0, align = 0
+        cdef Py_ssize_t spread_at = 0     # where the run of SPREAD steps that s is in began
         self.rank, self.size, self.max_message = rank, size, max_message
         if steps.shape[1] != STEP_COLUMNS or chunks.shape[1] != CHUNK_COLUMNS:
             raise UsageError("malformed schedule arrays")
         for s in range(steps.shape[0]):
             kind, sp, rp = steps[s, 0], steps[s, 1], steps[s, 2]
             s0, ns, r0, nr, ck = steps[s, 3], steps[s, 4], steps[s, 5], steps[s, 6], steps[s, 7]
+            if s == 0 or kind != SPREAD or steps[s - 1, 0] != SPREAD:
+                spread_at = s
             if kind == WAIT_SENDS:
                 if sp != -1:
                     self._peer(sp, s)
                 continue
-            if not EXCHANGE <= kind <= FETCH or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
+            if not EXCHANGE <= kind <= SPREAD or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
                     or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks \
+                    or (kind == SPREAD and (ck == CONSUME_COPY_UPTO or s - spread_at >= size - 1)) \
                     or (kind == OFFER and (nr or ns < 1 or not _contiguous(chunks, s0, ns))) \
                     or (kind == FETCH and (ns or nr < 1 or ck != CONSUME_COPY or not _contiguous(chunks, r0, nr))):
                 raise UsageError(f"schedule step {s} is malformed")
@@ -214,6 +218,7 @@ cdef class Engine:
         self.released = NULL
         self.queried = NULL
         self.visited = NULL
+        self.spread_done = NULL
         self.pfds = NULL
 
     def __init__(self, CompletionQueue cq not None, list qps, MemoryRegion slot_mr not None,
@@ -334,7 +339,8 @@ cdef class Engine:
         self.peers = <peer_t *>calloc(size, sizeof(peer_t))
         self.queried = <uint8_t *>calloc(size, 1)
         self.visited = <uint8_t *>calloc(size, 1)
-        if self.peers == NULL or self.queried == NULL or self.visited == NULL:
+        self.spread_done = <int *>calloc(2 * size, sizeof(int))
+        if self.peers == NULL or self.queried == NULL or self.visited == NULL or self.spread_done == NULL:
             raise MemoryError()
         for p in range(size):
             self.peers[p].report = -1
@@ -370,6 +376,7 @@ cdef class Engine:
             free(self.peers)
         free(self.queried)
         free(self.visited)
+        free(self.spread_done)
         free(self.pfds)
 
     # ---- Python-level ---------------------------------------------------------------------------
@@ -655,11 +662,20 @@ cdef class Engine:
         return -1
 
     cdef int _execute(self, const int64_t *steps, Py_ssize_t nsteps, const int64_t *chunks) noexcept nogil:
-        cdef Py_ssize_t s
+        cdef Py_ssize_t s = -1
         cdef const int64_t *st
-        cdef int p
-        for s in range(nsteps):
+        cdef int p, count
+        while s + 1 < nsteps:
+            s += 1
             st = steps + s * STEP_COLUMNS
+            if st[0] == SPREAD:
+                count = 1
+                while s + count < nsteps and st[count * STEP_COLUMNS] == SPREAD:
+                    count += 1
+                if self._spread(st, count, chunks) < 0:
+                    return -1
+                s += count - 1
+                continue
             if st[0] == WAIT_SENDS:
                 if self.defer_sends and s == nsteps - 1:
                     continue
@@ -700,6 +716,80 @@ cdef class Engine:
             PyEval_RestoreThread(self.released)
             self.released = NULL
         return rc
+
+    cdef int _spread(self, const int64_t *steps, int count, const int64_t *chunks) noexcept nogil:
+        """``count`` SPREAD steps (at most size - 1) at once: each is an exchange, and every one's
+        chunks go out as its peer's credits allow and come in as they arrive, whichever peer is
+        ready first, instead of one peer after another (an all-to-all's blocks in flight to every
+        peer together, as NCCL and UCX post them). A wait ends at any step's arrival or credit, so
+        ranks whose spreads list their peers in different orders never wait on one another."""
+        cdef int j, moved, left, peer, rc
+        cdef int *sent = self.spread_done
+        cdef int *got = self.spread_done + self.size
+        cdef const int64_t *st
+        cdef const int64_t *c
+        cdef uint8_t *data
+        for j in range(count):
+            sent[j] = got[j] = 0
+        self.spread_steps, self.spread_chunks, self.spread_count = steps, chunks, count
+        while True:
+            moved = left = 0
+            peer = -1
+            for j in range(count):
+                st = steps + j * STEP_COLUMNS
+                while sent[j] < st[4] and self._can_send(<int>st[1]):
+                    c = chunks + (st[3] + sent[j]) * CHUNK_COLUMNS
+                    if self._send(<int>st[1], c[0], c[1]) < 0:
+                        return -1
+                    sent[j] += 1
+                    moved += 1
+                while got[j] < st[6]:
+                    rc = self._arrived(<int>st[2])
+                    if rc < 0:
+                        return -1
+                    if rc == 0:
+                        break
+                    c = chunks + (st[5] + got[j]) * CHUNK_COLUMNS
+                    data = self._recv(<int>st[2], c[1], False, NULL)
+                    if data == NULL or self._consume(<int>st[7], c, data) < 0 or self._release(<int>st[2]) < 0:
+                        return -1
+                    got[j] += 1
+                    moved += 1
+                if got[j] < st[6]:
+                    left += 1
+                    if peer < 0:
+                        peer = <int>st[2]
+                elif sent[j] < st[4]:
+                    left += 1
+                    if peer < 0:
+                        peer = <int>st[1]
+            if left == 0:
+                self.spread_count = 0
+                return 0
+            if moved == 0 and self._wait(WAIT_SPREAD, peer, 0) < 0:
+                self.spread_count = 0
+                return -1
+
+    cdef int _arrived(self, int peer) noexcept nogil:
+        """1: _recv would take a message of the running collective from ``peer`` without waiting;
+        0: none yet (a point-to-point message ahead of it is kept for its receive, as _recv would);
+        -1: failure."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint8_t *start
+        cdef uint32_t got
+        if p.kept[0] != NULL:
+            return 1
+        while p.arr_count > 0:
+            start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+            if start[DESC_KIND_AT] != DESC_KIND_SEND:
+                return 1
+            got = p.arrivals[p.arr_head]
+            p.arr_head = (p.arr_head + 1) % self.slots
+            p.arr_count -= 1
+            p.recv_seq += 1
+            if self._keep(p, start, got) < 0 or self._return_slot(peer) < 0:
+                return -1
+        return 0
 
     cdef int _exchange(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch, int nr,
                        int ck) noexcept nogil:
@@ -1187,7 +1277,23 @@ cdef class Engine:
             return p.outstanding < self.sq_depth
         if what == WAIT_CTS:
             return self.rdv_peer < 0
+        if what == WAIT_SPREAD:
+            return self._spread_ready()
         return p.data_outstanding == 0
+
+    cdef bint _spread_ready(self) noexcept nogil:
+        """Whether a step of the running spread can go on: a message from its receive peer (any:
+        _arrived sorts them), or a credit for its sends."""
+        cdef int j
+        cdef const int64_t *st
+        for j in range(self.spread_count):
+            st = self.spread_steps + j * STEP_COLUMNS
+            if self.spread_done[self.size + j] < st[6] and (self.peers[st[2]].arr_count > 0
+                                                             or self.peers[st[2]].kept[0] != NULL):
+                return True
+            if self.spread_done[j] < st[4] and self._can_send(<int>st[1]):
+                return True
+        return False
 
     cdef int _chain_end(self, int peer) noexcept nogil:
         """Follow "X waits for Y" reports from ``peer`` to the rank at the end of the chain."""
@@ -1263,7 +1369,8 @@ cdef class Engine:
             # (or its rendezvous answer); a receive waits longer first: another peer's full slots are
             # most often just its next collective's sends ahead. (A wait for our sends' completion
             # never depends on the peer's receives: the credits bound what is in flight.)
-            if (what == WAIT_CREDIT or what == WAIT_CTS or what == WAIT_ARRIVAL and now - start > KEEP_AFTER) \
+            if (what == WAIT_CREDIT or what == WAIT_CTS or (what == WAIT_ARRIVAL or what == WAIT_SPREAD)
+                    and now - start > KEEP_AFTER) \
                     and self._keep_arrivals() < 0:
                 break
         self.waiting_on = -1

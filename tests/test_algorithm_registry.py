@@ -10,7 +10,7 @@ import pytest
 from pyrdma.collectives import algorithms, specs
 from pyrdma.collectives.costmodel import CostModel
 from pyrdma.collectives.pieces import segment_bounds
-from pyrdma.collectives.schedule import EXCHANGE, FETCH, OFFER, WAIT_SENDS
+from pyrdma.collectives.schedule import EXCHANGE, FETCH, OFFER, SPREAD, WAIT_SENDS
 from pyrdma.collectives.transport import describe, explain
 from pyrdma.errors import UsageError
 
@@ -79,7 +79,7 @@ def _run(schedules):
                     if any(taken.get((r, p), 0) < sent.get((r, p), 0) for p in peers):
                         break
                 else:
-                    assert kind in (EXCHANGE, OFFER, FETCH), kind
+                    assert kind in (EXCHANGE, OFFER, FETCH, SPREAD), kind   # (a spread step by step: the strictest order)
                     if not posted[r] and sp >= 0:
                         q = queues.setdefault((r, sp), [])
                         q += [int(b) for b in s.chunks[s0:s0 + ns, 1]]

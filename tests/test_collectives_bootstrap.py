@@ -490,21 +490,26 @@ def test_cost_model_choices_are_the_ones_before_the_registry():
         for n, word in zip(_CHOICE_RANKS, words.split(), strict=True):
             got = [choose(nbytes, n, max_message) for nbytes in _CHOICE_SIZES]
             assert got == [_CHOICE_LETTERS[c] for c in word], (model, max_message, what, n)
-            assert {m.choose_copy("alltoall", nbytes, n, max_message) for nbytes in _CHOICE_SIZES} == {"pairwise"}
+            # all-to-all came after: pairwise on 2 ranks and where the CPU moves the bytes (TCP,
+            # Soft-RoCE), else from 3 ranks on its exchanges together (spread)
+            spread = n > 2 and model in ("rdma", "custom")
+            assert {m.choose_copy("alltoall", nbytes, n, max_message) for nbytes in _CHOICE_SIZES} == \
+                {"spread" if spread else "pairwise"}, (model, n)
 
 
 def test_registry_entries_and_wire_ids():
     # the ids every message's description carries: any change here changes the wire
     assert algorithms.WIRE_NAMES == ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial",
-                                     "dissemination", "direct", "pairwise", "read")
+                                     "dissemination", "direct", "pairwise", "read", "spread")
     from pyrdma.collectives import transport
     assert transport.DESC_ALGORITHMS is algorithms.WIRE_NAMES
     for collective, entries in algorithms.ALGORITHMS.items():
         for name, entry in entries.items():
             assert entry.name == name and callable(entry.planner) and callable(entry.cost), (collective, name)
             assert entry.wire_name in algorithms.WIRE_NAMES
-    assert {c: algorithms.only(c).wire_id for c in ("allgather", "reduce_scatter", "barrier", "alltoall")} == \
-        {"allgather": 0, "reduce_scatter": 0, "barrier": 6, "alltoall": 8}
+    assert {c: algorithms.only(c).wire_id for c in ("allgather", "reduce_scatter", "barrier")} == \
+        {"allgather": 0, "reduce_scatter": 0, "barrier": 6}
+    assert {a.name: a.wire_id for a in algorithms.entries("alltoall")} == {"pairwise": 8, "spread": 10}
     assert algorithms.aliases("allreduce") == {"tree": "halving_doubling", "hd": "halving_doubling",
                                                "rd": "recursive_doubling"}
     assert algorithms.canonical("allreduce", "rd") == "recursive_doubling"

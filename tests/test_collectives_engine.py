@@ -22,7 +22,7 @@ def test_schedule_layout_matches_the_engine():
     from pyrdma import _engine
     ours = dict(STEP_COLUMNS=schedule.STEP_COLUMNS, CHUNK_COLUMNS=schedule.CHUNK_COLUMNS,
                 EXCHANGE=schedule.EXCHANGE, WAIT_SENDS=schedule.WAIT_SENDS, OFFER=schedule.OFFER,
-                FETCH=schedule.FETCH, CONSUME_NONE=schedule.NONE,
+                FETCH=schedule.FETCH, SPREAD=schedule.SPREAD, CONSUME_NONE=schedule.NONE,
                 CONSUME_COPY=schedule.COPY, CONSUME_REDUCE=schedule.REDUCE,
                 CONSUME_REDUCE_LOWER=schedule.REDUCE_LOWER, CONSUME_REDUCE_UPPER=schedule.REDUCE_UPPER,
                 CONSUME_COPY_UPTO=schedule.COPY_UPTO)
@@ -202,9 +202,44 @@ def test_where_ranks_outnumber_the_cpus_the_spin_does_not_grow():
     assert all(n >= 1 for n in short), short
 
 
-def _malformed(rank, size, port):
+def _exchanges_in_its_own_order(rank, size, port, transport, kind=schedule.SPREAD):
+    """Each rank exchanges 12 chunks (more than its slots take) with every peer, listing its peers
+    in an order of its own: run one after another (EXCHANGE) rank 0 waits for rank 1, rank 1 for
+    rank 2 and rank 2 for rank 0, their slots full, until the engine copies arrivals out of the way
+    (Engine.keeps counts them); a spread takes whichever comes, and keeps none. Returns (the bytes
+    are right, messages kept)."""
+    from pyrdma.collectives.transport import describe
+    with _comm(rank, size, port, transport, timeout=20, max_message=1024) as comm:
+        t, chunk, per = comm.transport, 1024, 12
+        block = chunk * per
+        peers = [(rank + k) % size for k in range(1, size)]     # 0: 1, 2; 1: 2, 0; 2: 0, 1
+        b = schedule.Builder()
+        for p in peers:
+            b.exchange(p, [(p * block + i * chunk, chunk) for i in range(per)],
+                       p, [((size + p) * block + i * chunk, chunk) for i in range(per)], schedule.COPY)
+            b.steps[-1] = (kind,) + b.steps[-1][1:]
+        b.wait_sends()
+        work = t.buffer(2 * size * block)
+        for p in range(size):
+            work[p * block:(p + 1) * block] = 10 * rank + p
+        t.set_tag(describe(1 << 40, "alltoall"))
+        keeps = t.engine.keeps
+        t.run(b.build())
+        keeps = t.engine.keeps - keeps
+        ok = all((work[(size + p) * block:(size + p + 1) * block] == 10 * p + rank).all() for p in peers)
+        x = np.ones(4)
+        comm.allreduce(x)                         # the communicator goes on
+        return bool(ok and (x == size).all()), keeps
+
+
+@BOTH_LINKS
+def test_a_spread_takes_its_exchanges_in_whatever_order_the_peers_come(transport):
+    assert run_ranks(_exchanges_in_its_own_order, 3, free_port(), transport, timeout=120) == [(True, 0)] * 3
+
+
+def _malformed(rank, size, port, transport):
     import pyrdma as rd
-    with _comm(rank, size, port, timeout=30) as comm:
+    with _comm(rank, size, port, transport, timeout=30) as comm:
         t = comm.transport
         t.buffer(4096)
         peer = 1 - rank
@@ -219,6 +254,9 @@ def _malformed(rank, size, port):
             # an offer that also receives; a fetch of chunks with a gap (one READ moves one span)
             schedule.Schedule([(schedule.OFFER, peer, peer, 0, 1, 1, 1, schedule.COPY)], [(0, 8, 0), (8, 8, 0)]),
             schedule.Schedule([(schedule.FETCH, -1, peer, 0, 0, 0, 2, schedule.COPY)], [(0, 8, 0), (16, 8, 0)]),
+            # a spread of more exchanges than there are peers; one whose receive is a message's
+            schedule.Schedule([(schedule.SPREAD, peer, peer, 0, 1, 1, 1, schedule.COPY)] * 2, [(0, 8, 0), (8, 8, 0)]),
+            schedule.Schedule([(schedule.SPREAD, peer, peer, 0, 1, 1, 1, schedule.COPY_UPTO)], [(0, 8, 0), (8, 8, 0)]),
         ]
         for plan in bad_plans:
             try:
@@ -231,9 +269,9 @@ def _malformed(rank, size, port):
         return errors, bool((x == np.arange(1000) * size).all())
 
 
-@pytest.mark.device
-def test_a_malformed_schedule_is_refused_before_anything_is_posted():
-    for errors, ok in run_ranks(_malformed, 2, free_port(), timeout=120):
+@BOTH_LINKS
+def test_a_malformed_schedule_is_refused_before_anything_is_posted(transport):
+    for errors, ok in run_ranks(_malformed, 2, free_port(), transport, timeout=120):
         assert all(errors), errors
         assert ok
 

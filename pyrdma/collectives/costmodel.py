@@ -121,5 +121,5 @@ class CostModel:
 
     def choose_copy(self, kind, block, n, max_message):
         """The algorithm of a gather ("direct" or "binomial") or scatter (those or "read") of
-        ``block`` bytes per rank; all-to-all has one ("pairwise")."""
+        ``block`` bytes per rank, or of an all-to-all ("pairwise" or "spread")."""
         return self.cheapest(kind, block, n, max_message)

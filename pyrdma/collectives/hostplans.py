@@ -143,7 +143,10 @@ def alltoall(comm, buf):
     piece = data.nbytes // n
     bounds = tuple(i * piece for i in range(n + 1))
     t = comm.transport
-    entry = algorithms.only("alltoall")
+    try:
+        entry = specs.alltoall_entry(comm, piece)
+    except UsageError:
+        return None
     schedule = entry.planner(n, r, bounds, bounds, data.nbytes, t.max_message)
     tag = specs.describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=arr.size)
     if specs.zero_copy(comm, 2 * data.nbytes):

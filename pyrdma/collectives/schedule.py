@@ -19,7 +19,9 @@ send_peer (-1: to every peer) has left local memory. OFFER and FETCH move one sp
 the receiver's RDMA READ: OFFER tells send_peer where they lie (a small message), FETCH takes
 recv_peer's offer and reads them (COPY); the offering rank may reuse them once it has a later
 message from the reader. Over a transport that cannot read (TCP) they are a plain send and a
-COPY receive of the chunks.
+COPY receive of the chunks. SPREAD steps next to one another are EXCHANGEs the C engine runs
+together (each one's chunks sent as its peer's credits allow and taken as they arrive, whichever
+peer first); ``execute`` runs them one after another, which their order must allow as well.
 
 Two executors run the same schedules: the C engine (pyrdma._engine, RDMA: one call per collective,
 no GIL) and ``execute`` below, in Python over the transport contract (TCP, and the host tests
@@ -29,7 +31,7 @@ import numpy as np
 
 from pyrdma.collectives.work import HOST
 
-EXCHANGE, WAIT_SENDS, OFFER, FETCH = 0, 1, 2, 3
+EXCHANGE, WAIT_SENDS, OFFER, FETCH, SPREAD = 0, 1, 2, 3, 4
 NONE, COPY, REDUCE, REDUCE_LOWER, REDUCE_UPPER, COPY_UPTO = 0, 1, 2, 3, 4, 5
 STEP_COLUMNS, CHUNK_COLUMNS = 8, 3
 
@@ -85,6 +87,11 @@ class Builder:
 
     def send(self, peer, chunks):
         self.exchange(peer, chunks, None, (), NONE)
+
+    def spread(self, send_peer, send_chunks, recv_peer, recv_chunks, consume):
+        """An exchange run together with the spread steps next to it (at most n - 1 of them)."""
+        self.exchange(send_peer, send_chunks, recv_peer, recv_chunks, consume)
+        self.steps[-1] = (SPREAD,) + self.steps[-1][1:]
 
     def offer(self, peer, chunks):
         """Let ``peer`` read ``chunks`` (one span) from here (its fetch)."""

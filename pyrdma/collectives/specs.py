@@ -134,6 +134,16 @@ def zero_copy(comm, nbytes):
     return bool(comm.zero_copy_bytes) and nbytes >= comm.zero_copy_bytes
 
 
+def alltoall_entry(comm, block):
+    """The registry entry of an all-to-all of ``block`` bytes per rank, the cost model's choice;
+    ``block`` 0 where the counts differ per rank (alltoallv): the choice must be every rank's."""
+    algo = comm.cost_model.choose_copy("alltoall", block, comm.size, comm.transport.max_message)
+    try:
+        return algorithms.ALGORITHMS["alltoall"][algo]
+    except KeyError:
+        raise UsageError(f"the cost model chose an unknown all-to-all algorithm {algo!r}") from None
+
+
 def allreduce_work(comm, entry, nbytes):
     """(in place?, work bytes) of an allreduce of ``nbytes`` by the Algorithm ``entry``, for the
     general path and the one-call path alike: in place when zero_copy, except by an algorithm that
@@ -477,7 +487,7 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
                          f"{out_arr.dtype}")
     base = sb[-1]
     count = arr.size if send_counts is None else 0     # uneven counts: each message's length is checked
-    entry = algorithms.only("alltoall")
+    entry = alltoall_entry(comm, sb[1] if send_counts is None else 0)
     tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
 
     plan = functools.partial(entry.planner, n, r, sb, rb, base)

@@ -72,7 +72,9 @@ ALGORITHMS = {
                         Algorithm("binomial", rooted.binomial_scatter, rooted.binomial_cost, 5, full_area=True,
                                   min_ranks=3),
                         Algorithm("read", rooted.read_scatter, rooted.read_scatter_cost, 9, min_ranks=3)),
-    "alltoall": _by_name(Algorithm("pairwise", exchange.pairwise_alltoall, exchange.pairwise_alltoall_cost, 8)),
+    "alltoall": _by_name(Algorithm("pairwise", exchange.pairwise_alltoall, exchange.pairwise_alltoall_cost, 8),
+                         Algorithm("spread", exchange.spread_alltoall, exchange.spread_alltoall_cost, 10,
+                                   min_ranks=3)),
 }
 
 
@@ -118,6 +120,6 @@ def canonical(collective, name):
 
 
 def only(collective):
-    """The one Algorithm of a collective that has one (allgather, reduce_scatter, barrier, alltoall)."""
+    """The one Algorithm of a collective that has one (allgather, reduce_scatter, barrier)."""
     algorithm, = ALGORITHMS[collective].values()
     return algorithm

@@ -266,7 +266,8 @@ class _EngineFailures:
             self.reports = self.engine.reports()
             waits = {"credit": "a free receive slot (a credit)", "arrival": f"a {a}-byte message",
                      "send queue": "send queue space", "sends": "the completion of its sends",
-                     "rendezvous": "the receiver's buffer address (a rendezvous send waits for its receive)"}
+                     "rendezvous": "the receiver's buffer address (a rendezvous send waits for its receive)",
+                     "spread": "a message or a credit of its all-to-all"}
             return self._stall_error(peer, waits.get(_engine.WAITS.get(what), "progress"))
         if name == "malformed":
             return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
