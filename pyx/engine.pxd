@@ -164,7 +164,6 @@ cdef class Engine:
     cdef uint8_t *visited
     # the spread that runs (_spread): its steps, how many, and per step the chunks sent and received
     cdef const int64_t *spread_steps
-    cdef const int64_t *spread_chunks
     cdef int spread_count
     cdef int *spread_done
     cdef int closing

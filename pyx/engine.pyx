@@ -731,7 +731,7 @@ cdef class Engine:
         cdef uint8_t *data
         for j in range(count):
             sent[j] = got[j] = 0
-        self.spread_steps, self.spread_chunks, self.spread_count = steps, chunks, count
+        self.spread_steps, self.spread_count = steps, count
         while True:
             moved = left = 0
             peer = -1

@@ -218,8 +218,7 @@ def _exchanges_in_its_own_order(rank, size, port, transport, kind=schedule.SPREA
         b = schedule.Builder()
         for p in peers:
             b.exchange(p, [(p * block + i * chunk, chunk) for i in range(per)],
-                       p, [((size + p) * block + i * chunk, chunk) for i in range(per)], schedule.COPY)
-            b.steps[-1] = (kind,) + b.steps[-1][1:]
+                       p, [((size + p) * block + i * chunk, chunk) for i in range(per)], schedule.COPY, kind)
         b.wait_sends()
         work = t.buffer(2 * size * block)
         for p in range(size):

@@ -75,23 +75,19 @@ class Builder:
         self.chunks.extend((c[0], c[1], c[2] if len(c) > 2 else 0) for c in chunks)
         return first
 
-    def exchange(self, send_peer, send_chunks, recv_peer, recv_chunks, consume):
+    def exchange(self, send_peer, send_chunks, recv_peer, recv_chunks, consume, kind=EXCHANGE):
         """Send ``send_chunks`` to send_peer while receiving ``recv_chunks`` from recv_peer (either
-        peer may be None)."""
+        peer may be None). ``kind`` SPREAD: run together with the SPREAD steps next to it (at most
+        n - 1 of them)."""
         send_chunks = send_chunks if send_peer is not None else ()
         recv_chunks = recv_chunks if recv_peer is not None else ()
         s0 = self._add_chunks(send_chunks)
         r0 = self._add_chunks(recv_chunks)
-        self.steps.append((EXCHANGE, -1 if send_peer is None else send_peer, -1 if recv_peer is None else recv_peer,
+        self.steps.append((kind, -1 if send_peer is None else send_peer, -1 if recv_peer is None else recv_peer,
                            s0, len(send_chunks), r0, len(recv_chunks), consume))
 
     def send(self, peer, chunks):
         self.exchange(peer, chunks, None, (), NONE)
-
-    def spread(self, send_peer, send_chunks, recv_peer, recv_chunks, consume):
-        """An exchange run together with the spread steps next to it (at most n - 1 of them)."""
-        self.exchange(send_peer, send_chunks, recv_peer, recv_chunks, consume)
-        self.steps[-1] = (SPREAD,) + self.steps[-1][1:]
 
     def offer(self, peer, chunks):
         """Let ``peer`` read ``chunks`` (one span) from here (its fetch)."""

@@ -14,21 +14,26 @@
 import functools
 
 from pyrdma.collectives.algorithms.rooted import message_chunks
-from pyrdma.collectives.schedule import COPY, COPY_UPTO, Builder
+from pyrdma.collectives.schedule import COPY, COPY_UPTO, EXCHANGE, SPREAD, Builder
 
 _cached = functools.lru_cache(maxsize=512)
 
 
-@_cached
-def pairwise_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message):
+def _exchanges(n, r, send_bounds, recv_bounds, recv_base, max_message, kind):
+    """Step k = 1 .. n-1: this rank's block for rank r+k out while rank r-k's comes in (steps of ``kind``)."""
     b = Builder()
     for k in range(1, n):
         dst, src = (r + k) % n, (r - k) % n
         b.exchange(dst, message_chunks(send_bounds[dst], send_bounds[dst + 1] - send_bounds[dst], max_message),
                    src, message_chunks(recv_base + recv_bounds[src], recv_bounds[src + 1] - recv_bounds[src],
-                                       max_message), COPY)
+                                       max_message), COPY, kind)
     b.wait_sends()
     return b.build()
+
+
+@_cached
+def pairwise_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message):
+    return _exchanges(n, r, send_bounds, recv_bounds, recv_base, max_message, EXCHANGE)
 
 
 def pairwise_alltoall_cost(model, block, n, max_message):
@@ -38,14 +43,7 @@ def pairwise_alltoall_cost(model, block, n, max_message):
 
 @_cached
 def spread_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message):
-    b = Builder()
-    for k in range(1, n):
-        dst, src = (r + k) % n, (r - k) % n
-        b.spread(dst, message_chunks(send_bounds[dst], send_bounds[dst + 1] - send_bounds[dst], max_message),
-                 src, message_chunks(recv_base + recv_bounds[src], recv_bounds[src + 1] - recv_bounds[src],
-                                     max_message), COPY)
-    b.wait_sends()
-    return b.build()
+    return _exchanges(n, r, send_bounds, recv_bounds, recv_base, max_message, SPREAD)
 
 
 def spread_alltoall_cost(model, block, n, max_message):
