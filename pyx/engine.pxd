@@ -264,6 +264,8 @@ cdef class Engine:
     cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
     cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*, uint8_t *dst=*) noexcept nogil
     cdef int _keep(self, peer_t *p, const uint8_t *start, uint32_t got) noexcept nogil
+    cdef uint8_t *_take_head(self, peer_t *p, uint32_t *got) noexcept nogil
+    cdef int _keep_head(self, int peer) noexcept nogil
     cdef int _release(self, int peer) noexcept nogil
     cdef int _return_slot(self, int peer) noexcept nogil
     cdef int _consume(self, int kind, const int64_t *chunk, uint8_t *data) noexcept nogil
@@ -282,7 +284,7 @@ cdef class Engine:
     cdef int _sock_send(self, int peer, uint64_t addr, int64_t n, const uint8_t *desc) noexcept nogil
     cdef int _sock_queue(self, int peer, uint32_t imm, const uint8_t *desc, uint64_t addr, uint32_t n) noexcept nogil
     cdef int _sock_flush(self, int peer) noexcept nogil
-    cdef int _sock_read(self, int peer) noexcept nogil
+    cdef int _sock_read(self, int peer, bint last_words) noexcept nogil
     cdef int _sock_piece(self, int peer) noexcept nogil
     cdef bint _direct_ok(self, const uint8_t *header, uint32_t length) noexcept nogil
     cdef uint8_t *_dst(self, int kind, const int64_t *chunk) noexcept nogil

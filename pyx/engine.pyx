@@ -776,20 +776,33 @@ cdef class Engine:
         -1: failure."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint8_t *start
-        cdef uint32_t got
         if p.kept[0] != NULL:
             return 1
         while p.arr_count > 0:
             start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
             if start[DESC_KIND_AT] != DESC_KIND_SEND:
                 return 1
-            got = p.arrivals[p.arr_head]
-            p.arr_head = (p.arr_head + 1) % self.slots
-            p.arr_count -= 1
-            p.recv_seq += 1
-            if self._keep(p, start, got) < 0 or self._return_slot(peer) < 0:
+            if self._keep_head(peer) < 0:
                 return -1
         return 0
+
+    cdef uint8_t *_take_head(self, peer_t *p, uint32_t *got) noexcept nogil:
+        """Take ``p``'s first arrival: the start of its slot (the header, the payload from
+        C_HEADER_ROOM on); ``got``: the payload's length."""
+        cdef uint8_t *start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+        got[0] = p.arrivals[p.arr_head]
+        p.arr_head = (p.arr_head + 1) % self.slots
+        p.arr_count -= 1
+        p.recv_seq += 1
+        return start
+
+    cdef int _keep_head(self, int peer) noexcept nogil:
+        """Keep ``peer``'s first arrival for its own receive (_keep) and return its slot."""
+        cdef uint32_t got
+        cdef uint8_t *start = self._take_head(&self.peers[peer], &got)
+        if self._keep(&self.peers[peer], start, got) < 0:
+            return -1
+        return self._return_slot(peer)
 
     cdef int _exchange(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch, int nr,
                        int ck) noexcept nogil:
@@ -1159,11 +1172,7 @@ cdef class Engine:
                     self.post_peer = -1
                     if rc < 0:
                         return NULL
-                got = p.arrivals[p.arr_head]
-                p.arr_head = (p.arr_head + 1) % self.slots
-                p.arr_count -= 1
-                start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
-                p.recv_seq += 1
+                start = self._take_head(p, &got)
                 if (start[DESC_KIND_AT] == DESC_KIND_SEND) == upto:
                     break
                 # a point-to-point message during a collective (an isend before it), or a later
@@ -1523,19 +1532,12 @@ cdef class Engine:
         have to wait for send queue room."""
         cdef int q
         cdef peer_t *p
-        cdef uint8_t *start
-        cdef uint32_t got
         for q in range(self.size):
             p = &self.peers[q]
             if q == self.rank or p.held + p.unreturned < self.slots or p.direct:
                 continue            # (a payload read straight into a receive's destination is that receive's)
             while p.arr_count > 0 and p.outstanding < self.sq_depth:
-                got = p.arrivals[p.arr_head]
-                p.arr_head = (p.arr_head + 1) % self.slots
-                p.arr_count -= 1
-                start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
-                p.recv_seq += 1
-                if self._keep(p, start, got) < 0 or self._return_slot(q) < 0:
+                if self._keep_head(q) < 0:
                     return -1
             if p.unreturned > 0 and p.outstanding < self.sq_depth:
                 if self._post_empty(q, (KIND_CREDIT << 30) | <uint32_t>p.unreturned) < 0:
@@ -1644,24 +1646,28 @@ cdef class Engine:
         return frames
 
     cdef int _sock_lost(self, int peer, int err) noexcept nogil:
-        """A write to ``peer`` failed: it is gone. A failure if it had messages still to take."""
+        """A write to ``peer`` failed: it is gone. A failure if it had messages still to take, once
+        what it sent before it went is read: an abort there (it failed, and said why before it
+        closed) is the failure named, not the broken connection."""
         cdef peer_t *p = &self.peers[peer]
-        p.gone = 1
+        p.gone = 1                     # (first: what the read handles writes nothing to it again)
         if p.data_outstanding:
+            self._sock_read(peer, True)
             return self._fail(FAIL_LINK, peer, err, 0)
         p.outstanding = 0
         return 0
 
-    cdef int _sock_read(self, int peer) noexcept nogil:
+    cdef int _sock_read(self, int peer, bint last_words) noexcept nogil:
         """Read what ``peer``'s socket has, without blocking, into the places of the frames'
         pieces. The frames completed, or -1 on failure. The end of the stream marks the peer gone
-        (a wait for it fails; what it sent before is all here)."""
+        (a wait for it fails; what it sent before is all here). ``last_words``: read although the
+        peer is gone already (a write to it failed)."""
         cdef peer_t *p = &self.peers[peer]
         cdef ssize_t n
         cdef uint32_t take
         cdef int frames = 0, rc
         cdef bint direct
-        while not p.gone:
+        while last_words or not p.gone:
             if p.rx_lo < p.rx_hi:
                 take = min(p.rx_need - p.rx_got, <uint32_t>(p.rx_hi - p.rx_lo))
                 memcpy(p.rx_dst + p.rx_got, p.rx + p.rx_lo, take)
@@ -1758,7 +1764,7 @@ cdef class Engine:
                 if n < 0:
                     return -1
                 total += n
-            n = self._sock_read(q)
+            n = self._sock_read(q, False)
             if n < 0:
                 return -1
             total += n

@@ -3,9 +3,9 @@
 
 A warm blocking allreduce, reduce, broadcast, allgather, reduce-scatter, all-to-all, gather, scatter,
 barrier, send or recv of host memory is one C call: HostCollectives takes the buffer by the buffer
-protocol, finds the call prepared for its shape (pyrdma.collectives.hostplans makes HostCalls with
-the same plans and descriptions as the general path), and runs the copy in, the engine's schedule
-(pyx/engine.pyx) and the copy out without the GIL, under the executor's ExecLock. Python runs only
+protocol, finds the call prepared for its shape (pyrdma.collectives.hostplans makes each HostCall
+from the general path's own spec of the call: one plan, one description), and runs the copy in, the
+engine's schedule (pyx/engine.pyx) and the copy out without the GIL, under the executor's ExecLock. Python runs only
 to prepare a new shape, register new memory and raise errors; what a method does not take (it
 returns None) goes the Communicator's general way.
 """
@@ -381,7 +381,7 @@ cdef class HostCollectives:
                 self._check_prepared_under()
                 last = self.last_reduce_scatter
                 found = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
-                    last, &view, -1, None, op, "reduce_scatter", self.plans.reduce_scatter, (self.comm, buf, op))
+                    last, &view, -1, None, op, "reduce_scatter", self.plans.reduce_scatter, (self.comm, buf, None, op))
                 if found is None:
                     return None
                 call = <HostCall>found
@@ -392,7 +392,7 @@ cdef class HostCollectives:
 
     cdef object _into(self, _LastCall last, str kind, buf, out, op, Py_ssize_t times, prepare):
         """``out`` of an all-to-all, allgather or reduce-scatter (``kind``, prepared by
-        ``prepare(comm, buf)``, or ``prepare(comm, buf, op)`` for a reduction): ``buf`` read, the
+        ``prepare(comm, buf, out, op)``; ``op`` None but for a reduction): ``buf`` read, the
         call's result written into ``out``, other memory with ``times`` x buf's bytes (0: the
         prepared call's out_bytes) and buf's format; None where the general path must run it."""
         cdef Py_buffer view, oview
@@ -411,7 +411,7 @@ cdef class HostCollectives:
                     return None
                 self._check_prepared_under()
                 call = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
-                    last, &view, -1, None, op, kind, prepare, (self.comm, buf) if op is None else (self.comm, buf, op))
+                    last, &view, -1, None, op, kind, prepare, (self.comm, buf, out, op))
                 if call is None or (<HostCall>call).out_bytes != oview.len or (<HostCall>call).nbytes != view.len \
                         or ((<HostCall>call).lent != LENT_NONE and _overlap(&view, &oview)):
                     return None
@@ -484,7 +484,7 @@ cdef class HostCollectives:
                 self._check_prepared_under()
                 call = last.call if last.matches(&pview, <int>root, algorithm, None) else self._last_or_prepared(
                     last, &pview, <int>root, algorithm, None, kind, self.plans.rooted_copy,
-                    (self.comm, kind, piece, root, algorithm))
+                    (self.comm, kind, piece, full, root, algorithm))
                 if call is None or ((<HostCall>call).lent != LENT_NONE and fp != NULL and _overlap(&pview, fp)):
                     return None
                 if piece_out:                   # scatter: from the root's full array into the piece

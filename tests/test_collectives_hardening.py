@@ -422,6 +422,27 @@ def test_socket_link_valid_frames_and_a_silent_peer():
         assert 0.3 < time.monotonic() - start < 3.0
 
 
+def test_socket_link_names_a_peers_abort_before_its_broken_connection():
+    """A peer that failed says why (an abort) and closes: a send to it that finds the connection
+    broken fails with that abort, still unread, not with the broken pipe (a rank of a mismatch test
+    once reported "the connection broke" where its peer had raised UsageError and closed)."""
+    from pyrdma._engine import FAILURES
+    from pyrdma.collectives import transport as tr
+    from pyrdma.collectives.schedule import Builder
+    desc = tr.describe(7, "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
+    work = np.zeros(MAX_MESSAGE, np.uint8)
+    a, b = socket.socketpair()
+    with a:
+        engine, _ = _socket_engine(a, timeout=2.0)
+        b.sendall(_frame(_ABORT, (tr.MISMATCH << 24) | 1))
+        b.close()
+        send = Builder()
+        send.send(1, ((0, 64, 0),))
+        send.wait_sends()
+        failed = engine.run(engine.program(send.build()), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
+        assert FAILURES[failed] == "abort", engine.failure()
+
+
 def _impostor_exchange(tr, frames=b""):
     """An exchange for rank 0 of two whose rank 1 is the test: it says hello with the listener's
     token, then sends ``frames``."""

@@ -10,8 +10,8 @@ Collectives: allreduce, reduce (to root), broadcast (from root), allgather, redu
 recv, sendrecv, each with a non-blocking ``i*`` form returning a Handle, and batch() for a group of
 sends and receives. Each is one spec (pyrdma.collectives.specs: its runs of the engine, each a
 schedule, a description, a work area, what to copy in and out) run by one path (_call, _run_spec);
-a warm blocking call of host memory over RDMA is one C call instead (pyrdma._hostcalls, with the
-same plans: pyrdma.collectives.hostplans). Ops: sum, prod, min, max, avg
+a warm blocking call of host memory is one C call instead, over either link (pyrdma._hostcalls runs
+the same spec there, prepared once per shape by pyrdma.collectives.hostplans). Ops: sum, prod, min, max, avg
 (floating-point avg scales every input by 1/n before the sum, as NCCL, so a mean near the
 largest finite value does not overflow as the sum would; integer avg is the sum, which wraps
 around on overflow as C does, divided by n and truncated toward zero, as NCCL). Dtypes: int8,

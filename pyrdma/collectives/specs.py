@@ -5,7 +5,7 @@ its pieces (one Run each: the schedule's planner, the description every message 
 area, what to copy in before and out after) and says what the call returns, as a Spec. The
 Communicator runs every spec by one path (Communicator._call: blocking, or non-blocking on its
 thread), so a collective's blocking and ``i*`` forms are the same spec; the one-call path of
-pyrdma._hostcalls prepares its calls with the same plans and descriptions (hostplans). Adding a
+pyrdma._hostcalls runs a spec's run as it is where its Layout says what it copies (hostplans). Adding a
 collective is one planner with its registry entry (algorithms/), one spec here and its tests; the
 specs take every algorithm's planner, properties and wire id from the registry.
 """
@@ -36,16 +36,33 @@ class Run:
     DirectArea), which the transport registers, syncs, reads and writes it by, and which says
     whether received chunks are consumed in Python (its ``reduce``) instead of in C. ``out``: a
     second work area of host memory in place (flat uint8), where the schedule's offsets from
-    ``area`` on lie (an all-to-all receives into the caller's output as it sends from its input)."""
+    ``area`` on lie (an all-to-all receives into the caller's output as it sends from its input).
+    ``layout``: what fill and finish copy, as a Layout, where the one-call path can run it."""
 
     __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "kind",
-                 "out")
+                 "out", "layout")
 
     def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None,
-                 kind=HOST, out=None):
+                 kind=HOST, out=None, layout=None):
         self.plan, self.tag, self.area, self.fill, self.finish = plan, tag, area, fill, finish
         self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
-        self.kind, self.out = kind, out
+        self.kind, self.out, self.layout = kind, out, layout
+
+
+class Layout:
+    """A run's copies in terms of the call's shape alone, which the one-call path (hostplans,
+    pyrdma._hostcalls.HostCall) runs in C on each call's own buffers: the work area is the
+    transport's buffer of ``work_bytes`` (``lent`` None), or the caller's memory ("in": its input,
+    "out": its output, "both": the input and then the output); ``in_bytes`` of the input are copied
+    in at ``in_offset``, ``out_bytes`` of the result copied out from ``result_offset`` (None: the
+    schedule's), and ``own`` (from, to, length) before the run (a block no message carries). A run
+    whose fill or finish does more than that (op="avg", a received length) has none."""
+
+    __slots__ = ("in_bytes", "out_bytes", "work_bytes", "in_offset", "result_offset", "own", "lent")
+
+    def __init__(self, in_bytes, out_bytes, work_bytes, in_offset=0, result_offset=0, own=(0, 0, 0), lent=None):
+        self.in_bytes, self.out_bytes, self.work_bytes = in_bytes, out_bytes, work_bytes
+        self.in_offset, self.result_offset, self.own, self.lent = in_offset, result_offset, own, lent
 
 
 class Spec:
@@ -212,8 +229,12 @@ def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
             if not in_place:
                 dst.bytes[a:b] = work[at:at + b - a]
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize)
+        layout = None
+        if op != "avg" and not direct and (not in_place or src is dst):
+            layout = Layout(b - a, b - a, b - a if in_place else work_bytes, result_offset=None,
+                            lent="in" if in_place else None)
         runs.append(Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, op_code(op),
-                        lend=dst.bytes if in_place else None, start=a, kind=memory))
+                        lend=dst.bytes if in_place else None, start=a, kind=memory, layout=layout))
     return runs
 
 
@@ -237,7 +258,8 @@ def reduce(comm, buf, out, op, root, algorithm, dtype):
                 dst.bytes[a:b] = work[:b - a]
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize, root=root)
         tag = describe_call(comm, "reduce", entry, op=op, dtype=src.code, count=src.count, root=root, lo=lo, hi=hi)
-        runs.append(Run(plan, tag, b - a, fill, finish, src.code, op_code(op)))
+        layout = None if op == "avg" else Layout(b - a, b - a if comm.rank == root else 0, b - a)
+        runs.append(Run(plan, tag, b - a, fill, finish, src.code, op_code(op), layout=layout))
     return Spec(runs, lambda: dst.obj if comm.rank == root else None)
 
 
@@ -259,7 +281,9 @@ def broadcast(comm, buf, root, algorithm):
                 data[lo:hi] = work[:hi - lo]
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, 1, root=root)
         tag = describe_call(comm, "broadcast", entry, dtype=arr.dtype, count=data.nbytes, root=root, lo=lo, hi=hi)
-        runs.append(Run(plan, tag, hi - lo, fill, finish, lend=lend, start=lo))
+        is_root = comm.rank == root
+        layout = None if lend is not None else Layout(hi - lo if is_root else 0, 0 if is_root else hi - lo, hi - lo)
+        runs.append(Run(plan, tag, hi - lo, fill, finish, lend=lend, start=lo, layout=layout))
     return Spec(runs, lambda: buf)
 
 
@@ -294,7 +318,8 @@ def allgather(comm, buf, out):
     plan = functools.partial(entry.planner, comm.size, comm.rank, total, 1,
                              bounds=tuple(i * block for i in range(comm.size + 1)))
     tag = describe_call(comm, "allgather", entry, dtype=arr.dtype, count=arr.size)
-    return Spec([Run(plan, tag, total, fill, finish, lend=lend)])
+    layout = None if lend is not None else Layout(block, total, total, in_offset=comm.rank * block)
+    return Spec([Run(plan, tag, total, fill, finish, lend=lend, layout=layout)])
 
 
 def reduce_scatter(comm, buf, out, op, dtype):
@@ -322,13 +347,14 @@ def reduce_scatter(comm, buf, out, op, dtype):
     entry = algorithms.only("reduce_scatter")
     plan = functools.partial(entry.planner, comm.size, comm.rank, src.count, src.itemsize, bounds=tuple(bounds))
     tag = describe_call(comm, "reduce_scatter", entry, op=op, dtype=src.code, count=src.count)
-    return Spec([Run(plan, tag, src.nbytes, fill, finish, src.code, op_code(op))])
+    layout = None if op == "avg" else Layout(src.nbytes, b - a, src.nbytes, result_offset=a)
+    return Spec([Run(plan, tag, src.nbytes, fill, finish, src.code, op_code(op), layout=layout)])
 
 
 def barrier(comm):
     entry = algorithms.only("barrier")
     plan = lambda max_message: entry.planner(comm.size, comm.rank)    # noqa: E731
-    return Spec([Run(plan, describe_call(comm, "barrier", entry), 0)])
+    return Spec([Run(plan, describe_call(comm, "barrier", entry), 0, layout=Layout(0, 0, 0))])
 
 
 def gather(comm, buf, out, root, algorithm):
@@ -345,7 +371,7 @@ def gather(comm, buf, out, root, algorithm):
 
     def lend(full, algo):
         # the root receives into out; a rank that only sends its block sends it from buf
-        return dst if r == root else (data if not full else None)
+        return (dst, "out") if r == root else ((data, "in") if not full else (None, None))
 
     def fill(work, at, lent):
         if not (lent and r != root):
@@ -357,7 +383,14 @@ def gather(comm, buf, out, root, algorithm):
         if not lent:
             dst[:] = work[:n * block]
         return out
-    return rooted_copy(comm, "gather", root, algorithm, arr.dtype, arr.size, block, fill, finish, lend)
+
+    def layout(at, area, lent):
+        if lent == "out":            # the root: its own block from buf into out
+            return Layout(block, n * block, n * block, own=(0, at, block), lent=lent)
+        if lent == "in":
+            return Layout(block, 0, block, lent=lent)
+        return Layout(block, n * block if r == root else 0, area, in_offset=at)
+    return rooted_copy(comm, "gather", root, algorithm, arr.dtype, arr.size, block, fill, finish, lend, layout)
 
 
 def scatter(comm, buf, out, root, algorithm):
@@ -401,8 +434,8 @@ def scatter(comm, buf, out, root, algorithm):
         # pieces is copied in below the zero-copy size), a rank that only receives its block
         # receives it into out
         if r == root:
-            return src if algo != "read" else None
-        return dst if not full else None
+            return (src, "in") if algo != "read" else (None, None)
+        return (dst, "out") if not full else (None, None)
 
     def fill(work, at, lent):
         if r == root and not lent:
@@ -416,7 +449,17 @@ def scatter(comm, buf, out, root, algorithm):
         if not lent or r == root:
             dst[:] = work[at:at + block]
         return out
-    return rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish, lend)
+
+    def layout(at, area, lent):
+        if pieces is not None:       # (copied in piece by piece)
+            return None
+        if lent == "in":             # the root: its own block from buf into out
+            return Layout(n * block, block, n * block, own=(at, 0, block), lent=lent)
+        if lent == "out":
+            return Layout(0, block, block, lent=lent)
+        return Layout(n * block if r == root else 0, block, area, result_offset=at)
+    return rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish, lend,
+                       layout)
 
 
 def _scatter_parts(comm, pieces, out, dst, root, block, out_arr):
@@ -435,24 +478,26 @@ def _scatter_parts(comm, pieces, out, dst, root, block, out_arr):
                      tag, block, finish=own if p == others[-1] else None, lend=pieces[p][1]) for p in others])
 
 
-def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish, lend):
+def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish, lend, layout):
     """The spec of a gather or scatter of ``block`` bytes per rank. The work area holds every
     rank's block in rank order where the root or the algorithm needs them all, else this rank's
     at 0; ``fill(work, at, lent)`` and ``finish(work, at, lent)`` get where this rank's block lies
-    and whether the work area is the caller's memory: ``lend(full, algorithm)``'s (None: none),
-    taken where zero-copy pays."""
+    and whether the work area is the caller's memory: ``lend(full, algorithm)``'s (memory, "in"
+    or "out"), or (None, None), taken where zero-copy pays; ``layout(at, area, lent)`` the run's
+    Layout."""
     n, r = comm.size, comm.rank
     algo = copy_algorithm(comm, kind, algorithm, block)
     entry = algorithms.ALGORITHMS[kind][algo]
     full = entry.full_area or r == root
     at = r * block if full else 0
     area = n * block if full else block
-    mem = lend(full, algo) if zero_copy(comm, area) else None
+    mem, how = lend(full, algo) if zero_copy(comm, area) else (None, None)
     lent = mem is not None
     return Spec([Run(functools.partial(entry.planner, n, r, root, block),
                      describe_call(comm, kind, entry, dtype=dtype, count=count, root=root),
                      area, lambda work: fill(work, at, lent),
-                     lambda work, schedule, received: finish(work, at, lent), lend=mem)])
+                     lambda work, schedule, received: finish(work, at, lent), lend=mem,
+                     layout=layout(at, area, how))])
 
 
 def alltoall(comm, buf, out, send_counts, recv_counts):
@@ -491,12 +536,14 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
     tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
 
     plan = functools.partial(entry.planner, n, r, sb, rb, base)
+    own = sb[r + 1] - sb[r]
     if zero_copy(comm, base + rb[-1]) and not np.shares_memory(src, dst):
         # sent from buf and received into out where they are: no copy in or out
         def own_piece(work, schedule, received):
             dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
             return out
-        return Spec([Run(plan, tag, base, finish=own_piece, lend=src, out=dst)])
+        layout = Layout(base, rb[-1], base + rb[-1], own=(sb[r], rb[r], own), lent="both")
+        return Spec([Run(plan, tag, base, finish=own_piece, lend=src, out=dst, layout=layout)])
 
     def fill(work):
         work[:base] = src
@@ -505,12 +552,14 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
         dst[:] = work[base:base + rb[-1]]
         dst[rb[r]:rb[r + 1]] = work[sb[r]:sb[r + 1]]     # (from the copy: out may be buf itself)
         return out
-    return Spec([Run(plan, tag, base + rb[-1], fill, finish)])
+    layout = Layout(base, rb[-1], base + rb[-1], result_offset=base, own=(sb[r], base + rb[r], own))
+    return Spec([Run(plan, tag, base + rb[-1], fill, finish, layout=layout)])
 
 
-def p2p(comm, buf, dst, src, tag):
+def p2p(comm, buf, dst, src, tag, numbered=True):
     """A send (dst), a receive (src) or both (buf and tag pairs: send's, receive's): one message
-    each way."""
+    each way. ``numbered``: the messages take the pair's next numbers (else 0: the one-call path
+    numbers each call's)."""
     send_tag, recv_tag = tag if isinstance(tag, tuple) else (tag, tag)
     for t in (send_tag, recv_tag):
         if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < NO_ROOT:
@@ -528,12 +577,15 @@ def p2p(comm, buf, dst, src, tag):
         raise UsageError(f"rank {comm.rank} sends or receives a message to itself; copy the array instead")
     item = r_arr.dtype.itemsize if r_arr is not None else 1
     send_desc = recv_desc = describe(0, "")
+    sent, received = comm._exec.sent, comm._exec.received
     if dst is not None:
-        send_desc = describe_message(comm._exec.sent[dst], s_data.nbytes, s_arr.dtype, send_tag)
-        comm._exec.sent[dst] += 1
+        send_desc = describe_message(sent[dst] if numbered else 0, s_data.nbytes, s_arr.dtype, send_tag)
+        if numbered:
+            sent[dst] += 1
     if src is not None:
-        recv_desc = describe_message(comm._exec.received[src], 0, r_arr.dtype, recv_tag)
-        comm._exec.received[src] += 1
+        recv_desc = describe_message(received[src] if numbered else 0, 0, r_arr.dtype, recv_tag)
+        if numbered:
+            received[src] += 1
     nbytes = s_data.nbytes if s_data is not None else 0
     capacity = r_data.nbytes if r_data is not None else 0
     # a lone send or receive works on the caller's memory itself when zero-copy pays
@@ -558,7 +610,10 @@ def p2p(comm, buf, dst, src, tag):
         return received // item
     plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if lend is not None else nbytes)
     area = nbytes + capacity if lend is None else (nbytes or capacity)
-    return Spec([Run(plan, send_desc, area, fill, finish, lend=lend, recv_tag=recv_desc)], collective=False)
+    # a lone message through the transport's buffer (a receive copies out what arrived)
+    layout = Layout(nbytes, 0, area) if lend is None and (sendbuf is None or recvbuf is None) else None
+    return Spec([Run(plan, send_desc, area, fill, finish, lend=lend, recv_tag=recv_desc, layout=layout)],
+                collective=False)
 
 
 def allreduce_direct(comm, area, op, algorithm):
