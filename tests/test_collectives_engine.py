@@ -438,15 +438,15 @@ def _forged_offer(rank, size, port, case):
     t = comm.transport
     if rank == 0:
         with comm:
-            # the honest call's spec (its description, its fill), run with a hand-built schedule: a
-            # plain 16-byte message where the OFFER would be, its bytes written by the fill
+            # the honest call's spec (its description, its copies), run with a hand-built schedule:
+            # a plain 16-byte message where the OFFER would be, its bytes written by the fill
             spec = specs.scatter(comm, np.arange(size * _FORGED_COUNT, dtype=np.float32), None, 0, "read")
             run = spec.runs[0]
-            at, honest_fill = size * block, run.fill
+            at = size * block
 
             def forge(work):
                 work[:] = 0x5A                  # what a read past a block would bring back
-                honest_fill(work)
+                run.layout.copy_in(work, run.source, run.target)
                 addr, rkey, length = _FORGED[case](t._work_mr)
                 work[at:at + 16] = np.frombuffer(struct.pack("<QII", addr, rkey, length), np.uint8)
             run.fill, run.area = forge, at + 16

@@ -644,11 +644,19 @@ class Communicator:
         for run in spec.runs:
             schedule = run.plan(t.max_message)
             work = t.work_area(run.area, run.lend, run.start, run.kind)
+            layout = run.layout
+            layout.copy_in(work, run.source, run.target)
+            if run.avg is not None:
+                run.avg.before(layout.inputs(work))
             if run.fill is not None:
                 run.fill(work)
             t.set_tag(run.tag, run.recv_tag)
             consume = consumer(work, run.kind.reduce, run.kind.write) if run.kind.consumes else None
             received = t.run(schedule, run.dtype, run.op, consume, park=park and run.lend is not None, out=run.out)
+            if run.avg is not None and layout.out_bytes:
+                at = layout.result(schedule)
+                run.avg.after(work[at:at + layout.out_bytes])
+            layout.copy_out(work, schedule, run.target)
             if run.finish is not None:
                 value = run.finish(work, schedule, received)
         return value if spec.result is None else spec.result()

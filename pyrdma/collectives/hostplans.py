@@ -4,9 +4,10 @@ A HostCall is the general path's own spec (pyrdma.collectives.specs) of the call
 per shape: its one run's schedule as the engine's Program, its description, and its Layout (what
 the run copies in and out, in terms of the shape alone), so both paths run the same plan message
 for message. Each function below builds the spec from the arguments HostCollectives has and
-returns None where the general path must run the call: a spec of several runs or without a
-Layout (op="avg", a lent buffer the one-call path does not lend), and arguments the spec refuses
-(the general path raises their error).
+returns None where the general path must run the call: a spec of several runs, a run that does
+more than its Layout says (op="avg"'s scaling, pieces given as a list), one in the caller's memory
+where the one-call path does not lend it, and arguments the spec refuses (the general path
+raises their error).
 """
 import numpy as np
 
@@ -18,18 +19,20 @@ from pyrdma.errors import UsageError
 _LENT = {None: LENT_NONE, "in": LENT_IN, "out": LENT_OUT, "both": LENT_BOTH}
 
 
-def _host_call(comm, make_spec, *args, receive=False):
+def _host_call(comm, make_spec, *args, receive=False, lends=True):
     """The HostCall of ``make_spec(comm, *args)``'s one run; None where the general path must run
-    the call. ``receive``: a lone receive, whose messages are expected with its receive
-    description."""
+    the call (also where the run would work in the caller's memory and ``lends`` is False).
+    ``receive``: a lone receive, whose messages are expected with its receive description."""
     try:
         spec = make_spec(comm, *args)
     except UsageError:
         return None
-    if len(spec.runs) != 1 or spec.runs[0].layout is None:
+    if len(spec.runs) != 1:
         return None
     run = spec.runs[0]
     layout, t = run.layout, comm.transport
+    if run.avg is not None or run.fill is not None or (layout.lent and not lends):
+        return None
     schedule = run.plan(t.max_message)
     result_offset = schedule.result_offset if layout.result_offset is None else layout.result_offset
     return HostCall(t.engine.program(schedule), run.recv_tag if receive else run.tag, run.dtype, run.op,
@@ -61,13 +64,13 @@ def reduce(comm, buf, op, root, algorithm):
 def broadcast(comm, buf, root, algorithm):
     """The HostCall of a blocking ``broadcast(buf, root=root, algorithm=algorithm)``, copied
     through the transport's buffer (below the zero-copy size)."""
-    return _host_call(comm, specs.broadcast, buf, root, algorithm) if _elements(buf) else None
+    return _host_call(comm, specs.broadcast, buf, root, algorithm, lends=False) if _elements(buf) else None
 
 
 def allgather(comm, buf, out, op):
     """The HostCall of a blocking allgather of ``buf`` into ``out`` (size x its bytes), copied
     through the transport's buffer (below the zero-copy size). (``op``: None.)"""
-    return _host_call(comm, specs.allgather, buf, out) if _elements(buf) else None
+    return _host_call(comm, specs.allgather, buf, out, lends=False) if _elements(buf) else None
 
 
 def reduce_scatter(comm, buf, out, op):
@@ -97,8 +100,8 @@ def message(comm, buf, peer, tag, receive):
     """The HostCall of a blocking send to or receive from ``peer`` with ``tag``, copied through the
     transport's buffer; HostCollectives numbers each call's message."""
     if receive:
-        return _host_call(comm, specs.p2p, buf, None, peer, tag, False, receive=True)
-    return _host_call(comm, specs.p2p, buf, peer, None, tag, False)
+        return _host_call(comm, specs.p2p, buf, None, peer, tag, False, receive=True, lends=False)
+    return _host_call(comm, specs.p2p, buf, peer, None, tag, False, lends=False)
 
 
 def barrier(comm):

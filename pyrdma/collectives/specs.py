@@ -30,39 +30,70 @@ class Run:
     """One run of the engine in a call (a piece of a large reduction, or the whole call):
     ``plan(max_message)`` its Schedule, ``tag`` the description its messages carry (``recv_tag``
     the one they are received with, point-to-point), ``area`` the bytes of its work area (the
-    transport's buffer, or ``lend[start:start + area]`` in place), ``fill(work)`` before it,
-    ``finish(work, schedule, received)`` after it, ``dtype``/``op`` the reduction's codes.
-    ``kind``: the kind of the lent memory (work.HostMemory's protocol: HOST, or GPU memory's
-    DirectArea), which the transport registers, syncs, reads and writes it by, and which says
-    whether received chunks are consumed in Python (its ``reduce``) instead of in C. ``out``: a
-    second work area of host memory in place (flat uint8), where the schedule's offsets from
-    ``area`` on lie (an all-to-all receives into the caller's output as it sends from its input).
-    ``layout``: what fill and finish copy, as a Layout, where the one-call path can run it."""
+    transport's buffer, or ``lend[start:start + area]`` in place), ``dtype``/``op`` the
+    reduction's codes. ``layout`` (a Layout) says what is copied from ``source`` (the call's
+    input, flat uint8) before the run and into ``target`` (its output) after it; ``avg`` (an Avg,
+    or None) scales the input copied in and the result before it is copied out; ``fill(work)``
+    and ``finish(work, schedule, received)``, where given, do what a Layout cannot say (pieces
+    given as a list, a received message's length). ``kind``: the kind of the lent memory
+    (work.HostMemory's protocol: HOST, or GPU memory's DirectArea), which the transport
+    registers, syncs, reads and writes it by, and which says whether received chunks are
+    consumed in Python (its ``reduce``) instead of in C. ``out``: a second work area of host
+    memory in place (flat uint8), where the schedule's offsets from ``area`` on lie (an
+    all-to-all receives into the caller's output as it sends from its input)."""
 
-    __slots__ = ("plan", "tag", "area", "fill", "finish", "dtype", "op", "lend", "start", "recv_tag", "kind",
-                 "out", "layout")
+    __slots__ = ("plan", "tag", "area", "layout", "source", "target", "avg", "fill", "finish", "dtype", "op",
+                 "lend", "start", "recv_tag", "kind", "out")
 
-    def __init__(self, plan, tag, area, fill=None, finish=None, dtype=0, op=0, lend=None, start=0, recv_tag=None,
-                 kind=HOST, out=None, layout=None):
-        self.plan, self.tag, self.area, self.fill, self.finish = plan, tag, area, fill, finish
+    def __init__(self, plan, tag, area, layout, source=None, target=None, avg=None, fill=None, finish=None,
+                 dtype=0, op=0, lend=None, start=0, recv_tag=None, kind=HOST, out=None):
+        self.plan, self.tag, self.area, self.layout = plan, tag, area, layout
+        self.source, self.target, self.avg, self.fill, self.finish = source, target, avg, fill, finish
         self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
-        self.kind, self.out, self.layout = kind, out, layout
+        self.kind, self.out = kind, out
 
 
 class Layout:
-    """A run's copies in terms of the call's shape alone, which the one-call path (hostplans,
-    pyrdma._hostcalls.HostCall) runs in C on each call's own buffers: the work area is the
-    transport's buffer of ``work_bytes`` (``lent`` None), or the caller's memory ("in": its input,
-    "out": its output, "both": the input and then the output); ``in_bytes`` of the input are copied
-    in at ``in_offset``, ``out_bytes`` of the result copied out from ``result_offset`` (None: the
-    schedule's), and ``own`` (from, to, length) before the run (a block no message carries). A run
-    whose fill or finish does more than that (op="avg", a received length) has none."""
+    """What a run copies, in terms of the call's shape alone, so that the one-call path (hostplans,
+    pyrdma._hostcalls.HostCall) runs it in C on each call's own buffers as the general path runs it
+    here: the work area is the transport's buffer of ``work_bytes`` (``lent`` None), or the caller's
+    memory ("in": its input, "out": its output, "both": the input, and the output as a second
+    area). Into the transport's buffer ``in_bytes`` of the input are copied at ``in_offset`` before
+    the run, and ``out_bytes`` of the result out of it from ``result_offset`` (None: the
+    schedule's) after; ``own`` (from, to, length): a block no message carries, copied before the
+    run within the transport's buffer, or from the caller's input to its output where it lends
+    them."""
 
     __slots__ = ("in_bytes", "out_bytes", "work_bytes", "in_offset", "result_offset", "own", "lent")
 
     def __init__(self, in_bytes, out_bytes, work_bytes, in_offset=0, result_offset=0, own=(0, 0, 0), lent=None):
         self.in_bytes, self.out_bytes, self.work_bytes = in_bytes, out_bytes, work_bytes
         self.in_offset, self.result_offset, self.own, self.lent = in_offset, result_offset, own, lent
+
+    def copy_in(self, work, source, target):
+        """Before the run: the input into the transport's buffer, and the own block."""
+        a, b, n = self.own
+        if self.lent is None:
+            if self.in_bytes:
+                work[self.in_offset:self.in_offset + self.in_bytes] = source[:self.in_bytes]
+            if n:
+                work[b:b + n] = work[a:a + n]
+        elif n:
+            target[b:b + n] = source[a:a + n]
+
+    def copy_out(self, work, schedule, target):
+        """After the run: the result out of the transport's buffer."""
+        if self.lent is None and self.out_bytes:
+            at = self.result(schedule)
+            target[:self.out_bytes] = work[at:at + self.out_bytes]
+
+    def inputs(self, work):
+        """The input's bytes in the work area (what op="avg" scales first)."""
+        at = self.in_offset if self.lent is None else 0
+        return work[at:at + self.in_bytes]
+
+    def result(self, schedule):
+        return schedule.result_offset if self.result_offset is None else self.result_offset
 
 
 class Spec:
@@ -203,12 +234,13 @@ def allreduce(comm, buf, out, op, algorithm, dtype):
     check_op(op)
     algorithm = check_algorithm(algorithm)
     src, dst = in_and_out(buf, out, dtype, writes=True)
-    return Spec(allreduce_runs(comm, src, dst, op, algorithm, Avg(op, src.code, comm.size)), lambda: dst.obj)
+    avg = Avg(op, src.code, comm.size) if op == "avg" else None
+    return Spec(allreduce_runs(comm, src, dst, op, algorithm, avg), lambda: dst.obj)
 
 
 def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
     """The runs of an allreduce of ``src`` into ``dst`` (work areas: ``bytes``, ``count``,
-    ``itemsize``, ``code``), op="avg" scaled by ``avg.before``/``avg.after``. Host memory goes
+    ``itemsize``, ``code``), op="avg" scaled by ``avg`` (None: no scaling). Host memory goes
     through the transport's buffer, or in place on dst where zero_copy; ``direct``: src is dst, a
     work area of its own kind (see allreduce_direct), always in place, with its own reductions."""
     runs = []
@@ -216,25 +248,17 @@ def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
     for lo, hi, entry, tag in allreduce_plan(comm, src, op, algorithm, "allreduce-direct" if direct else "allreduce",
                                              in_place=direct):
         a, b = lo * src.itemsize, hi * src.itemsize
-        in_place, work_bytes = (True, b - a) if direct else allreduce_work(comm, entry, b - a)
-
-        def fill(work, a=a, b=b, in_place=in_place):
-            if not in_place or src is not dst:
-                work[:b - a] = src.bytes[a:b]
-            avg.before(work[:b - a])
-
-        def finish(work, schedule, received, a=a, b=b, in_place=in_place):
-            at = schedule.result_offset              # where in work the result lies
-            avg.after(work[at:at + b - a])
-            if not in_place:
-                dst.bytes[a:b] = work[at:at + b - a]
+        n = b - a
+        in_place, work_bytes = (True, n) if direct else allreduce_work(comm, entry, n)
+        if not in_place:
+            layout = Layout(n, n, work_bytes, result_offset=None)
+        elif src is dst:
+            layout = Layout(n, n, n, lent="in")
+        else:                               # in place on out, buf copied there first
+            layout = Layout(n, n, n, own=(0, 0, n), lent="out")
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize)
-        layout = None
-        if op != "avg" and not direct and (not in_place or src is dst):
-            layout = Layout(b - a, b - a, b - a if in_place else work_bytes, result_offset=None,
-                            lent="in" if in_place else None)
-        runs.append(Run(plan, tag, b - a if in_place else work_bytes, fill, finish, src.code, op_code(op),
-                        lend=dst.bytes if in_place else None, start=a, kind=memory, layout=layout))
+        runs.append(Run(plan, tag, n if in_place else work_bytes, layout, src.bytes[a:b], dst.bytes[a:b], avg,
+                        dtype=src.code, op=op_code(op), lend=dst.bytes if in_place else None, start=a, kind=memory))
     return runs
 
 
@@ -242,48 +266,34 @@ def reduce(comm, buf, out, op, root, algorithm, dtype):
     check_op(op)
     root = check_root(comm, root)
     src, dst = in_and_out(buf, out, dtype, writes=comm.rank == root)
-    avg = Avg(op, src.code, comm.size)
+    avg = Avg(op, src.code, comm.size) if op == "avg" else None
     runs = []
     for lo, hi in work_pieces(comm, src.count, src.itemsize):
         entry = algorithms.ALGORITHMS["reduce"][rooted_algorithm(comm, algorithm, (hi - lo) * src.itemsize)]
         a, b = lo * src.itemsize, hi * src.itemsize
-
-        def fill(work, a=a, b=b):
-            work[:b - a] = src.bytes[a:b]
-            avg.before(work[:b - a])
-
-        def finish(work, schedule, received, a=a, b=b):
-            if comm.rank == root:
-                avg.after(work[:b - a])
-                dst.bytes[a:b] = work[:b - a]
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize, root=root)
         tag = describe_call(comm, "reduce", entry, op=op, dtype=src.code, count=src.count, root=root, lo=lo, hi=hi)
-        layout = None if op == "avg" else Layout(b - a, b - a if comm.rank == root else 0, b - a)
-        runs.append(Run(plan, tag, b - a, fill, finish, src.code, op_code(op), layout=layout))
+        layout = Layout(b - a, b - a if comm.rank == root else 0, b - a)
+        runs.append(Run(plan, tag, b - a, layout, src.bytes[a:b], dst.bytes[a:b], avg, dtype=src.code,
+                        op=op_code(op)))
     return Spec(runs, lambda: dst.obj if comm.rank == root else None)
 
 
 def broadcast(comm, buf, root, algorithm):
     root = check_root(comm, root)
     arr, data = plain_bytes(buf, "buf", writable=comm.rank != root)    # any dtype: broadcast copies bytes
+    is_root = comm.rank == root
     runs = []
     for lo, hi in work_pieces(comm, data.nbytes, 1):
         entry = algorithms.ALGORITHMS["broadcast"][rooted_algorithm(comm, algorithm, hi - lo)]
         # in place the root only sends from its buffer (which may be read-only)
         lend = data if zero_copy(comm, hi - lo) else None
-
-        def fill(work, lo=lo, hi=hi, lend=lend):
-            if comm.rank == root and lend is None:
-                work[:hi - lo] = data[lo:hi]
-
-        def finish(work, schedule, received, lo=lo, hi=hi, lend=lend):
-            if comm.rank != root and lend is None:
-                data[lo:hi] = work[:hi - lo]
-        plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, 1, root=root)
+        n = hi - lo
+        layout = Layout(n, n, n, lent="in") if lend is not None else Layout(n if is_root else 0,
+                                                                            0 if is_root else n, n)
+        plan = functools.partial(entry.planner, comm.size, comm.rank, n, 1, root=root)
         tag = describe_call(comm, "broadcast", entry, dtype=arr.dtype, count=data.nbytes, root=root, lo=lo, hi=hi)
-        is_root = comm.rank == root
-        layout = None if lend is not None else Layout(hi - lo if is_root else 0, 0 if is_root else hi - lo, hi - lo)
-        runs.append(Run(plan, tag, hi - lo, fill, finish, lend=lend, start=lo, layout=layout))
+        runs.append(Run(plan, tag, n, layout, data[lo:hi], data[lo:hi], lend=lend, start=lo))
     return Spec(runs, lambda: buf)
 
 
@@ -303,23 +313,18 @@ def allgather(comm, buf, out):
                          f"it has {dst_arr.size} of {dst_arr.dtype}")
     block = src.nbytes
     total = block * comm.size
+    at = comm.rank * block
     # a fresh out= of ours would be registered (and kept) once per call: copy instead
-    lend = dst if users_out and zero_copy(comm, total) else None
-
-    def fill(work):
-        work[comm.rank * block:(comm.rank + 1) * block] = src
-
-    def finish(work, schedule, received):
-        if lend is None:
-            dst[:] = work[:total]
-        return out
+    if users_out and zero_copy(comm, total):
+        lend, layout = dst, Layout(block, total, total, own=(0, at, block), lent="out")
+    else:
+        lend, layout = None, Layout(block, total, total, in_offset=at)
     # blocks as "elements" of one byte: boundaries at multiples of the block size
     entry = algorithms.only("allgather")
     plan = functools.partial(entry.planner, comm.size, comm.rank, total, 1,
                              bounds=tuple(i * block for i in range(comm.size + 1)))
     tag = describe_call(comm, "allgather", entry, dtype=arr.dtype, count=arr.size)
-    layout = None if lend is not None else Layout(block, total, total, in_offset=comm.rank * block)
-    return Spec([Run(plan, tag, total, fill, finish, lend=lend, layout=layout)])
+    return Spec([Run(plan, tag, total, layout, src, dst, lend=lend)], lambda: out)
 
 
 def reduce_scatter(comm, buf, out, op, dtype):
@@ -333,34 +338,27 @@ def reduce_scatter(comm, buf, out, op, dtype):
     src.same_type(dst, "out")
     if dst.count != stop - start:
         raise UsageError(f"out must hold this rank's {stop - start} elements (segment_bounds), it has {dst.count}")
-    avg = Avg(op, src.code, comm.size)
+    avg = Avg(op, src.code, comm.size) if op == "avg" else None
     a, b = start * src.itemsize, stop * src.itemsize
-
-    def fill(work):
-        work[:src.nbytes] = src.bytes
-        avg.before(work[:src.nbytes])
-
-    def finish(work, schedule, received):
-        avg.after(work[a:b])
-        dst.bytes[:] = work[a:b]
-        return dst.obj
     entry = algorithms.only("reduce_scatter")
     plan = functools.partial(entry.planner, comm.size, comm.rank, src.count, src.itemsize, bounds=tuple(bounds))
     tag = describe_call(comm, "reduce_scatter", entry, op=op, dtype=src.code, count=src.count)
-    layout = None if op == "avg" else Layout(src.nbytes, b - a, src.nbytes, result_offset=a)
-    return Spec([Run(plan, tag, src.nbytes, fill, finish, src.code, op_code(op), layout=layout)])
+    layout = Layout(src.nbytes, b - a, src.nbytes, result_offset=a)
+    return Spec([Run(plan, tag, src.nbytes, layout, src.bytes, dst.bytes, avg, dtype=src.code, op=op_code(op))],
+                lambda: dst.obj)
 
 
 def barrier(comm):
     entry = algorithms.only("barrier")
     plan = lambda max_message: entry.planner(comm.size, comm.rank)    # noqa: E731
-    return Spec([Run(plan, describe_call(comm, "barrier", entry), 0, layout=Layout(0, 0, 0))])
+    return Spec([Run(plan, describe_call(comm, "barrier", entry), 0, Layout(0, 0, 0))])
 
 
 def gather(comm, buf, out, root, algorithm):
     root = check_root(comm, root)
     arr, data = plain_bytes(buf, "buf")
     block, n, r = data.nbytes, comm.size, comm.rank
+    dst = None
     if r == root:
         if out is None:
             out = np.empty((n * arr.shape[0],) + arr.shape[1:] if arr.ndim else (n,), arr.dtype)
@@ -369,28 +367,17 @@ def gather(comm, buf, out, root, algorithm):
             raise UsageError(f"out must hold {n} x {arr.size} elements of {arr.dtype}; it has {dst_arr.size} "
                              f"of {dst_arr.dtype}")
 
-    def lend(full, algo):
-        # the root receives into out; a rank that only sends its block sends it from buf
-        return (dst, "out") if r == root else ((data, "in") if not full else (None, None))
-
-    def fill(work, at, lent):
-        if not (lent and r != root):
-            work[at:at + block] = data
-
-    def finish(work, at, lent):
-        if r != root:
-            return None
-        if not lent:
-            dst[:] = work[:n * block]
-        return out
-
-    def layout(at, area, lent):
-        if lent == "out":            # the root: its own block from buf into out
-            return Layout(block, n * block, n * block, own=(0, at, block), lent=lent)
-        if lent == "in":
-            return Layout(block, 0, block, lent=lent)
-        return Layout(block, n * block if r == root else 0, area, in_offset=at)
-    return rooted_copy(comm, "gather", root, algorithm, arr.dtype, arr.size, block, fill, finish, lend, layout)
+    def layout(full, algo, at, area, zero_copy):
+        # the root receives into out, its own block copied there; a rank that only sends its
+        # block sends it from buf
+        if zero_copy and r == root:
+            return Layout(block, n * block, n * block, own=(0, at, block), lent="out"), dst
+        if zero_copy and not full:
+            return Layout(block, 0, block, lent="in"), data
+        return Layout(block, n * block if r == root else 0, area, in_offset=at), None
+    spec = rooted_copy(comm, "gather", root, algorithm, arr.dtype, arr.size, block, data, dst, layout)
+    spec.result = lambda: out if r == root else None
+    return spec
 
 
 def scatter(comm, buf, out, root, algorithm):
@@ -429,37 +416,23 @@ def scatter(comm, buf, out, root, algorithm):
                 copy_algorithm(comm, "scatter", algorithm, block) == "direct":
             return _scatter_parts(comm, pieces, out, dst, root, block, out_arr)
 
-    def lend(full, algo):
-        # the root sends from buf (but an RDMA READ needs its own buffer's remote access; a list of
-        # pieces is copied in below the zero-copy size), a rank that only receives its block
-        # receives it into out
-        if r == root:
-            return (src, "in") if algo != "read" else (None, None)
-        return (dst, "out") if not full else (None, None)
-
-    def fill(work, at, lent):
-        if r == root and not lent:
-            if pieces is None:
-                work[:n * block] = src
-            else:
-                for i, (_, piece) in enumerate(pieces):
-                    work[i * block:(i + 1) * block] = piece
-
-    def finish(work, at, lent):
-        if not lent or r == root:
-            dst[:] = work[at:at + block]
-        return out
-
-    def layout(at, area, lent):
-        if pieces is not None:       # (copied in piece by piece)
-            return None
-        if lent == "in":             # the root: its own block from buf into out
-            return Layout(n * block, block, n * block, own=(at, 0, block), lent=lent)
-        if lent == "out":
-            return Layout(0, block, block, lent=lent)
-        return Layout(n * block if r == root else 0, block, area, result_offset=at)
-    return rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, fill, finish, lend,
-                       layout)
+    def layout(full, algo, at, area, zero_copy):
+        # the root sends from buf, its own block copied into out (but an RDMA READ needs its own
+        # buffer's remote access; a list of pieces is copied in below the zero-copy size); a rank
+        # that only receives its block receives it into out
+        if zero_copy and r == root and pieces is None and algo != "read":
+            return Layout(n * block, block, n * block, own=(at, 0, block), lent="in"), src
+        if zero_copy and r != root and not full:
+            return Layout(0, block, block, lent="out"), dst
+        return Layout(n * block if r == root and pieces is None else 0, block, area, result_offset=at), None
+    spec = rooted_copy(comm, "scatter", root, algorithm, out_arr.dtype, out_arr.size, block, src, dst, layout)
+    if pieces is not None and r == root:          # (copied in below the zero-copy size)
+        def fill(work):
+            for i, (_, piece) in enumerate(pieces):
+                work[i * block:(i + 1) * block] = piece
+        spec.runs[0].fill = fill
+    spec.result = lambda: out
+    return spec
 
 
 def _scatter_parts(comm, pieces, out, dst, root, block, out_arr):
@@ -470,34 +443,29 @@ def _scatter_parts(comm, pieces, out, dst, root, block, out_arr):
     entry = algorithms.ALGORITHMS["scatter"]["direct"]
     tag = describe_call(comm, "scatter", entry, dtype=out_arr.dtype, count=out_arr.size, root=root)
     others = [(root + k) % n for k in range(1, n)]
-
-    def own(work, schedule, received):
-        dst[:] = pieces[r][1]
-        return out
-    return Spec([Run(functools.partial(rooted.direct_scatter_part, n, r, root, block, peer=p, last=p == others[-1]),
-                     tag, block, finish=own if p == others[-1] else None, lend=pieces[p][1]) for p in others])
+    runs = [Run(functools.partial(rooted.direct_scatter_part, n, r, root, block, peer=p, last=p == others[-1]),
+                tag, block, Layout(block, 0, block, own=(0, 0, block) if p == others[-1] else (0, 0, 0), lent="in"),
+                pieces[r][1], dst, lend=pieces[p][1]) for p in others]
+    return Spec(runs, lambda: out)
 
 
-def rooted_copy(comm, kind, root, algorithm, dtype, count, block, fill, finish, lend, layout):
-    """The spec of a gather or scatter of ``block`` bytes per rank. The work area holds every
-    rank's block in rank order where the root or the algorithm needs them all, else this rank's
-    at 0; ``fill(work, at, lent)`` and ``finish(work, at, lent)`` get where this rank's block lies
-    and whether the work area is the caller's memory: ``lend(full, algorithm)``'s (memory, "in"
-    or "out"), or (None, None), taken where zero-copy pays; ``layout(at, area, lent)`` the run's
-    Layout."""
+def rooted_copy(comm, kind, root, algorithm, dtype, count, block, source, target, layout):
+    """The spec of a gather or scatter of ``block`` bytes per rank, from ``source`` into
+    ``target`` (the caller's input and output here; None where this rank has none). The work area
+    holds every rank's block in rank order where the root or the algorithm needs them all, else
+    this rank's at 0; ``layout(full, algorithm, at, area, zero_copy)`` gives the run's Layout and the
+    caller's memory it works in (None: the transport's buffer), where zero-copy pays on
+    ``area``."""
     n, r = comm.size, comm.rank
     algo = copy_algorithm(comm, kind, algorithm, block)
     entry = algorithms.ALGORITHMS[kind][algo]
     full = entry.full_area or r == root
     at = r * block if full else 0
     area = n * block if full else block
-    mem, how = lend(full, algo) if zero_copy(comm, area) else (None, None)
-    lent = mem is not None
+    lay, lend = layout(full, algo, at, area, zero_copy(comm, area))
     return Spec([Run(functools.partial(entry.planner, n, r, root, block),
                      describe_call(comm, kind, entry, dtype=dtype, count=count, root=root),
-                     area, lambda work: fill(work, at, lent),
-                     lambda work, schedule, received: finish(work, at, lent), lend=mem,
-                     layout=layout(at, area, how))])
+                     area, lay, source, target, lend=lend)])
 
 
 def alltoall(comm, buf, out, send_counts, recv_counts):
@@ -534,26 +502,15 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
     count = arr.size if send_counts is None else 0     # uneven counts: each message's length is checked
     entry = alltoall_entry(comm, sb[1] if send_counts is None else 0)
     tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
-
     plan = functools.partial(entry.planner, n, r, sb, rb, base)
     own = sb[r + 1] - sb[r]
     if zero_copy(comm, base + rb[-1]) and not np.shares_memory(src, dst):
         # sent from buf and received into out where they are: no copy in or out
-        def own_piece(work, schedule, received):
-            dst[rb[r]:rb[r + 1]] = src[sb[r]:sb[r + 1]]
-            return out
         layout = Layout(base, rb[-1], base + rb[-1], own=(sb[r], rb[r], own), lent="both")
-        return Spec([Run(plan, tag, base, finish=own_piece, lend=src, out=dst, layout=layout)])
-
-    def fill(work):
-        work[:base] = src
-
-    def finish(work, schedule, received):
-        dst[:] = work[base:base + rb[-1]]
-        dst[rb[r]:rb[r + 1]] = work[sb[r]:sb[r + 1]]     # (from the copy: out may be buf itself)
-        return out
+        return Spec([Run(plan, tag, base, layout, src, dst, lend=src, out=dst)], lambda: out)
+    # through the transport's buffer, this rank's own piece copied there (out may be buf itself)
     layout = Layout(base, rb[-1], base + rb[-1], result_offset=base, own=(sb[r], base + rb[r], own))
-    return Spec([Run(plan, tag, base + rb[-1], fill, finish, layout=layout)])
+    return Spec([Run(plan, tag, base + rb[-1], layout, src, dst)], lambda: out)
 
 
 def p2p(comm, buf, dst, src, tag, numbered=True):
@@ -589,15 +546,14 @@ def p2p(comm, buf, dst, src, tag, numbered=True):
     nbytes = s_data.nbytes if s_data is not None else 0
     capacity = r_data.nbytes if r_data is not None else 0
     # a lone send or receive works on the caller's memory itself when zero-copy pays
-    lend = None
+    lend = layout = None
     if recvbuf is None and zero_copy(comm, nbytes):
-        lend = s_data
+        lend, layout = s_data, Layout(nbytes, 0, nbytes, lent="in")
     elif sendbuf is None and zero_copy(comm, capacity):
-        lend = r_data
-
-    def fill(work):
-        if s_data is not None and lend is None:
-            work[:nbytes] = s_data
+        lend, layout = r_data, Layout(0, capacity, capacity, lent="out")
+    area = nbytes + capacity if lend is None else (nbytes or capacity)
+    if layout is None:          # through the transport's buffer; what arrived is copied out by finish
+        layout = Layout(nbytes, 0, area)
 
     def finish(work, schedule, received):
         if src is None:
@@ -609,10 +565,7 @@ def p2p(comm, buf, dst, src, tag, numbered=True):
             r_data[:received] = work[nbytes:nbytes + received]
         return received // item
     plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if lend is not None else nbytes)
-    area = nbytes + capacity if lend is None else (nbytes or capacity)
-    # a lone message through the transport's buffer (a receive copies out what arrived)
-    layout = Layout(nbytes, 0, area) if lend is None and (sendbuf is None or recvbuf is None) else None
-    return Spec([Run(plan, send_desc, area, fill, finish, lend=lend, recv_tag=recv_desc, layout=layout)],
+    return Spec([Run(plan, send_desc, area, layout, s_data, finish=finish, lend=lend, recv_tag=recv_desc)],
                 collective=False)
 
 
@@ -622,7 +575,7 @@ def allreduce_direct(comm, area, op, algorithm):
     pyrdma.cuda's DirectArea), ``count``, ``itemsize``, ``code``, the steps of op="avg"
     ``before(work)`` and ``after(work)`` (as Avg's), and is the kind of its memory
     (work.HostMemory's protocol, with its reductions ``reduce``)."""
-    return Spec(allreduce_runs(comm, area, area, op, algorithm, area, direct=True))
+    return Spec(allreduce_runs(comm, area, area, op, algorithm, area if op == "avg" else None, direct=True))
 
 
 def broadcast_direct(comm, area, root, algorithm):
@@ -634,5 +587,6 @@ def broadcast_direct(comm, area, root, algorithm):
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, 1, root=root)
         tag = describe_call(comm, "broadcast-direct", entry, dtype=dtype_field(area.dtype_name),
                             count=area.bytes.nbytes, root=root, lo=lo, hi=hi)
-        runs.append(Run(plan, tag, hi - lo, lend=area.bytes, start=lo, kind=area))
+        runs.append(Run(plan, tag, hi - lo, Layout(hi - lo, hi - lo, hi - lo, lent="in"), lend=area.bytes, start=lo,
+                        kind=area))
     return Spec(runs)
