@@ -153,7 +153,7 @@ cdef class Engine:
     cdef double spin_now             # this run's spin: ``spin_adaptive``, or 0 in the background
     # the spin of a foreground wait: ``spin`` at first, doubled (up to SPIN_MAX) after a sleep that
     # a completion ended soon, halved back toward ``spin`` after one that lasted
-    cdef double spin_adaptive
+    cdef readonly double spin_adaptive
     cdef int max_inline              # a message this long (header room included) is posted inline
     cdef ibv_cq *cq
     cdef ibv_comp_channel *channel
