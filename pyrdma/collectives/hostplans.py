@@ -34,9 +34,8 @@ def _host_call(comm, make_spec, *args, receive=False, lends=True):
     if run.avg is not None or run.fill is not None or (layout.lent and not lends):
         return None
     schedule = run.plan(t.max_message)
-    result_offset = schedule.result_offset if layout.result_offset is None else layout.result_offset
     return HostCall(t.engine.program(schedule), run.recv_tag if receive else run.tag, run.dtype, run.op,
-                    layout.in_bytes, result_offset, layout.work_bytes,
+                    layout.in_bytes, layout.result(schedule), layout.work_bytes,
                     None if layout.lent else t.own_region(layout.work_bytes), own=layout.own,
                     in_offset=layout.in_offset, out_bytes=layout.out_bytes, lent=_LENT[layout.lent])
 
@@ -45,7 +44,7 @@ def _elements(buf):
     """Whether ``buf`` holds any bytes (the one-call path runs no empty call)."""
     try:
         return memoryview(buf).nbytes > 0
-    except TypeError:
+    except (TypeError, ValueError):
         return False
 
 
