@@ -464,7 +464,7 @@ def _forged_offer(rank, size, port, case):
                 run.layout.copy_in(work, run.source, run.target)
                 addr, rkey, length = _FORGED[case](t._work_mr)
                 work[at:at + 16] = np.frombuffer(struct.pack("<QII", addr, rkey, length), np.uint8)
-            run.fill, run.area = forge, at + 16
+            run.fill, run.layout.work_bytes = forge, at + 16
             run.plan = lambda max_message: schedule.Schedule(
                 [(schedule.EXCHANGE, 1, -1, 0, 1, 0, 0, schedule.NONE), (schedule.WAIT_SENDS, -1, -1, 0, 0, 0, 0, 0)],
                 [(at, 16, 0)])

@@ -29,9 +29,9 @@ ROOTED_ALGORITHMS = algorithms.names("broadcast")       # broadcast's and reduce
 class Run:
     """One run of the engine in a call (a piece of a large reduction, or the whole call):
     ``plan(max_message)`` its Schedule, ``tag`` the description its messages carry (``recv_tag``
-    the one they are received with, point-to-point), ``area`` the bytes of its work area (the
-    transport's buffer, or ``lend[start:start + area]`` in place), ``dtype``/``op`` the
-    reduction's codes. ``layout`` (a Layout) says what is copied from ``source`` (the call's
+    the one they are received with, point-to-point), ``dtype``/``op`` the reduction's codes.
+    ``layout`` (a Layout) gives the bytes of its work area (``area``: the transport's buffer, or
+    ``lend[start:start + area]`` in place) and says what is copied from ``source`` (the call's
     input, flat uint8) before the run and into ``target`` (its output) after it; ``avg`` (an Avg,
     or None) scales the input copied in and the result before it is copied out; ``fill(work)``
     and ``finish(work, schedule, received)``, where given, do what a Layout cannot say (pieces
@@ -42,15 +42,19 @@ class Run:
     memory in place (flat uint8), where the schedule's offsets from ``area`` on lie (an
     all-to-all receives into the caller's output as it sends from its input)."""
 
-    __slots__ = ("plan", "tag", "area", "layout", "source", "target", "avg", "fill", "finish", "dtype", "op",
+    __slots__ = ("plan", "tag", "layout", "source", "target", "avg", "fill", "finish", "dtype", "op",
                  "lend", "start", "recv_tag", "kind", "out")
 
-    def __init__(self, plan, tag, area, layout, source=None, target=None, avg=None, fill=None, finish=None,
+    def __init__(self, plan, tag, layout, source=None, target=None, avg=None, fill=None, finish=None,
                  dtype=0, op=0, lend=None, start=0, recv_tag=None, kind=HOST, out=None):
-        self.plan, self.tag, self.area, self.layout = plan, tag, area, layout
+        self.plan, self.tag, self.layout = plan, tag, layout
         self.source, self.target, self.avg, self.fill, self.finish = source, target, avg, fill, finish
         self.dtype, self.op, self.lend, self.start, self.recv_tag = dtype, op, lend, start, recv_tag
         self.kind, self.out = kind, out
+
+    @property
+    def area(self):
+        return self.layout.area
 
 
 class Layout:
@@ -94,6 +98,12 @@ class Layout:
 
     def result(self, schedule):
         return schedule.result_offset if self.result_offset is None else self.result_offset
+
+    @property
+    def area(self):
+        """The bytes of the work area proper (where it lends both, the input's: the output is the
+        run's second area)."""
+        return self.in_bytes if self.lent == "both" else self.work_bytes
 
 
 class Spec:
@@ -257,7 +267,7 @@ def allreduce_runs(comm, src, dst, op, algorithm, avg, direct=False):
         else:                               # in place on out, buf copied there first
             layout = Layout(n, n, n, own=(0, 0, n), lent="out")
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize)
-        runs.append(Run(plan, tag, n if in_place else work_bytes, layout, src.bytes[a:b], dst.bytes[a:b], avg,
+        runs.append(Run(plan, tag, layout, src.bytes[a:b], dst.bytes[a:b], avg,
                         dtype=src.code, op=op_code(op), lend=dst.bytes if in_place else None, start=a, kind=memory))
     return runs
 
@@ -274,8 +284,7 @@ def reduce(comm, buf, out, op, root, algorithm, dtype):
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, src.itemsize, root=root)
         tag = describe_call(comm, "reduce", entry, op=op, dtype=src.code, count=src.count, root=root, lo=lo, hi=hi)
         layout = Layout(b - a, b - a if comm.rank == root else 0, b - a)
-        runs.append(Run(plan, tag, b - a, layout, src.bytes[a:b], dst.bytes[a:b], avg, dtype=src.code,
-                        op=op_code(op)))
+        runs.append(Run(plan, tag, layout, src.bytes[a:b], dst.bytes[a:b], avg, dtype=src.code, op=op_code(op)))
     return Spec(runs, lambda: dst.obj if comm.rank == root else None)
 
 
@@ -293,7 +302,7 @@ def broadcast(comm, buf, root, algorithm):
                                                                             0 if is_root else n, n)
         plan = functools.partial(entry.planner, comm.size, comm.rank, n, 1, root=root)
         tag = describe_call(comm, "broadcast", entry, dtype=arr.dtype, count=data.nbytes, root=root, lo=lo, hi=hi)
-        runs.append(Run(plan, tag, n, layout, data[lo:hi], data[lo:hi], lend=lend, start=lo))
+        runs.append(Run(plan, tag, layout, data[lo:hi], data[lo:hi], lend=lend, start=lo))
     return Spec(runs, lambda: buf)
 
 
@@ -324,7 +333,7 @@ def allgather(comm, buf, out):
     plan = functools.partial(entry.planner, comm.size, comm.rank, total, 1,
                              bounds=tuple(i * block for i in range(comm.size + 1)))
     tag = describe_call(comm, "allgather", entry, dtype=arr.dtype, count=arr.size)
-    return Spec([Run(plan, tag, total, layout, src, dst, lend=lend)], lambda: out)
+    return Spec([Run(plan, tag, layout, src, dst, lend=lend)], lambda: out)
 
 
 def reduce_scatter(comm, buf, out, op, dtype):
@@ -344,14 +353,14 @@ def reduce_scatter(comm, buf, out, op, dtype):
     plan = functools.partial(entry.planner, comm.size, comm.rank, src.count, src.itemsize, bounds=tuple(bounds))
     tag = describe_call(comm, "reduce_scatter", entry, op=op, dtype=src.code, count=src.count)
     layout = Layout(src.nbytes, b - a, src.nbytes, result_offset=a)
-    return Spec([Run(plan, tag, src.nbytes, layout, src.bytes, dst.bytes, avg, dtype=src.code, op=op_code(op))],
+    return Spec([Run(plan, tag, layout, src.bytes, dst.bytes, avg, dtype=src.code, op=op_code(op))],
                 lambda: dst.obj)
 
 
 def barrier(comm):
     entry = algorithms.only("barrier")
     plan = lambda max_message: entry.planner(comm.size, comm.rank)    # noqa: E731
-    return Spec([Run(plan, describe_call(comm, "barrier", entry), 0, Layout(0, 0, 0))])
+    return Spec([Run(plan, describe_call(comm, "barrier", entry), Layout(0, 0, 0))])
 
 
 def gather(comm, buf, out, root, algorithm):
@@ -444,7 +453,7 @@ def _scatter_parts(comm, pieces, out, dst, root, block, out_arr):
     tag = describe_call(comm, "scatter", entry, dtype=out_arr.dtype, count=out_arr.size, root=root)
     others = [(root + k) % n for k in range(1, n)]
     runs = [Run(functools.partial(rooted.direct_scatter_part, n, r, root, block, peer=p, last=p == others[-1]),
-                tag, block, Layout(block, 0, block, own=(0, 0, block) if p == others[-1] else (0, 0, 0), lent="in"),
+                tag, Layout(block, 0, block, own=(0, 0, block) if p == others[-1] else (0, 0, 0), lent="in"),
                 pieces[r][1], dst, lend=pieces[p][1]) for p in others]
     return Spec(runs, lambda: out)
 
@@ -465,7 +474,7 @@ def rooted_copy(comm, kind, root, algorithm, dtype, count, block, source, target
     lay, lend = layout(full, algo, at, area, zero_copy(comm, area))
     return Spec([Run(functools.partial(entry.planner, n, r, root, block),
                      describe_call(comm, kind, entry, dtype=dtype, count=count, root=root),
-                     area, lay, source, target, lend=lend)])
+                     lay, source, target, lend=lend)])
 
 
 def alltoall(comm, buf, out, send_counts, recv_counts):
@@ -507,10 +516,10 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
     if zero_copy(comm, base + rb[-1]) and not np.shares_memory(src, dst):
         # sent from buf and received into out where they are: no copy in or out
         layout = Layout(base, rb[-1], base + rb[-1], own=(sb[r], rb[r], own), lent="both")
-        return Spec([Run(plan, tag, base, layout, src, dst, lend=src, out=dst)], lambda: out)
+        return Spec([Run(plan, tag, layout, src, dst, lend=src, out=dst)], lambda: out)
     # through the transport's buffer, this rank's own piece copied there (out may be buf itself)
     layout = Layout(base, rb[-1], base + rb[-1], result_offset=base, own=(sb[r], base + rb[r], own))
-    return Spec([Run(plan, tag, base + rb[-1], layout, src, dst)], lambda: out)
+    return Spec([Run(plan, tag, layout, src, dst)], lambda: out)
 
 
 def p2p(comm, buf, dst, src, tag, numbered=True):
@@ -565,7 +574,7 @@ def p2p(comm, buf, dst, src, tag, numbered=True):
             r_data[:received] = work[nbytes:nbytes + received]
         return received // item
     plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if lend is not None else nbytes)
-    return Spec([Run(plan, send_desc, area, layout, s_data, finish=finish, lend=lend, recv_tag=recv_desc)],
+    return Spec([Run(plan, send_desc, layout, s_data, finish=finish, lend=lend, recv_tag=recv_desc)],
                 collective=False)
 
 
@@ -587,6 +596,6 @@ def broadcast_direct(comm, area, root, algorithm):
         plan = functools.partial(entry.planner, comm.size, comm.rank, hi - lo, 1, root=root)
         tag = describe_call(comm, "broadcast-direct", entry, dtype=dtype_field(area.dtype_name),
                             count=area.bytes.nbytes, root=root, lo=lo, hi=hi)
-        runs.append(Run(plan, tag, hi - lo, Layout(hi - lo, hi - lo, hi - lo, lent="in"), lend=area.bytes, start=lo,
+        runs.append(Run(plan, tag, Layout(hi - lo, hi - lo, hi - lo, lent="in"), lend=area.bytes, start=lo,
                         kind=area))
     return Spec(runs)
