@@ -264,6 +264,7 @@ cdef class Engine:
     cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
     cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*, uint8_t *dst=*) noexcept nogil
     cdef int _keep(self, peer_t *p, const uint8_t *start, uint32_t got) noexcept nogil
+    cdef uint8_t *_slot(self, peer_t *p, uint64_t seq) noexcept nogil
     cdef uint8_t *_take_head(self, peer_t *p, uint32_t *got) noexcept nogil
     cdef int _keep_head(self, int peer) noexcept nogil
     cdef int _release(self, int peer) noexcept nogil

@@ -629,8 +629,7 @@ cdef class Engine:
             for i in range(self.size):
                 p = &self.peers[i]
                 if p.direct == 1:
-                    p.rx_dst = p.slots + ((p.recv_seq + <uint64_t>p.arr_count) % <uint64_t>self.slots) \
-                        * self.slot_stride + C_HEADER_ROOM
+                    p.rx_dst = self._slot(p, p.recv_seq + <uint64_t>p.arr_count) + C_HEADER_ROOM
                 p.direct = 0
         if self.sockets and self.fail_kind != FAIL_NONE:
             # a failed run's frames are not written: their payloads may be the caller's memory, freed
@@ -779,17 +778,21 @@ cdef class Engine:
         if p.kept[0] != NULL:
             return 1
         while p.arr_count > 0:
-            start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+            start = self._slot(p, p.recv_seq)
             if start[DESC_KIND_AT] != DESC_KIND_SEND:
                 return 1
             if self._keep_head(peer) < 0:
                 return -1
         return 0
 
+    cdef uint8_t *_slot(self, peer_t *p, uint64_t seq) noexcept nogil:
+        """The start of the slot of ``p``'s message number ``seq`` (the header, the payload from
+        C_HEADER_ROOM on)."""
+        return p.slots + (seq % <uint64_t>self.slots) * self.slot_stride
+
     cdef uint8_t *_take_head(self, peer_t *p, uint32_t *got) noexcept nogil:
-        """Take ``p``'s first arrival: the start of its slot (the header, the payload from
-        C_HEADER_ROOM on); ``got``: the payload's length."""
-        cdef uint8_t *start = p.slots + (p.recv_seq % <uint64_t>self.slots) * self.slot_stride
+        """Take ``p``'s first arrival: the start of its slot; ``got``: the payload's length."""
+        cdef uint8_t *start = self._slot(p, p.recv_seq)
         got[0] = p.arrivals[p.arr_head]
         p.arr_head = (p.arr_head + 1) % self.slots
         p.arr_count -= 1
@@ -1715,7 +1718,7 @@ cdef class Engine:
                 p.gone = 1
                 return self._fail(FAIL_MALFORMED, peer, imm, 0)
             p.rx_state, p.rx_need, p.rx_got = RX_HEADER, HEADER_SIZE, 0
-            p.rx_dst = p.slots + ((p.recv_seq + <uint64_t>p.arr_count) % <uint64_t>self.slots) * self.slot_stride
+            p.rx_dst = self._slot(p, p.recv_seq + <uint64_t>p.arr_count)
             return 0
         if p.rx_state == RX_HEADER and length:
             p.rx_state, p.rx_need, p.rx_got = RX_PAYLOAD, length, 0

@@ -206,6 +206,14 @@ cdef class ExecLock:
         self._give()
 
 
+# The kinds of call that HostCollectives prepares (an index into its ``lasts``; their names key the
+# prepared calls)
+cdef enum:
+    K_ALLREDUCE, K_REDUCE, K_BROADCAST, K_ALLGATHER, K_REDUCE_SCATTER, K_ALLTOALL, K_GATHER, K_SCATTER, K_SEND, K_RECV
+cdef tuple KIND_NAMES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "gather", "scatter",
+                         "send", "recv")
+
+
 @cython.final
 cdef class _LastCall:
     """The last call of one kind (allreduce, gather, send, ...) and the key it was prepared for,
@@ -248,9 +256,7 @@ cdef class HostCollectives:
     cdef dict calls
     cdef HostCall barrier_call
     cdef object model, max_work_bytes, zero_copy_bytes   # what the calls were prepared under
-    cdef _LastCall last_allreduce, last_reduce, last_broadcast, last_allgather, last_reduce_scatter
-    cdef _LastCall last_gather, last_scatter, last_alltoall, last_send, last_recv
-    cdef tuple lasts                                      # all of them
+    cdef tuple lasts                                      # the _LastCall of each kind (K_)
     cdef object lent_in, lent_out                         # the last registrations of lent inputs, outputs
     cdef list sent, received                              # the communicator's messages per peer so far
 
@@ -263,9 +269,7 @@ cdef class HostCollectives:
         self.lock = executor.lock
         self.calls = {}
         self.sent, self.received = executor.sent, executor.received
-        self.lasts = tuple(_LastCall() for _ in range(10))
-        (self.last_allreduce, self.last_reduce, self.last_broadcast, self.last_allgather, self.last_reduce_scatter,
-         self.last_gather, self.last_scatter, self.last_alltoall, self.last_send, self.last_recv) = self.lasts
+        self.lasts = tuple(_LastCall() for _ in KIND_NAMES)
 
     cdef void _check_prepared_under(self):
         """Forget the prepared calls when what they were prepared under has changed."""
@@ -290,9 +294,9 @@ cdef class HostCollectives:
             return None
         try:
             self._check_prepared_under()
-            last = self.last_allreduce
+            last = self._last(K_ALLREDUCE)
             call = last.call if last.matches(&view, -1, algorithm, op) else self._last_or_prepared(
-                last, &view, -1, algorithm, op, "allreduce", self.plans.allreduce, (self.comm, buf, op, algorithm))
+                K_ALLREDUCE, &view, -1, algorithm, op, self.plans.allreduce, (self.comm, buf, op, algorithm))
             if call is None or (<HostCall>call).nbytes != view.len:
                 return None
             return self._run(<HostCall>call, buf, &view)
@@ -314,10 +318,9 @@ cdef class HostCollectives:
             return None
         try:
             self._check_prepared_under()
-            last = self.last_reduce
+            last = self._last(K_REDUCE)
             call = last.call if last.matches(&view, <int>root, algorithm, op) else self._last_or_prepared(
-                last, &view, <int>root, algorithm, op, "reduce", self.plans.reduce,
-                (self.comm, buf, op, root, algorithm))
+                K_REDUCE, &view, <int>root, algorithm, op, self.plans.reduce, (self.comm, buf, op, root, algorithm))
             if call is None or (<HostCall>call).nbytes != view.len:
                 return None
             return (self._run(<HostCall>call, buf if is_root else None, &view),)
@@ -338,10 +341,9 @@ cdef class HostCollectives:
             return None
         try:
             self._check_prepared_under()
-            last = self.last_broadcast
+            last = self._last(K_BROADCAST)
             call = last.call if last.matches(&view, <int>root, algorithm, None) else self._last_or_prepared(
-                last, &view, <int>root, algorithm, None, "broadcast", self.plans.broadcast,
-                (self.comm, buf, root, algorithm))
+                K_BROADCAST, &view, <int>root, algorithm, None, self.plans.broadcast, (self.comm, buf, root, algorithm))
             if call is None:
                 return None
             return self._run(<HostCall>call, buf, &view)
@@ -359,7 +361,7 @@ cdef class HostCollectives:
             if type(buf) is not _ndarray:
                 return None
             out = _empty((n * buf.shape[0],) + buf.shape[1:] if buf.ndim else (n,), buf.dtype)
-        return self._into(self.last_allgather, "allgather", buf, out, None, n, self.plans.allgather)
+        return self._into(K_ALLGATHER, buf, out, None, n, self.plans.allgather)
 
     def reduce_scatter(self, buf, out, op):
         """``out`` (a new 1-D array when None and buf is a numpy array) holding this rank's
@@ -379,23 +381,24 @@ cdef class HostCollectives:
                 return None
             try:
                 self._check_prepared_under()
-                last = self.last_reduce_scatter
+                last = self._last(K_REDUCE_SCATTER)
                 found = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
-                    last, &view, -1, None, op, "reduce_scatter", self.plans.reduce_scatter, (self.comm, buf, None, op))
+                    K_REDUCE_SCATTER, &view, -1, None, op, self.plans.reduce_scatter, (self.comm, buf, None, op))
                 if found is None:
                     return None
                 call = <HostCall>found
                 out = _empty(call.out_bytes // view.itemsize, buf.dtype)
             finally:
                 PyBuffer_Release(&view)
-        return self._into(self.last_reduce_scatter, "reduce_scatter", buf, out, op, 0, self.plans.reduce_scatter)
+        return self._into(K_REDUCE_SCATTER, buf, out, op, 0, self.plans.reduce_scatter)
 
-    cdef object _into(self, _LastCall last, str kind, buf, out, op, Py_ssize_t times, prepare):
+    cdef object _into(self, int kind, buf, out, op, Py_ssize_t times, prepare):
         """``out`` of an all-to-all, allgather or reduce-scatter (``kind``, prepared by
         ``prepare(comm, buf, out, op)``; ``op`` None but for a reduction): ``buf`` read, the
         call's result written into ``out``, other memory with ``times`` x buf's bytes (0: the
         prepared call's out_bytes) and buf's format; None where the general path must run it."""
         cdef Py_buffer view, oview
+        cdef _LastCall last = self._last(kind)
         try:
             PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
         except Exception:
@@ -411,7 +414,7 @@ cdef class HostCollectives:
                     return None
                 self._check_prepared_under()
                 call = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
-                    last, &view, -1, None, op, kind, prepare, (self.comm, buf, out, op))
+                    kind, &view, -1, None, op, prepare, (self.comm, buf, out, op))
                 if call is None or (<HostCall>call).out_bytes != oview.len or (<HostCall>call).nbytes != view.len \
                         or ((<HostCall>call).lent != LENT_NONE and _overlap(&view, &oview)):
                     return None
@@ -431,7 +434,7 @@ cdef class HostCollectives:
             if type(buf) is not _ndarray:
                 return None
             out = _empty_like(buf)
-        return self._into(self.last_alltoall, "alltoall", buf, out, None, 1, self.plans.alltoall)
+        return self._into(K_ALLTOALL, buf, out, None, 1, self.plans.alltoall)
 
     def gather(self, buf, out, root, algorithm):
         """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
@@ -444,7 +447,7 @@ cdef class HostCollectives:
             if type(buf) is not _ndarray or buf.ndim == 0:
                 return None
             out = _empty((n * buf.shape[0],) + buf.shape[1:], buf.dtype)
-        return self._rooted(self.last_gather, "gather", buf, False, out if is_root else None, root, algorithm)
+        return self._rooted(K_GATHER, buf, False, out if is_root else None, root, algorithm)
 
     def scatter(self, buf, out, root, algorithm):
         """(out,) of a scatter from ``root`` (out: a new array when None and buf is a numpy
@@ -456,16 +459,16 @@ cdef class HostCollectives:
             if type(buf) is not _ndarray or buf.ndim == 0 or buf.shape[0] % n:
                 return None
             out = _empty((buf.shape[0] // n,) + buf.shape[1:], buf.dtype)
-        return self._rooted(self.last_scatter, "scatter", out, True, buf if root == self.engine.rank else None,
-                            root, algorithm)
+        return self._rooted(K_SCATTER, out, True, buf if root == self.engine.rank else None, root, algorithm)
 
-    cdef object _rooted(self, _LastCall last, str kind, piece, bint piece_out, full, root, algorithm):
+    cdef object _rooted(self, int kind, piece, bint piece_out, full, root, algorithm):
         """(result,) of a gather or scatter (``kind``) of this rank's ``piece`` (gather: read from it;
         scatter: written into it, ``piece_out``) and, on the root, ``full``, every rank's pieces in
         rank order (gather: written; scatter: read; None elsewhere); None where the general path
         must run it."""
         cdef Py_buffer pview, fview
         cdef Py_buffer *fp = NULL
+        cdef _LastCall last = self._last(kind)
         try:
             PyObject_GetBuffer(piece, &pview, (PyBUF_WRITABLE if piece_out else 0) | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
         except Exception:
@@ -483,8 +486,8 @@ cdef class HostCollectives:
                     return None
                 self._check_prepared_under()
                 call = last.call if last.matches(&pview, <int>root, algorithm, None) else self._last_or_prepared(
-                    last, &pview, <int>root, algorithm, None, kind, self.plans.rooted_copy,
-                    (self.comm, kind, piece, full, root, algorithm))
+                    kind, &pview, <int>root, algorithm, None, self.plans.rooted_copy,
+                    (self.comm, KIND_NAMES[kind], piece, full, root, algorithm))
                 if call is None or ((<HostCall>call).lent != LENT_NONE and fp != NULL and _overlap(&pview, fp)):
                     return None
                 if piece_out:                   # scatter: from the root's full array into the piece
@@ -502,7 +505,7 @@ cdef class HostCollectives:
         general path must run it (as allreduce)."""
         cdef Py_buffer view
         cdef Engine engine = self.engine
-        cdef _LastCall last = self.last_recv if receive else self.last_send
+        cdef _LastCall last = self._last(K_RECV if receive else K_SEND)
         if type(tag) is not int or not 0 <= peer < engine.size or peer == engine.rank:
             return None
         try:
@@ -513,93 +516,30 @@ cdef class HostCollectives:
             zero_copy = self.comm.zero_copy_bytes
             if zero_copy and view.len >= zero_copy:
                 return None
-            # the last call of this direction first: a ping-pong repeats one of each (_run_message
+            # the last call of this direction first: a ping-pong repeats one of each (_run
             # looks at the executor's state under its lock)
             if last.matches(&view, peer, tag, None):
-                return self._run_message(last.call, &view, peer, receive)
+                return self._run(last.call, True, &view, NULL, None, peer, receive)
             if not self.ex.idle:
                 return None
-            call = self._last_or_prepared(last, &view, peer, tag, None, "recv" if receive else "send",
-                                          self.plans.message, (self.comm, buf, peer, tag, receive))
+            call = self._last_or_prepared(K_RECV if receive else K_SEND, &view, peer, tag, None, self.plans.message,
+                                          (self.comm, buf, peer, tag, receive))
             if call is None:
                 return None
-            return self._run_message(<HostCall>call, &view, peer, receive)
+            return self._run(<HostCall>call, True, &view, NULL, None, peer, receive)
         finally:
             PyBuffer_Release(&view)
 
-    cdef object _run_message(self, HostCall call, Py_buffer *view, int peer, bint receive):
-        """Run a prepared point-to-point call: its description takes the pair's next message number
-        (not the collectives' call number), a receive copies out what arrived and returns its
-        element count."""
-        cdef Engine engine = self.engine
-        cdef Program prog = call.program
-        cdef region_t region
-        cdef uint8_t *data = <uint8_t *>view.buf
-        cdef uint8_t *work
-        cdef uint64_t seq
-        cdef int64_t got = 0
-        cdef int rc, i
-        cdef list counters
-        self.lock._take(-1.0)
-        try:
-            ex = self.ex
-            if not ex.idle or engine.fail_kind != FAIL_NONE:
-                return None
-            counters = self.received if receive else self.sent
-            seq = counters[peer]
-            counters[peer] = seq + 1
-            try:
-                region = _region(call.work_region)
-                if region.closed:
-                    call.work_region = self.transport.own_region(call.work_bytes)
-                    region = _region(call.work_region)
-                work = <uint8_t *><uintptr_t>region.addr
-                for i in range(8):
-                    call.desc[i] = (seq >> (8 * i)) & 0xFF
-                memcpy(engine.rdesc, call.desc, DESC_SIZE)
-                engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc, 0, 0, None,
-                              False, region.rkey)
-                engine.defer_sends = not engine.sockets      # a send from the transport's buffer
-                try:
-                    rc = _drained(engine)
-                    if rc < 0:
-                        pass                        # (raised below)
-                    elif call.work_bytes <= HOLD_GIL_BYTES:
-                        if call.nbytes:
-                            memcpy(work, data, <size_t>call.nbytes)
-                        rc = engine._execute_holding_gil(prog)
-                        if rc == 0 and receive:
-                            got = engine.received
-                            if got:
-                                memcpy(data, work, <size_t>got)
-                    else:
-                        with nogil:
-                            if call.nbytes:
-                                memcpy(work, data, <size_t>call.nbytes)
-                            rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
-                            if rc == 0 and receive:
-                                got = engine.received
-                                if got:
-                                    memcpy(data, work, <size_t>got)
-                finally:
-                    engine._end()
-                if rc < 0:
-                    raise self.transport.engine_failed()
-                if receive and got % view.itemsize:
-                    raise UsageError(f"rank {peer} sent {got} bytes, not whole {view.itemsize}-byte elements")
-            except BaseException as exc:
-                ex.fail(exc)
-                raise
-            return got // view.itemsize if receive else True
-        finally:
-            self.lock._give()
+    cdef inline _LastCall _last(self, int kind):
+        return <_LastCall>self.lasts[kind]
 
-    cdef object _last_or_prepared(self, _LastCall last, Py_buffer *view, int peer, how, op, str kind, prepare,
-                                  tuple args):
-        """The HostCall of a ``kind`` call on ``view`` whose key is not ``last``'s (the callers look
-        at that first, before they build ``args``): the one prepared for the key (``prepare(*args)``,
-        a function of hostplans, the first time), remembered as ``last``; None where the general path
-        must run it (also for an unhashable op or algorithm, which that path names in its error)."""
+    cdef object _last_or_prepared(self, int kind, Py_buffer *view, int peer, how, op, prepare, tuple args):
+        """The HostCall of a ``kind`` call on ``view`` whose key is not its last call's (the callers
+        look at that first, before they build ``args``): the one prepared for the key
+        (``prepare(*args)``, a function of hostplans, the first time), remembered as the last; None
+        where the general path must run it (also for an unhashable op or algorithm, which that path
+        names in its error)."""
+        cdef _LastCall last = self._last(kind)
         key = (kind, _format(view), view.len, peer, how, op)
         try:
             call = self.calls.get(key, _MISSING)
@@ -629,10 +569,12 @@ cdef class HostCollectives:
         return self._run(self.barrier_call, True, NULL)
 
     cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL,
-                     object source=None):
+                     object source=None, int peer=-1, bint receive=False):
         """Run a prepared call on ``view`` (NULL: no data, as a barrier's; ``source``: its object,
         where it is not ``result``), its result copied into or worked on in ``out_view`` (NULL:
-        view), and return ``result``."""
+        view), and return ``result``. ``peer`` >= 0: a message to that rank (or, ``receive``, from
+        it), whose description takes the pair's next message number instead of the collectives'
+        call number; a receive copies out what arrived and returns its element count."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
         cdef region_t region, region2
@@ -640,15 +582,23 @@ cdef class HostCollectives:
         cdef uint8_t *out_data = <uint8_t *>out_view.buf if out_view != NULL else data
         cdef uint8_t *work
         cdef uint64_t seq
+        cdef int64_t got = 0
         cdef int rc, i
         cdef bint copy = call.lent == LENT_NONE
+        cdef list counters
         self.lock._take(-1.0)
         try:
             ex = self.ex
             if not ex.idle or engine.fail_kind != FAIL_NONE:
                 return None
-            seq = ex.seq
-            ex.seq = seq + 1                # the call is accepted: its number is taken, as in submit
+            # the call is accepted: its number is taken, as in submit
+            if peer < 0:
+                seq = ex.seq
+                ex.seq = seq + 1
+            else:
+                counters = self.received if receive else self.sent
+                seq = counters[peer]
+                counters[peer] = seq + 1
             try:
                 if copy:
                     region = _region(call.work_region)
@@ -677,26 +627,27 @@ cdef class HostCollectives:
                 engine.defer_sends = copy and not engine.sockets
                 try:
                     rc = _drained(engine) if copy else 0
-                    if rc == 0:
+                    if rc == 0 and peer >= 0 and call.work_bytes <= HOLD_GIL_BYTES:
+                        _copy_in(call, work, data, out_data, copy)
+                        rc = engine._execute_holding_gil(prog)
+                        if rc == 0:
+                            got = _copy_out(call, engine, work, out_data, copy, receive)
+                    elif rc == 0:
                         with nogil:
-                            if copy and call.nbytes:
-                                memcpy(work + call.in_offset, data, <size_t>call.nbytes)
-                            if call.own_len:
-                                if copy:
-                                    memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
-                                else:
-                                    memcpy(out_data + call.own_to, data + call.own_from, <size_t>call.own_len)
+                            _copy_in(call, work, data, out_data, copy)
                             rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
-                            if rc == 0 and copy and call.out_bytes:
-                                memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
+                            if rc == 0:
+                                got = _copy_out(call, engine, work, out_data, copy, receive)
                 finally:
                     engine._end()
                 if rc < 0:
                     raise self.transport.engine_failed()
+                if receive and got % view.itemsize:
+                    raise UsageError(f"rank {peer} sent {got} bytes, not whole {view.itemsize}-byte elements")
             except BaseException as exc:
                 ex.fail(exc)
                 raise
-            return result
+            return got // view.itemsize if receive else result
         finally:
             self.lock._give()
 
@@ -719,6 +670,33 @@ cdef class HostCollectives:
         else:
             self.lent_in = last
         return last
+
+
+cdef inline void _copy_in(HostCall call, uint8_t *work, const uint8_t *data, uint8_t *out_data,
+                          bint copy) noexcept nogil:
+    """A run's copies before it: the input into the transport's buffer (``copy``: the call works
+    there), the own block (within that buffer, or from the caller's input to its output)."""
+    if copy and call.nbytes:
+        memcpy(work + call.in_offset, data, <size_t>call.nbytes)
+    if call.own_len:
+        if copy:
+            memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
+        else:
+            memcpy(out_data + call.own_to, data + call.own_from, <size_t>call.own_len)
+
+
+cdef inline int64_t _copy_out(HostCall call, Engine engine, const uint8_t *work, uint8_t *out_data,
+                              bint copy, bint receive) noexcept nogil:
+    """A run's copy after it out of the transport's buffer: the result, or a receive's message
+    (whose length it returns)."""
+    cdef int64_t got = 0
+    if receive:
+        got = engine.received
+        if got:
+            memcpy(out_data, work, <size_t>got)
+    elif copy and call.out_bytes:
+        memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
+    return got
 
 
 cdef int _drained(Engine engine) except? -1:

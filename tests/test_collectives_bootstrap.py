@@ -574,6 +574,7 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
     # gpu_path "direct" runs the algorithms in place with reductions passed in (CUDA kernels on a
     # GPU); here the same machinery on host memory with the host reductions
     from pyrdma import _reduce
+    from pyrdma.collectives import specs
     port = free_port()
     code = _reduce.dtype_code(np.int32)
 
@@ -582,6 +583,9 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
             x = np.arange(1001, dtype=np.int32) * (rank + 1)
             reduce = functools.partial(_reduce.reduce_bytes, dtype=code, op=_reduce.op_code("sum"))
             steps = []
+
+            def in_place(spec):       # as Communicator._direct_job runs a CUDA array's spec
+                return comm._exec.submit(True, comm._run_spec, spec).wait()
 
             def before(work):
                 steps.append(("before", work.nbytes))
@@ -594,13 +598,13 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
                 area = _ConsumingHostArea(bytes=y.view(np.uint8), count=y.size, itemsize=4, code=code,
                                           reduce=reduce, before=before, after=after)
                 del steps[:]
-                comm._allreduce_in_place(area, "avg", algorithm)
+                in_place(specs.allreduce_direct(comm, area, "avg", algorithm))
                 assert (y == np.arange(1001) * 2).all()              # (1 + 2 + 3) / 3
                 # one run, whole: before it the input, after it the result, in the caller's memory
                 assert steps == [("before", 4004), ("after", 4004)]
             b = np.arange(300, dtype=np.float64) if rank == 1 else np.zeros(300)
-            comm._broadcast_in_place(_ConsumingHostArea(bytes=b.view(np.uint8), dtype_name="float64", reduce=None),
-                                     1, "auto")
+            in_place(specs.broadcast_direct(comm, _ConsumingHostArea(bytes=b.view(np.uint8), dtype_name="float64",
+                                                                     reduce=None), 1, "auto"))
             return bool((b == np.arange(300)).all())
     assert in_threads(3, rank_fn) == [True, True, True]
     with pytest.raises(pyrdma.UsageError, match="unknown gpu_path"):

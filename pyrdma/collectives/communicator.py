@@ -68,6 +68,7 @@ _SETUP_MAGIC = b"PYRDMA-COLL/1 "
 _PAIRED = (specs.allreduce, specs.reduce, specs.allgather, specs.reduce_scatter)   # buf, out: both CUDA or both host
 _SHAPED = (specs.allreduce, specs.reduce, specs.broadcast)     # CUDA arrays pipelined chunk by chunk
 _BLOCKWISE = (specs.allgather, specs.reduce_scatter, specs.alltoall)     # and piece by piece
+_DIRECT = (specs.allreduce, specs.broadcast)        # blocking: in GPU memory where every rank can
 
 
 def _roles(read, written, *rest):
@@ -336,16 +337,6 @@ class Communicator:
             done = self._host.allreduce(buf, op, algorithm)
             if done is not None:
                 return done
-        if _is_cuda(buf, out):
-            _cuda().check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
-            if self._gpu_direct(buf):
-                check_op(op)
-                algorithm = specs.check_algorithm(algorithm)
-                area = _cuda().direct_allreduce_area(buf, out, op, dtype, nranks=self.size)
-                if area is not None:        # (None: bfloat16, which stages)
-                    with area:
-                        self._allreduce_in_place(area, op, algorithm)
-                    return area.result
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=True, dtype=dtype)
 
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
@@ -370,11 +361,6 @@ class Communicator:
             done = self._host.broadcast(buf, root, algorithm)
             if done is not None:
                 return done
-        if _is_cuda(buf) and self._gpu_direct(buf):
-            root = specs.check_root(self, root)
-            with _cuda().direct_broadcast_area(buf, self.rank == root) as area:
-                self._broadcast_in_place(area, root, algorithm)
-            return buf
         return self._call(specs.broadcast, buf, root, algorithm, blocking=True)
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):
@@ -543,11 +529,16 @@ class Communicator:
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run
         the spec in order with the other collectives (inline, or on the communicator's thread).
         ``dtype``: the reduction dtype of a reducing call (the spec's last argument). CUDA arrays
-        are staged through pinned host memory (_staged_job)."""
+        are worked on in GPU memory (_direct_job: a blocking allreduce or broadcast where every
+        rank can) or staged through pinned host memory (_staged_job)."""
         if dtype is not _NO_DTYPE:
             args += (dtype,)
         if _is_cuda(*(x for a in args for x in (a if isinstance(a, tuple) else (a,)))):
-            job, collective = self._staged_job(make_spec, args, dtype is not _NO_DTYPE)
+            job = self._direct_job(make_spec, args) if blocking and make_spec in _DIRECT else None
+            if job is not None:
+                collective = True
+            else:
+                job, collective = self._staged_job(make_spec, args, dtype is not _NO_DTYPE)
         else:
             spec = make_spec(self, *args)
             job, collective = functools.partial(self._run_spec, spec), spec.collective
@@ -680,13 +671,35 @@ class Communicator:
             agreed = self._gpudirect_agreed[device_id] = bool(flag[0])
         return agreed
 
-    def _allreduce_in_place(self, area, op, algorithm):
-        """allreduce in place on a work area that is not the transport's (specs.allreduce_direct)."""
-        return self._exec.submit(True, self._run_spec, specs.allreduce_direct(self, area, op, algorithm)).wait()
+    def _direct_job(self, make_spec, args):
+        """The job of a blocking allreduce or broadcast of a CUDA array in place in GPU memory
+        (specs.allreduce_direct, broadcast_direct: the transport sends from it, CUDA kernels
+        reduce), or None where it is staged (gpu_path, no GPUDirect on some rank, bfloat16)."""
+        gc = _cuda()
+        if make_spec is specs.allreduce:
+            buf, out, op, algorithm, dtype = args
+            gc.check_pair(buf, out, "allreduce")       # before the path is chosen (which may need CuPy)
+            if not self._gpu_direct(buf):
+                return None
+            check_op(op)
+            algorithm = specs.check_algorithm(algorithm)
+            area = gc.direct_allreduce_area(buf, out, op, dtype, nranks=self.size)
+            if area is None:
+                return None
+            spec, result = specs.allreduce_direct(self, area, op, algorithm), area.result
+        else:
+            buf, root, algorithm = args
+            if not self._gpu_direct(buf):
+                return None
+            root = specs.check_root(self, root)
+            area = gc.direct_broadcast_area(buf, self.rank == root)
+            spec, result = specs.broadcast_direct(self, area, root, algorithm), buf
 
-    def _broadcast_in_place(self, area, root, algorithm):
-        """broadcast from root of a work area that is not the transport's (specs.broadcast_direct)."""
-        return self._exec.submit(True, self._run_spec, specs.broadcast_direct(self, area, root, algorithm)).wait()
+        def job():
+            with area:
+                self._run_spec(spec)
+            return result
+        return job
 
 
 def init_from_env(**kwargs):
