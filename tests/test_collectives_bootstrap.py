@@ -10,6 +10,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ import pyrdma
 from pyrdma.collectives import Communicator, CostModel, MPIExchange, TCPStore, env_config, init_from_env
 from pyrdma import wire
 from pyrdma.testing import free_port
-from pyrdma.collectives import algorithms, bootstrap, segment_bounds
+from pyrdma.collectives import algorithms, bootstrap, segment_bounds, specs
 from pyrdma.collectives.work import HostMemory
 
 
@@ -342,6 +343,13 @@ def test_cost_model_choices_and_overrides(monkeypatch):
     assert "read" not in {CostModel().choose_copy("scatter", b, n, 1 << 20) for b in (8, 1 << 20) for n in (3, 4, 64)}
     soft = CostModel(software=True)
     assert soft.copy > 0 and CostModel().copy == 0 and CostModel(copy=1e-9).copy == 1e-9
+    # there an all-to-all, gather or scatter works in a caller's buffer from 128 KiB (the CPU's
+    # copies cost more than a registration), elsewhere from zero_copy_bytes; 0 turns it off
+    assert soft.lend_bytes == 128 << 10 and CostModel().lend_bytes is None
+    assert CostModel(transport="tcp", software=True).lend_bytes is None
+    lends = [specs.lends_blocks(types.SimpleNamespace(zero_copy_bytes=z, cost_model=m), b)
+             for m, z in ((soft, 1 << 20), (CostModel(), 1 << 20), (soft, 0), (soft, 4096)) for b in (4096, 128 << 10, 1 << 20)]
+    assert lends == [False, True, True, False, False, True, False, False, False, True, True, True]
     assert [soft.choose_copy("scatter", b, 4, 1 << 20) for b in (8, 4096, 32768, 1 << 20)] == \
         ["direct", "direct", "read", "read"]
     assert soft.choose_copy("scatter", 1 << 20, 2, 1 << 20) == "direct"      # one block: nothing to share
@@ -574,7 +582,6 @@ def test_in_place_path_runs_the_algorithms_on_the_callers_memory():
     # gpu_path "direct" runs the algorithms in place with reductions passed in (CUDA kernels on a
     # GPU); here the same machinery on host memory with the host reductions
     from pyrdma import _reduce
-    from pyrdma.collectives import specs
     port = free_port()
     code = _reduce.dtype_code(np.int32)
 

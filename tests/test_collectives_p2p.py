@@ -57,6 +57,8 @@ def _rooted(comm, counts, dtypes):
     # the ranks agree whether any of them moves RDMA data by CPU (Soft-RoCE), and cost it so
     software = comm.transport.software
     assert comm.cost_model.copy == (costmodel.SOFTWARE_COPY if software else 0.0)
+    lend = costmodel.SOFTWARE_LEND_BYTES if software and comm.transport_name == "rdma" else None
+    assert comm.cost_model.lend_bytes == lend
     if comm.transport_name == "rdma":
         from pyrdma.collectives.transport.rdma import SOFTWARE_VENDORS
         assert software or comm.transport.ctx.query_device().vendor_id not in SOFTWARE_VENDORS

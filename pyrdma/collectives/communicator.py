@@ -168,14 +168,15 @@ class Communicator:
     ``zero_copy_bytes``: allreduce, broadcast and allgather (with ``out`` given) of at least this
     many bytes work in place on the result's own memory instead of copying it into and out of the
     transport's buffer; over RDMA that memory is registered on first use and kept registered, and
-    alive, among the transport's USER_MR_CACHE most recent buffers (0 turns this off). Over RDMA a
-    point-to-point message of that size or more goes by rendezvous: the sender writes it straight
-    into the receiver's buffer (the size given here; ``transport.rendezvous_bytes`` changes it
-    later). ``gpu_path``:
-    how allreduce and broadcast move CUDA arrays: "direct" (the transport sends straight from GPU
-    memory, over RDMA registered by GPUDirect; reductions run as CUDA kernels), "staged" (through
-    pinned host memory, reductions on the CPU), or "auto" (direct when every rank's RDMA device and
-    GPU can do GPUDirect RDMA, agreed on at the first CUDA collective; else staged). ``device``,
+    alive, among the transport's USER_MR_CACHE most recent buffers (0 turns this off). All-to-all,
+    gather and scatter likewise, on a software RDMA device from the cost model's lend_bytes on. Over
+    RDMA a point-to-point message of that size or more goes by rendezvous: the sender writes it
+    straight into the receiver's buffer (the size given here; ``transport.rendezvous_bytes`` changes
+    it later). ``gpu_path``: how allreduce and broadcast move CUDA arrays: "direct" (the transport
+    sends straight from GPU memory, over RDMA registered by GPUDirect; reductions run as CUDA
+    kernels), "staged" (through pinned host memory, reductions on the CPU), or "auto" (direct when
+    every rank's RDMA device and GPU can do GPUDirect RDMA, agreed on at the first CUDA collective;
+    else staged). ``device``,
     ``port``, ``gid_index``: the RDMA device, port and GID the QPs use (default: NCCL-style
     environment variables PYRDMA_IB_HCA, a name or "name:port", PYRDMA_IB_PORT, PYRDMA_IB_GID_INDEX;
     else the first active device, port 1, the port's best GID).

@@ -192,6 +192,14 @@ def zero_copy(comm, nbytes):
     return bool(comm.zero_copy_bytes) and nbytes >= comm.zero_copy_bytes
 
 
+def lends_blocks(comm, nbytes):
+    """zero_copy for an all-to-all, gather or scatter of ``nbytes`` in a caller's buffer: also from
+    the cost model's lend_bytes where that is lower (a software RDMA device, where each copy is the
+    CPU's, and from which a registration pays for itself even when the buffer is not reused)."""
+    lend = comm.cost_model.lend_bytes
+    return zero_copy(comm, nbytes) or bool(comm.zero_copy_bytes and lend) and nbytes >= lend
+
+
 def alltoall_entry(comm, block):
     """The registry entry of an all-to-all of ``block`` bytes per rank, the cost model's choice;
     ``block`` 0 where the counts differ per rank (alltoallv): the choice must be every rank's."""
@@ -421,7 +429,7 @@ def scatter(comm, buf, out, root, algorithm):
             a = pieces[bad[0]][0]
             raise UsageError(f"buf[{bad[0]}] must be a piece like out ({out_arr.size} elements of {out_arr.dtype}); "
                              f"it has {a.size} of {a.dtype}")
-        if r == root and n > 1 and zero_copy(comm, block) and \
+        if r == root and n > 1 and lends_blocks(comm, block) and \
                 copy_algorithm(comm, "scatter", algorithm, block) == "direct":
             return _scatter_parts(comm, pieces, out, dst, root, block, out_arr)
 
@@ -471,7 +479,7 @@ def rooted_copy(comm, kind, root, algorithm, dtype, count, block, source, target
     full = entry.full_area or r == root
     at = r * block if full else 0
     area = n * block if full else block
-    lay, lend = layout(full, algo, at, area, zero_copy(comm, area))
+    lay, lend = layout(full, algo, at, area, lends_blocks(comm, area))
     return Spec([Run(functools.partial(entry.planner, n, r, root, block),
                      describe_call(comm, kind, entry, dtype=dtype, count=count, root=root),
                      lay, source, target, lend=lend)])
@@ -513,7 +521,8 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
     tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
     plan = functools.partial(entry.planner, n, r, sb, rb, base)
     own = sb[r + 1] - sb[r]
-    if zero_copy(comm, base + rb[-1]) and not np.shares_memory(src, dst):
+    # each of buf and out costs a registration: both must be large enough for it below zero_copy_bytes
+    if (zero_copy(comm, base + rb[-1]) or lends_blocks(comm, min(base, rb[-1]))) and not np.shares_memory(src, dst):
         # sent from buf and received into out where they are: no copy in or out
         layout = Layout(base, rb[-1], base + rb[-1], own=(sb[r], rb[r], own), lent="both")
         return Spec([Run(plan, tag, layout, src, dst, lend=src, out=dst)], lambda: out)
