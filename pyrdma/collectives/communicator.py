@@ -420,7 +420,8 @@ class Communicator:
         lies from the zero-copy size on. Elsewhere ``buf`` may be None when ``out`` is given (or an
         array of the root's shape: its piece shape is used). Returns out."""
         if self._host is not None:
-            done = self._host.scatter(buf, out, root, algorithm)
+            full = _joined(self, buf) if type(buf) is list and root == self.rank else buf
+            done = self._host.scatter(full, out, root, algorithm)
             if done is not None:
                 return done[0]
         return self._call(specs.scatter, buf, out, root, algorithm, blocking=True)
@@ -701,6 +702,19 @@ class Communicator:
                 self._run_spec(spec)
             return result
         return job
+
+
+def _joined(comm, pieces):
+    """A scatter root's list of pieces as one array, for the one-call path, where the general path
+    would copy them in anyway (below the size from which each is sent from where it lies); else the
+    list itself (also a list the general path refuses, whose error it names)."""
+    first = pieces[0] if len(pieces) == comm.size else None
+    if type(first) is not np.ndarray or specs.lends_blocks(comm, first.nbytes):
+        return pieces
+    for p in pieces:
+        if type(p) is not np.ndarray or p.dtype != first.dtype or p.shape != first.shape:
+            return pieces
+    return np.concatenate(pieces)
 
 
 def init_from_env(**kwargs):
