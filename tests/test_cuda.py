@@ -1180,7 +1180,9 @@ class HostCupy:
     uploads = 0
 
     class _View(np.ndarray):
-        def get(self, out):
+        def get(self, out=None):
+            if out is None:
+                return np.array(self)        # (CuPy's get(): a new host array)
             out[...] = self
             return out
 
@@ -1321,6 +1323,25 @@ def test_every_staged_call_gives_the_numpy_paths_result_on_a_fake_gpu():
         assert got["ibroadcast"] == (True, [2] * 5, 20 if r == 2 else 0, 0 if r == 2 else 20), got["ibroadcast"]
         assert "read-only" in got["errors"]["read-only out"], got["errors"]
         assert "must both be CUDA arrays" in got["errors"]["mixed pair"], got["errors"]
+
+
+def _direct_broadcast(comm):
+    """A blocking broadcast of a fake CUDA array with gpu_path "direct": in place in the array's
+    memory (its DirectArea), nothing staged."""
+    backend = SimBackend()
+    runs = _stage_on(comm, gpu.HostStagingPipeline(1 << 20, 2, backend=backend))
+    values = np.full(5000, comm.rank, np.uint8)
+    dev = FakeCudaArray(values)
+    same = comm.broadcast(dev, root=1) is dev
+    kinds = [type(run.kind).__name__ for spec in runs for run in spec.runs]
+    return same, values.tolist() == [1] * 5000, kinds, len(backend.copies)
+
+
+def test_the_direct_path_broadcasts_in_the_arrays_own_memory_on_a_fake_gpu():
+    from test_collectives_world import World
+    with World(2, "tcp", timeout=30.0, gpu_path="direct") as w:
+        results = w.run(_direct_broadcast, timeout=60)
+    assert results == [(True, True, ["DirectArea"], 0)] * 2, results
 
 
 def _torch_backend_on_a_fake_gpu(comm):
