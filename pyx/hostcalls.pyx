@@ -206,12 +206,13 @@ cdef class ExecLock:
         self._give()
 
 
-# The kinds of call that HostCollectives prepares (an index into its ``lasts``; their names key the
-# prepared calls)
+# The kinds of call that HostCollectives prepares: an index into its ``lasts`` and the first field of
+# a prepared call's key (KIND_NAMES: their names, as hostplans takes them)
 cdef enum:
-    K_ALLREDUCE, K_REDUCE, K_BROADCAST, K_ALLGATHER, K_REDUCE_SCATTER, K_ALLTOALL, K_GATHER, K_SCATTER, K_SEND, K_RECV
-cdef tuple KIND_NAMES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "gather", "scatter",
-                         "send", "recv")
+    K_ALLREDUCE, K_REDUCE, K_BROADCAST, K_ALLGATHER, K_REDUCE_SCATTER, K_ALLTOALL, K_GATHER, K_SCATTER
+    K_SEND, K_RECV
+cdef tuple KIND_NAMES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "gather",
+                         "scatter", "send", "recv")
 
 
 @cython.final

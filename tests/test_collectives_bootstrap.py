@@ -348,7 +348,8 @@ def test_cost_model_choices_and_overrides(monkeypatch):
     assert soft.lend_bytes == 128 << 10 and CostModel().lend_bytes is None
     assert CostModel(transport="tcp", software=True).lend_bytes is None
     lends = [specs.lends_blocks(types.SimpleNamespace(zero_copy_bytes=z, cost_model=m), b)
-             for m, z in ((soft, 1 << 20), (CostModel(), 1 << 20), (soft, 0), (soft, 4096)) for b in (4096, 128 << 10, 1 << 20)]
+             for m, z in ((soft, 1 << 20), (CostModel(), 1 << 20), (soft, 0), (soft, 4096))
+             for b in (4096, 128 << 10, 1 << 20)]
     assert lends == [False, True, True, False, False, True, False, False, False, True, True, True]
     assert [soft.choose_copy("scatter", b, 4, 1 << 20) for b in (8, 4096, 32768, 1 << 20)] == \
         ["direct", "direct", "read", "read"]
