@@ -536,11 +536,8 @@ class Communicator:
         if dtype is not _NO_DTYPE:
             args += (dtype,)
         if _is_cuda(*(x for a in args for x in (a if isinstance(a, tuple) else (a,)))):
-            job = self._direct_job(make_spec, args) if blocking and make_spec in _DIRECT else None
-            if job is not None:
-                collective = True
-            else:
-                job, collective = self._staged_job(make_spec, args, dtype is not _NO_DTYPE)
+            direct = self._direct_job(make_spec, args) if blocking and make_spec in _DIRECT else None
+            job, collective = direct or self._staged_job(make_spec, args, dtype is not _NO_DTYPE)
         else:
             spec = make_spec(self, *args)
             job, collective = functools.partial(self._run_spec, spec), spec.collective
@@ -674,9 +671,9 @@ class Communicator:
         return agreed
 
     def _direct_job(self, make_spec, args):
-        """The job of a blocking allreduce or broadcast of a CUDA array in place in GPU memory
-        (specs.allreduce_direct, broadcast_direct: the transport sends from it, CUDA kernels
-        reduce), or None where it is staged (gpu_path, no GPUDirect on some rank, bfloat16)."""
+        """(job, True: a collective) of a blocking allreduce or broadcast of a CUDA array in place in
+        GPU memory (specs.allreduce_direct, broadcast_direct: the transport sends from it, CUDA
+        kernels reduce), or None where it is staged (gpu_path, no GPUDirect on some rank, bfloat16)."""
         gc = _cuda()
         if make_spec is specs.allreduce:
             buf, out, op, algorithm, dtype = args
@@ -701,13 +698,16 @@ class Communicator:
             with area:
                 self._run_spec(spec)
             return result
-        return job
+        return job, True
 
 
 def _joined(comm, pieces):
     """A scatter root's list of pieces as one array, for the one-call path, where the general path
     would copy them in anyway (below the size from which each is sent from where it lies); else the
-    list itself (also a list the general path refuses, whose error it names)."""
+    list itself (also a list the general path refuses, whose error it names). Not from that size
+    even where another algorithm than direct copies them in: the joined array is new at every call,
+    and the one-call path would lend (register) it, where the general path copies into the
+    transport's own registered buffer."""
     first = pieces[0] if len(pieces) == comm.size else None
     if type(first) is not np.ndarray or specs.lends_blocks(comm, first.nbytes):
         return pieces

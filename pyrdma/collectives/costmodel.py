@@ -64,9 +64,9 @@ class CostModel:
         self.gamma = g if gamma is None else gamma
         self.overhead = self.alpha * OVERHEAD_SHARE if overhead is None else overhead
         self.copy = (SOFTWARE_COPY if software else 0.0) if copy is None else copy
-        self.lend_bytes = SOFTWARE_LEND_BYTES if lend_bytes is None and software and transport != "tcp" else lend_bytes
         # RDMA READ: over sockets a read is the holder's send, so a scheme of reads only adds rounds
         self.one_sided = transport != "tcp"
+        self.lend_bytes = SOFTWARE_LEND_BYTES if lend_bytes is None and software and self.one_sided else lend_bytes
         self._chosen = {}      # the allreduce choices made so far: the same sizes come back every step
         # read once: looking the environment up costs more than the choice itself
         self.forced_allreduce = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM") or None
