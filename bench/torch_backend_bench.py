@@ -1,13 +1,16 @@
 """The "pyrdma" torch backend against gloo, in the same processes and the same run:
 
     python3 bench/torch_backend_bench.py [--device cpu|cuda] [--ranks 2] [--sizes 8,65536,1048576]
-        [--ops all_reduce,broadcast,...] [--iters 20] [--ddp-steps 10] [--json OUT]
+        [--ops all_reduce,broadcast,...] [--iters 20] [--rounds 1] [--ddp-steps 10] [--json OUT]
 
 ``--ranks`` processes on this host join one job: the default group over pyrdma and a second group
 over gloo. For each op and size (bytes of the op's input tensor) each backend runs the op
 ``--iters`` times after a warm-up, each call between a barrier (of gloo, on the CPU) and, for CUDA
 tensors, torch.cuda.synchronize(); a backend's time is the slowest rank's median. The two backends
-alternate per size, so drift affects both. Then a DDP step (``--layers`` x Linear(``--width``),
+alternate per size and per round, so drift affects both; with ``--rounds`` R every cell is measured R
+times (all ops and sizes once per round) and its ratio is the median of the per-round ratios, as
+bench/collectives_bench.py reports them (on a noisy machine one round's small cells move by +-30%).
+Then a DDP step (``--layers`` x Linear(``--width``),
 batch ``--batch``, SGD) over each backend from the same seed: median step time, and whether the two
 models' parameters agree afterwards. Prints a table of pyrdma's time / gloo's (below 1: pyrdma is
 faster) and the targets with their verdicts (the issue's: every cell <= 1.0x gloo, all_reduce <= 0.7x
@@ -155,16 +158,17 @@ def worker(rank, args, port, results):
     def barrier():
         dist.barrier(group=gloo)
     mine = {"ops": {}, "ddp": {}}
-    for op in args.ops:
-        for k, nbytes in enumerate(args.sizes):
-            order = ("pyrdma", "gloo") if k % 2 == 0 else ("gloo", "pyrdma")
-            for name in order:
-                try:
-                    t = _time(op, nbytes, groups[name], barrier, n, device, args.iters,
-                              ours if name == "pyrdma" else None)
-                except Exception as exc:  # noqa: BLE001 -- a backend that lacks the op: reported, not fatal
-                    t = f"{type(exc).__name__}: {exc}"[:200]
-                mine["ops"][f"{op} {nbytes} {name}"] = t
+    for rnd in range(args.rounds):
+        for op in args.ops:
+            for k, nbytes in enumerate(args.sizes):
+                order = ("pyrdma", "gloo") if (k + rnd) % 2 == 0 else ("gloo", "pyrdma")
+                for name in order:
+                    try:
+                        t = _time(op, nbytes, groups[name], barrier, n, device, args.iters,
+                                  ours if name == "pyrdma" else None)
+                    except Exception as exc:  # noqa: BLE001 -- a backend that lacks the op: reported, not fatal
+                        t = f"{type(exc).__name__}: {exc}"[:200]
+                    mine["ops"].setdefault(f"{op} {nbytes} {name}", []).append(t)
     if args.ddp_steps:
         params = {}
         for name in ("pyrdma", "gloo"):
@@ -183,6 +187,7 @@ def main(argv=None):
                    type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--ops", default=",".join(OPS), type=lambda s: s.split(","))
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--ddp-steps", type=int, default=10)
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--width", type=int, default=2048)
@@ -192,6 +197,8 @@ def main(argv=None):
     unknown = set(args.ops) - set(OPS)
     if unknown:
         p.error(f"unknown ops {sorted(unknown)}; use {', '.join(OPS)}")
+    if args.rounds < 1 or args.iters < 1:
+        p.error("--rounds and --iters must be at least 1")
     import torch.multiprocessing as mp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -203,18 +210,16 @@ def main(argv=None):
     rows, table = [], []
     for op in args.ops:
         for nbytes in args.sizes:
-            times = {name: [per_rank[r]["ops"][f"{op} {nbytes} {name}"] for r in range(args.ranks)]
-                     for name in ("pyrdma", "gloo")}
-            slowest = {name: (max(v) if all(isinstance(t, float) for t in v) else next(t for t in v if isinstance(t, str)))
-                       for name, v in times.items()}
-            ratio = (slowest["pyrdma"] / slowest["gloo"] if all(isinstance(t, float) for t in slowest.values())
-                     else None)
-            rows.append({"op": op, "bytes": nbytes, "pyrdma_s": slowest["pyrdma"], "gloo_s": slowest["gloo"],
-                         "pyrdma_vs_gloo": ratio})
-            table.append(f"{op:<22} {nbytes:>10} {_us(slowest['pyrdma']):>12} {_us(slowest['gloo']):>12} "
-                         f"{'' if ratio is None else f'{ratio:.2f}':>8}")
-    report = {"device": args.device, "ranks": args.ranks, "iters": args.iters, "ops": rows}
-    print(f"{'op':<22} {'bytes':>10} {'pyrdma us':>12} {'gloo us':>12} {'ratio':>8}")
+            rows.append(_cell(op, nbytes, [[per_rank[r]["ops"][f"{op} {nbytes} {name}"] for r in range(args.ranks)]
+                                           for name in ("pyrdma", "gloo")]))
+            row = rows[-1]
+            spread = (f"{min(row['round_ratios']):.2f}-{max(row['round_ratios']):.2f}"
+                      if len(row["round_ratios"]) > 1 else "")
+            ratio = "" if row["pyrdma_vs_gloo"] is None else f"{row['pyrdma_vs_gloo']:.2f}"
+            table.append(f"{op:<22} {nbytes:>10} {_us(row['pyrdma_s']):>12} {_us(row['gloo_s']):>12} "
+                         f"{ratio:>8} {spread:>11}")
+    report = {"device": args.device, "ranks": args.ranks, "iters": args.iters, "rounds": args.rounds, "ops": rows}
+    print(f"{'op':<22} {'bytes':>10} {'pyrdma us':>12} {'gloo us':>12} {'ratio':>8} {'rounds':>11}")
     print("\n".join(table))
     if args.ddp_steps:
         ddp = {name: max(per_rank[r]["ddp"][name] for r in range(args.ranks)) for name in ("pyrdma", "gloo")}
@@ -236,6 +241,22 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def _cell(op, nbytes, times):
+    """The row of one op and size from ``times`` [[pyrdma's rounds per rank], [gloo's]]: each backend's
+    time is the median over rounds of the slowest rank's median, the ratio the median of the
+    per-round ratios of those; an error string in place of the times where a backend failed."""
+    row = {"op": op, "bytes": nbytes, "round_ratios": []}
+    slowest = {}
+    for name, per_rank in zip(("pyrdma", "gloo"), times):
+        error = next((t for ts in per_rank for t in ts if isinstance(t, str)), None)
+        slowest[name] = error or [max(ts[k] for ts in per_rank) for k in range(len(per_rank[0]))]
+        row[f"{name}_s"] = error or statistics.median(slowest[name])
+    if all(isinstance(v, list) for v in slowest.values()):
+        row["round_ratios"] = [a / b for a, b in zip(slowest["pyrdma"], slowest["gloo"])]
+    row["pyrdma_vs_gloo"] = statistics.median(row["round_ratios"]) if row["round_ratios"] else None
+    return row
 
 
 def targets(rows, ddp):

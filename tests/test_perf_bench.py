@@ -295,3 +295,21 @@ def test_tcp_bench_runs_beside_sockperf_and_iperf3(tmp_path):
     bw, = [r for r in rows if r["test"] == "bandwidth"]
     assert bw["pyrdma_Bps"] > 0 and bw["iperf3_Bps"] > 0 and bw["ratio"] == bw["iperf3_Bps"] / bw["pyrdma_Bps"]
     assert "sockperf ping-pong" in run.stdout and "iperf3" in run.stdout
+
+
+def test_torch_bench_takes_each_ratio_within_its_round():
+    """bench/torch_backend_bench.py's cell: per round the slowest rank of each backend, the ratio the
+    median of the per-round ratios (not the ratio of medians); a backend's error is the cell's."""
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "bench", "torch_backend_bench.py")
+    spec = importlib.util.spec_from_file_location("torch_backend_bench", path)
+    tb = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tb)
+    # rounds: pyrdma's slowest 2, 9, 4; gloo's 4, 3, 8 -> ratios 0.5, 3.0, 0.5
+    row = tb._cell("scatter", 8, [[[1.0, 9.0, 4.0], [2.0, 1.0, 3.0]], [[4.0, 3.0, 1.0], [1.0, 2.0, 8.0]]])
+    assert row["round_ratios"] == [0.5, 3.0, 0.5]
+    assert row["pyrdma_vs_gloo"] == 0.5 and row["pyrdma_s"] == 4.0 and row["gloo_s"] == 4.0
+    failed = tb._cell("gather", 8, [[[1.0], ["RuntimeError: no"]], [[1.0], [1.0]]])
+    assert failed["pyrdma_s"] == "RuntimeError: no" and failed["pyrdma_vs_gloo"] is None
+    assert tb.targets([failed], None)[0]["verdict"] == "FAIL"
