@@ -343,10 +343,10 @@ def test_cost_model_choices_and_overrides(monkeypatch):
     assert "read" not in {CostModel().choose_copy("scatter", b, n, 1 << 20) for b in (8, 1 << 20) for n in (3, 4, 64)}
     soft = CostModel(software=True)
     assert soft.copy > 0 and CostModel().copy == 0 and CostModel(copy=1e-9).copy == 1e-9
-    # there an all-to-all, gather or scatter works in a caller's buffer from 128 KiB (the CPU's
-    # copies cost more than a registration), elsewhere from zero_copy_bytes; 0 turns it off
+    # there and over TCP an all-to-all, gather or scatter works in a caller's buffer from 128 KiB
+    # (the CPU's copies cost more than a registration), on a NIC from zero_copy_bytes; 0 turns it off
     assert soft.lend_bytes == 128 << 10 and CostModel().lend_bytes is None
-    assert CostModel(transport="tcp", software=True).lend_bytes is None
+    assert CostModel(transport="tcp").lend_bytes == CostModel(transport="tcp", software=True).lend_bytes == 128 << 10
     lends = [specs.lends_blocks(types.SimpleNamespace(zero_copy_bytes=z, cost_model=m), b)
              for m, z in ((soft, 1 << 20), (CostModel(), 1 << 20), (soft, 0), (soft, 4096))
              for b in (4096, 128 << 10, 1 << 20)]

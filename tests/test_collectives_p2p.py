@@ -57,7 +57,7 @@ def _rooted(comm, counts, dtypes):
     # the ranks agree whether any of them moves RDMA data by CPU (Soft-RoCE), and cost it so
     software = comm.transport.software
     assert comm.cost_model.copy == (costmodel.SOFTWARE_COPY if software else 0.0)
-    lend = costmodel.SOFTWARE_LEND_BYTES if software and comm.transport_name == "rdma" else None
+    lend = costmodel.LEND_BYTES if software or comm.transport_name == "tcp" else None
     assert comm.cost_model.lend_bytes == lend
     if comm.transport_name == "rdma":
         from pyrdma.collectives.transport.rdma import SOFTWARE_VENDORS

@@ -169,7 +169,7 @@ class Communicator:
     many bytes work in place on the result's own memory instead of copying it into and out of the
     transport's buffer; over RDMA that memory is registered on first use and kept registered, and
     alive, among the transport's USER_MR_CACHE most recent buffers (0 turns this off). All-to-all,
-    gather and scatter likewise, on a software RDMA device from the cost model's lend_bytes on. Over
+    gather and scatter likewise, on a software RDMA device and TCP from the cost model's lend_bytes on. Over
     RDMA a point-to-point message of that size or more goes by rendezvous: the sender writes it
     straight into the receiver's buffer (the size given here; ``transport.rendezvous_bytes`` changes
     it later). ``gpu_path``: how allreduce and broadcast move CUDA arrays: "direct" (the transport

@@ -13,8 +13,8 @@ an RDMA operation where its CPU moves the data (a software device: Soft-RoCE cop
 ends in the poster's context; 0 where a NIC does it), all in seconds; ``one_sided``: the link
 has RDMA READ (not the socket link, which sends what a read would fetch); ``lend_bytes``: the
 size of a caller's buffer from which an all-to-all, gather or scatter works in it, where that is
-below the Communicator's zero_copy_bytes (None: zero_copy_bytes decides; SOFTWARE_LEND_BYTES on a
-software device). Messages larger
+below the Communicator's zero_copy_bytes (None: zero_copy_bytes decides; LEND_BYTES on a software
+device and over TCP). Messages larger
 than ``max_message`` are split, and each piece pays alpha. The estimates only need to rank the
 algorithms, not predict time exactly.
 
@@ -42,13 +42,16 @@ OVERHEAD_SHARE = 1 / 8         # overhead's default, a share of alpha
 # to the receivers' reads at ~16 KiB per rank for 4 ranks, ~32 KiB for 3, where the A/B on rxe
 # found it (4 ranks: read 2.2 ms against direct 3.7-4.2 ms at 32 KiB, a tie at 4 KiB).
 SOFTWARE_COPY = 0.75e-9
-# lend_bytes's default on a software RDMA device: an all-to-all, gather or scatter works in a
-# caller's buffer of this many bytes or more, not only from zero_copy_bytes (1 MiB), since each copy
-# through the transport's buffer is CPU work beside the device's own. Measured on rxe, 2 ranks, per
-# peer 32 KiB / 128 KiB, lending against copying: 0.71-0.84x the time with the same buffers every
-# call, and with fresh ones (a registration per buffer and call) 1.7-2.0x at 32 KiB, 0.90-1.07x
-# from 128 KiB: from there a registration pays for itself even when it is not reused.
-SOFTWARE_LEND_BYTES = 128 << 10
+# lend_bytes's default on a software RDMA device and over TCP: an all-to-all, gather or scatter works
+# in a caller's buffer of this many bytes or more, not only from zero_copy_bytes (1 MiB), since each
+# copy through the transport's buffer is CPU work beside the transport's own. Measured on rxe, 2
+# ranks, per peer 32 KiB / 128 KiB, lending against copying: 0.71-0.84x the time with the same
+# buffers every call, and with fresh ones (a registration per buffer and call) 1.7-2.0x at 32 KiB,
+# 0.90-1.07x from 128 KiB: from there a registration pays for itself even when it is not reused.
+# Over TCP (no registration), 2 ranks, one Communicator, 6 alternating rounds: 0.62-0.92x from 64
+# KiB to 768 KiB per peer (all-to-all 1.0x from 256 KiB), but a 32 KiB scatter 1.12x, and on
+# another machine a 64 KiB one 1.5-2x (two levels, not traced): the same 128 KiB there.
+LEND_BYTES = 128 << 10
 
 
 def _msgs(nbytes, max_message):
@@ -66,7 +69,7 @@ class CostModel:
         self.copy = (SOFTWARE_COPY if software else 0.0) if copy is None else copy
         # RDMA READ: over sockets a read is the holder's send, so a scheme of reads only adds rounds
         self.one_sided = transport != "tcp"
-        self.lend_bytes = SOFTWARE_LEND_BYTES if lend_bytes is None and software and self.one_sided else lend_bytes
+        self.lend_bytes = LEND_BYTES if lend_bytes is None and (software or not self.one_sided) else lend_bytes
         self._chosen = {}      # the allreduce choices made so far: the same sizes come back every step
         # read once: looking the environment up costs more than the choice itself
         self.forced_allreduce = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM") or None

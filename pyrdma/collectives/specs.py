@@ -194,7 +194,7 @@ def zero_copy(comm, nbytes):
 
 def lends_blocks(comm, nbytes):
     """zero_copy for an all-to-all, gather or scatter of ``nbytes`` in a caller's buffer: also from
-    the cost model's lend_bytes where that is lower (a software RDMA device, where each copy is the
+    the cost model's lend_bytes where that is lower (a software RDMA device or TCP, where each copy is the
     CPU's, and from which a registration pays for itself even when the buffer is not reused)."""
     lend = comm.cost_model.lend_bytes
     return zero_copy(comm, nbytes) or bool(comm.zero_copy_bytes and lend) and nbytes >= lend
