@@ -69,6 +69,11 @@ class _Staged:
     copies into ``t``."""
 
     def __init__(self, t, name, copy_in=True):
+        if type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous():
+            # the common case, in few steps (a send or recv is one such call): the tensor's numpy view
+            self.tensor = self.contiguous = t
+            self.array, self.dtype = _host_array(t)
+            return
         if not isinstance(t, torch.Tensor):
             raise UsageError(f"pyrdma backend: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.layout != torch.strided:
@@ -200,8 +205,6 @@ class Work(_c10d.Work):
 
     def _start(self, handles, finish=None):
         self._handles = list(handles)
-        remaining = [len(self._handles)]
-        lock = threading.Lock()
 
         def complete():
             try:
@@ -214,14 +217,18 @@ class Work(_c10d.Work):
             else:
                 self._future.set_result(self._result)
 
+        if not self._handles:           # (a call that ran on the caller's thread: done already)
+            complete()
+            return
+        remaining = [len(self._handles)]
+        lock = threading.Lock()
+
         def done(_h):
             with lock:
                 remaining[0] -= 1
                 last = remaining[0] == 0
             if last:
                 complete()
-        if not self._handles:
-            complete()
         for h in self._handles:
             h.add_done_callback(done)
 
@@ -625,7 +632,7 @@ class ProcessGroupPyrdma(_backend_base()):
         except Exception as exc:    # noqa: BLE001 -- raised by wait(), as from the batch
             work._start([Done(error=exc)])
             return
-        work._start([Done()], None if kind == "send" else _received(lambda: got, staged, peer))
+        work._start([], None if kind == "send" else _received(lambda: got, staged, peer))
 
     def _comm(self):
         """The Communicator, once the sends and receives issued before this call have gone."""
