@@ -210,9 +210,9 @@ def main(argv=None):
     rows, table = [], []
     for op in args.ops:
         for nbytes in args.sizes:
-            rows.append(_cell(op, nbytes, [[per_rank[r]["ops"][f"{op} {nbytes} {name}"] for r in range(args.ranks)]
-                                           for name in ("pyrdma", "gloo")]))
-            row = rows[-1]
+            row = _cell(op, nbytes, [[per_rank[r]["ops"][f"{op} {nbytes} {name}"] for r in range(args.ranks)]
+                                     for name in ("pyrdma", "gloo")])
+            rows.append(row)
             spread = (f"{min(row['round_ratios']):.2f}-{max(row['round_ratios']):.2f}"
                       if len(row["round_ratios"]) > 1 else "")
             ratio = "" if row["pyrdma_vs_gloo"] is None else f"{row['pyrdma_vs_gloo']:.2f}"

@@ -69,11 +69,6 @@ class _Staged:
     copies into ``t``."""
 
     def __init__(self, t, name, copy_in=True):
-        if type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous():
-            # the common case, in few steps (a send or recv is one such call): the tensor's numpy view
-            self.tensor = self.contiguous = t
-            self.array, self.dtype = _host_array(t)
-            return
         if not isinstance(t, torch.Tensor):
             raise UsageError(f"pyrdma backend: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.layout != torch.strided:
