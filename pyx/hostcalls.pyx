@@ -330,7 +330,7 @@ cdef class HostCollectives:
 
     def broadcast(self, buf, root, algorithm):
         """``buf``, holding the root's data on every rank; None where the general path must run it
-        (as allreduce; also from the zero-copy size on, where it works in ``buf`` itself)."""
+        (as allreduce; also over RDMA from the zero-copy size on, where it works in ``buf`` itself)."""
         cdef Py_buffer view
         cdef _LastCall last
         if not self.ex.idle or type(root) is not int or not 0 <= <long>root < self.engine.size:
@@ -501,9 +501,9 @@ cdef class HostCollectives:
             PyBuffer_Release(&pview)
 
     cdef object _message(self, buf, int peer, tag, bint receive):
-        """A blocking send of ``buf`` to ``peer`` (True once sent: copied, below the zero-copy size),
-        or receive from it (the elements received) as the pair's next message; None where the
-        general path must run it (as allreduce)."""
+        """A blocking send of ``buf`` to ``peer`` (``buf`` once sent), or receive from it (the
+        elements received) as the pair's next message; None where the general path must run it (as
+        allreduce; over RDMA from the zero-copy size on: a rendezvous)."""
         cdef Py_buffer view
         cdef Engine engine = self.engine
         cdef _LastCall last = self._last(K_RECV if receive else K_SEND)
@@ -514,20 +514,17 @@ cdef class HostCollectives:
         except Exception:
             return None
         try:
-            zero_copy = self.comm.zero_copy_bytes
-            if zero_copy and view.len >= zero_copy:
-                return None
             # the last call of this direction first: a ping-pong repeats one of each (_run
             # looks at the executor's state under its lock)
             if last.matches(&view, peer, tag, None):
-                return self._run(last.call, True, &view, NULL, None, peer, receive)
+                return self._run(last.call, buf, &view, &view, None, peer, receive)
             if not self.ex.idle:
                 return None
             call = self._last_or_prepared(K_RECV if receive else K_SEND, &view, peer, tag, None, self.plans.message,
                                           (self.comm, buf, peer, tag, receive))
             if call is None:
                 return None
-            return self._run(<HostCall>call, True, &view, NULL, None, peer, receive)
+            return self._run(<HostCall>call, buf, &view, &view, None, peer, receive)
         finally:
             PyBuffer_Release(&view)
 
@@ -608,13 +605,13 @@ cdef class HostCollectives:
                         region = _region(call.work_region)
                     work = <uint8_t *><uintptr_t>region.addr
                 elif call.lent == LENT_OUT:
-                    region = _region(self._registration(result, out_view, True))
+                    region = self._lent(result, out_view, True)
                     work = out_data
                 else:
-                    region = _region(self._registration(result if source is None else source, view, False))
+                    region = self._lent(result if source is None else source, view, False)
                     work = data
                     if call.lent == LENT_BOTH:
-                        region2 = _region(self._registration(result, out_view, True))
+                        region2 = self._lent(result, out_view, True)
                 for i in range(8):
                     call.desc[i] = (seq >> (8 * i)) & 0xFF
                 memcpy(engine.rdesc, call.desc, DESC_SIZE)
@@ -651,6 +648,17 @@ cdef class HostCollectives:
             return got // view.itemsize if receive else result
         finally:
             self.lock._give()
+
+    cdef region_t _lent(self, buf, Py_buffer *view, bint output) except *:
+        """The region of lent memory: over TCP the buffer itself (nothing to register), over RDMA
+        its registration (_registration)."""
+        cdef region_t region
+        if self.engine.sockets:
+            region.addr, region.length = <uint64_t><uintptr_t>view.buf, view.len
+            region.lkey = region.rkey = 0
+            region.closed = False
+            return region
+        return _region(self._registration(buf, view, output))
 
     cdef object _registration(self, buf, Py_buffer *view, bint output):
         """The registration that covers the buffer (the last one of a lent input, or ``output``,
@@ -693,7 +701,7 @@ cdef inline int64_t _copy_out(HostCall call, Engine engine, const uint8_t *work,
     cdef int64_t got = 0
     if receive:
         got = engine.received
-        if got:
+        if got and copy:
             memcpy(out_data, work, <size_t>got)
     elif copy and call.out_bytes:
         memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)

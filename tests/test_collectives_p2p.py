@@ -574,16 +574,18 @@ def _one_call_copies(comm):
 
 
 def _one_call_messages(comm):
-    """A warm blocking send or recv below the zero-copy size is one C call (no Python frame of its
-    own); its messages and the general path's (isend/irecv, and a zero-copy size) keep one order
-    and numbering per pair."""
+    """A warm blocking send or recv is one C call (no Python frame of its own) below the zero-copy
+    size, and over TCP from it too (from and into the caller's buffer: no rendezvous there); its
+    messages and the general path's (isend/irecv, and a rendezvous) keep one order and numbering
+    per pair."""
     from pyrdma.testing import count_python_calls
     r = comm.rank
     frames = []
     if r > 1:
         return frames
     peer = 1 - r
-    for count in (1, 1000, 100_000):                   # 8 B to 800 kB (zero-copy: 1 MiB)
+    lent = (200_000,) if comm.transport.name == "tcp" else ()
+    for count in (1, 1000, 100_000) + lent:            # 8 B to 800 kB (zero-copy: 1 MiB), 1.6 MB
         x = piece(r, peer, count, "float64")
         y = np.zeros(count + 3)
         for k in [0, 1, 2] * 2:                        # the first three prepare the calls (warm: the rest)
@@ -601,7 +603,7 @@ def _one_call_messages(comm):
                 assert comm.irecv(y, peer, tag=k).wait(60) == count
                 assert np.array_equal(y[:count], piece(peer, r, count, "float64"))
         del frames[-6:-3]
-    big = np.arange(200_000, dtype=np.float64)       # 1.6 MB: the general, zero-copy path
+    big = np.arange(200_000, dtype=np.float64)       # 1.6 MB: over RDMA the general path's rendezvous
     if r == 0:
         comm.send(big, 1)
     else:
@@ -654,6 +656,20 @@ def _one_call_reductions_and_rooted(comm):
         # the default out= of allgather and reduce_scatter, as the general path makes it
         assert np.array_equal(comm.allgather(mine.reshape(-1, 1)), everyone.reshape(-1, 1)), count
         assert np.array_equal(comm.reduce_scatter(mine), total[lo:hi]), count
+    if comm.transport.name == "tcp":            # from the zero-copy size too, in buf itself
+        count = 200_000
+        for root in (1, 2):
+            want = piece(root, 0, count, "float64")
+            for k in range(3):
+                b = want.copy() if r == root else np.zeros(count)
+                b.flags.writeable = r != root        # the root's buffer is only read
+                if r == 0 and k == 1:
+                    comm.ibroadcast(b, root=root).wait(60)
+                elif k == 2:
+                    frames["broadcast"].append(count_python_calls(lambda: comm.broadcast(b, root=root)))
+                else:
+                    comm.broadcast(b, root=root)
+                assert np.array_equal(b, want), (root, k)
     import pyrdma
     for bad in (lambda: comm.reduce(mine, op=["sum"]), lambda: comm.broadcast(mine, algorithm=["chain"])):
         with pytest.raises(pyrdma.UsageError):          # unhashable: named by the general path
@@ -675,7 +691,7 @@ def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
             assert frames == {name: [2] for name in ("broadcast", "reduce", "allgather", "reduce_scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"
         for rank, frames in enumerate(w.run(_one_call_messages, timeout=300)):
-            assert frames == ([1] * 9 if rank < 2 else []), \
+            assert frames == ([1] * (12 if transport == "tcp" else 9) if rank < 2 else []), \
                 f"rank {rank}: Python frames per send/recv (the lambda's only): {frames}"
 
 

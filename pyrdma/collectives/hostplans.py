@@ -40,6 +40,14 @@ def _host_call(comm, make_spec, *args, receive=False, lends=True):
                     in_offset=layout.in_offset, out_bytes=layout.out_bytes, lent=_LENT[layout.lent])
 
 
+def _lends_freely(comm):
+    """Whether the one-call path lends the caller's buffers wherever the spec does: over TCP it
+    costs nothing (the sockets send from the caller's memory and read into it), while over RDMA a
+    receiver's buffer would need its registration for remote writes and a rendezvous, which the
+    general path runs."""
+    return comm.transport.name == "tcp"
+
+
 def _elements(buf):
     """Whether ``buf`` holds any bytes (the one-call path runs no empty call)."""
     try:
@@ -62,8 +70,9 @@ def reduce(comm, buf, op, root, algorithm):
 
 def broadcast(comm, buf, root, algorithm):
     """The HostCall of a blocking ``broadcast(buf, root=root, algorithm=algorithm)``, copied
-    through the transport's buffer (below the zero-copy size)."""
-    return _host_call(comm, specs.broadcast, buf, root, algorithm, lends=False) if _elements(buf) else None
+    through the transport's buffer (below the zero-copy size; from it, in ``buf`` itself over TCP)."""
+    return _host_call(comm, specs.broadcast, buf, root, algorithm, lends=_lends_freely(comm)) \
+        if _elements(buf) else None
 
 
 def allgather(comm, buf, out, op):
@@ -96,11 +105,13 @@ def rooted_copy(comm, kind, piece, full, root, algorithm):
 
 
 def message(comm, buf, peer, tag, receive):
-    """The HostCall of a blocking send to or receive from ``peer`` with ``tag``, copied through the
-    transport's buffer; HostCollectives numbers each call's message."""
+    """The HostCall of a blocking send to or receive from ``peer`` with ``tag``; HostCollectives
+    numbers each call's message. From the zero-copy size over TCP it is sent from and received
+    into the caller's buffer."""
+    lends = _lends_freely(comm)
     if receive:
-        return _host_call(comm, specs.p2p, buf, None, peer, tag, False, receive=True, lends=False)
-    return _host_call(comm, specs.p2p, buf, peer, None, tag, False, lends=False)
+        return _host_call(comm, specs.p2p, buf, None, peer, tag, False, receive=True, lends=lends)
+    return _host_call(comm, specs.p2p, buf, peer, None, tag, False, lends=lends)
 
 
 def barrier(comm):
