@@ -116,7 +116,9 @@ cdef struct peer_t:
     int held                 # slots that hold a message not returned yet (a peer never fills more)
     # the socket link (Engine.over_sockets); fd is -1 on the verbs link
     int fd
-    int gone                 # the peer's end closed (EOF, or a failed write of no data)
+    int gone                 # the peer's end closed (EOF or a read error; a failed write of data)
+    int deaf                 # a write of no data failed (the peer closed after its last call):
+                             # nothing more is written to it, what it sent before is still read
     txframe_t *txq           # frames to write, a ring of sq_depth (``outstanding`` of them queued)
     int tx_head
     uint8_t *rx              # bytes read ahead of the frame being parsed

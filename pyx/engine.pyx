@@ -1574,7 +1574,7 @@ cdef class Engine:
         cdef peer_t *p = &self.peers[peer]
         cdef txframe_t *f
         cdef uint32_t nimm = htonl(imm)
-        if p.gone:
+        if p.gone or p.deaf:
             return 0 if desc == NULL else self._fail(FAIL_LINK, peer, 0, 0)
         if p.outstanding >= self.sq_depth:
             return -1
@@ -1604,7 +1604,7 @@ cdef class Engine:
         cdef ssize_t n
         cdef size_t want
         cdef uint64_t off, left
-        while p.outstanding > 0 and not p.gone:
+        while p.outstanding > 0 and not p.gone and not p.deaf:
             niov, want, i = 0, 0, 0
             while i < p.outstanding and niov < 2 * TX_IOV - 1:
                 f = &p.txq[(p.tx_head + i) % self.sq_depth]
@@ -1649,14 +1649,17 @@ cdef class Engine:
         return frames
 
     cdef int _sock_lost(self, int peer, int err) noexcept nogil:
-        """A write to ``peer`` failed: it is gone. A failure if it had messages still to take, once
-        what it sent before it went is read: an abort there (it failed, and said why before it
-        closed) is the failure named, not the broken connection."""
+        """A write to ``peer`` failed: it closed. A failure if it had messages still to take (it is
+        gone), once what it sent before it went is read: an abort there (it failed, and said why
+        before it closed) is the failure named, not the broken connection. Else (credits, a
+        query's answer: a peer that closed after its last call, while we still read its last
+        messages) it is only deaf: what it sent is read until its stream ends."""
         cdef peer_t *p = &self.peers[peer]
-        p.gone = 1                     # (first: what the read handles writes nothing to it again)
         if p.data_outstanding:
+            p.gone = 1                 # (first: what the read handles writes nothing to it again)
             self._sock_read(peer, True)
             return self._fail(FAIL_LINK, peer, err, 0)
+        p.deaf = 1
         p.outstanding = 0
         return 0
 

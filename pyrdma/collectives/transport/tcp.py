@@ -6,11 +6,14 @@ engine (pyrdma._engine.Engine.over_sockets), which runs every schedule over them
 over queue pairs: the same slots, credits, headers and wait-for diagnosis, non-blocking sockets
 polled without the GIL, header and payload written by one gathering sendmsg() and large payloads
 read straight into their slot."""
+import fcntl
 import hmac
 import os
 import secrets
+import select
 import socket
 import struct
+import termios
 import time
 
 import numpy as np
@@ -196,6 +199,35 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
             self._kind.write(work, host)
         return self.engine.received if self._rdesc is not None else None
 
+    def finish_sends(self, seconds):
+        """Let each peer's kernel take what we wrote (at most ``seconds``) before close(): a socket
+        closed with bytes it has not read resets its connection, which drops what the peer has not
+        received yet, so a rank that closes right after a collective would fail another rank
+        still reading that collective's last blocks. So our end is shut for writing (the end of
+        the stream follows the data) and what arrives is read and dropped until each peer has
+        acknowledged all we sent, or ended its own stream (it is closing too)."""
+        deadline = time.monotonic() + seconds
+        waiting = list(self.socks.values())
+        for s in waiting:
+            try:
+                s.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+        while waiting:
+            for s in list(waiting):
+                try:
+                    done = not s.recv(1 << 16, socket.MSG_DONTWAIT)      # b"": its stream ended
+                except BlockingIOError:
+                    done = _unacknowledged(s) == 0
+                except OSError:
+                    done = True
+                if done:
+                    waiting.remove(s)
+            left = deadline - time.monotonic()
+            if not waiting or left <= 0:
+                break
+            select.select(waiting, [], [], min(0.005, left))
+
     def close(self):
         """Graceful: stop sending, so that each peer sees our end, then close."""
         if self._closed:
@@ -212,6 +244,15 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
     def _link_error(self, peer, err, _):
         why = "the connection closed" if not err else f"the connection broke ({os.strerror(err)})"
         return PeerError(f"rank {peer} is gone: {why} (it died, or closed its communicator)", peer=peer)
+
+
+def _unacknowledged(sock):
+    """The bytes written to ``sock`` that its peer's kernel has not acknowledged yet (0 where the
+    system does not say)."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+    except OSError:
+        return 0
 
 
 def _recv_exact(sock, n):
