@@ -127,8 +127,9 @@ cdef struct peer_t:
     uint8_t rx_imm[4]
     uint8_t *rx_dst          # where that piece goes
     uint32_t rx_need, rx_got
-    int direct               # the payload being read (1), or arrived (2), went to ``direct_dst``
-    uint8_t *direct_dst      # (the destination a waiting receive posted: Engine.post_peer)
+    int rx_direct            # the payload being read goes straight into its receive's destination
+    int directed             # the first arrivals (not taken yet) whose payloads went there (a
+                             # receive takes its message's from its destination, not the slot)
 
 
 @cython.final
@@ -232,6 +233,12 @@ cdef class Engine:
     cdef uint8_t *post_dst
     cdef int64_t post_len
     cdef bint post_upto
+    # an exchange's chunks from ``exp_peer`` (-1: none), ``exp_count`` of them at ``exp_chunks``
+    # (consumed as ``exp_ck``): each arriving message of the call that has the length of chunk
+    # ``exp_next`` is that chunk (a peer sends them in order), read straight into its place while
+    # every earlier arrival from that peer was too
+    cdef int exp_peer, exp_next, exp_count, exp_ck
+    cdef const int64_t *exp_chunks
     cdef readonly unsigned long long directs    # payloads read straight into place so far
     cdef readonly unsigned long long keeps      # messages copied out of their slots (_keep) so far
 
@@ -290,6 +297,8 @@ cdef class Engine:
     cdef int _sock_read(self, int peer, bint last_words) noexcept nogil
     cdef int _sock_piece(self, int peer) noexcept nogil
     cdef bint _direct_ok(self, const uint8_t *header, uint32_t length) noexcept nogil
+    cdef bint _is_chunk(self, const uint8_t *header, uint32_t length, int64_t n) noexcept nogil
+    cdef void _expect(self, int peer, int ck, const int64_t *chunks, int k, int count) noexcept nogil
     cdef uint8_t *_dst(self, int kind, const int64_t *chunk) noexcept nogil
     cdef int _sock_lost(self, int peer, int err) noexcept nogil
     cdef int _sock_pass(self) noexcept nogil

@@ -336,6 +336,7 @@ cdef class Engine:
         self.probe_lead = min(1.0, timeout / 4)
         self.rdv_peer = -1
         self.post_peer = -1
+        self.exp_peer = -1
         self.peers = <peer_t *>calloc(size, sizeof(peer_t))
         self.queried = <uint8_t *>calloc(size, 1)
         self.visited = <uint8_t *>calloc(size, 1)
@@ -622,15 +623,15 @@ cdef class Engine:
         cdef peer_t *p
         cdef txframe_t *f
         self._let_go()
-        self.post_peer = -1
+        self.post_peer = self.exp_peer = -1
         if self.sockets:
             # a payload read straight into this run's memory (the caller's, maybe) that the run did
             # not take (it failed): the rest of it goes to its slot, never after the run
             for i in range(self.size):
                 p = &self.peers[i]
-                if p.direct == 1:
+                if p.rx_direct:
                     p.rx_dst = self._slot(p, p.recv_seq + <uint64_t>p.arr_count) + C_HEADER_ROOM
-                p.direct = 0
+                p.rx_direct = p.directed = 0
         if self.sockets and self.fail_kind != FAIL_NONE:
             # a failed run's frames are not written: their payloads may be the caller's memory, freed
             # once it returns. One already begun is finished from a copy, so that the stream stays
@@ -817,18 +818,24 @@ cdef class Engine:
         if ck == CONSUME_COPY_UPTO:
             return self._exchange_message(sp, sch, ns, rp, rch, nr)
         if ns == 1 and nr == 1:
+            self._expect(rp, ck, rch, 0, 1)
             if self._send(sp, sch[0], sch[1]) < 0:
                 return -1
             data = self._recv(rp, rch[1], False, self._dst(ck, rch))
+            self.exp_peer = -1
             if data == NULL or self._consume(ck, rch, data) < 0:
                 return -1
             return self._release(rp)
+        if nr:
+            self._expect(rp, ck, rch, 0, nr)
         if ns:
             if self._send(sp, sch[0], sch[1]) < 0:
                 return -1
             sent = 1
         last = ns if ns > nr else nr
         for k in range(last):
+            if k < nr:
+                self._expect(rp, ck, rch, k, nr)
             if self._send_ahead(sp, sch, ns, &sent, k) < 0:
                 return -1
             if k < nr:
@@ -841,7 +848,19 @@ cdef class Engine:
                 if self._send(sp, sch[sent * CHUNK_COLUMNS], sch[sent * CHUNK_COLUMNS + 1]) < 0:
                     return -1
                 sent += 1
+        self.exp_peer = -1
         return 0
+
+    cdef void _expect(self, int peer, int ck, const int64_t *chunks, int k, int count) noexcept nogil:
+        """On the socket link: the chunks k.. of ``count`` that the exchange receives from ``peer``
+        are read straight into their places (_sock_piece), not into slots to be copied out, from
+        now on: said once, where the next message from ``peer`` can only be chunk k (none arrived
+        and not taken, none kept, none being read)."""
+        cdef peer_t *p = &self.peers[peer]
+        if not self.sockets or self.exp_peer == peer or p.arr_count or p.kept[0] != NULL \
+                or p.rx_state == RX_PAYLOAD or self._dst(ck, chunks) == NULL:
+            return
+        self.exp_peer, self.exp_chunks, self.exp_next, self.exp_count, self.exp_ck = peer, chunks, k, count, ck
 
     cdef int _exchange_message(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch,
                                int nr) noexcept nogil:
@@ -1184,8 +1203,12 @@ cdef class Engine:
                 if self._keep(p, start, got) < 0 or self._return_slot(peer) < 0:
                     return NULL
             data = start + C_HEADER_ROOM
-            if p.direct == 2:           # (the first arrival: _sock_piece directed it only then)
-                data, p.direct = p.direct_dst, 0
+            if p.directed:              # (_sock_piece directs only behind arrivals it directed)
+                p.directed -= 1
+                if dst == NULL:
+                    self._fail(FAIL_MALFORMED, peer, 0, 2)
+                    return NULL
+                data = dst
         memcpy(&length, start + DESC_SIZE, 4)
         if upto:
             if memcmp(start, self.rdesc, 8) != 0 or memcmp(start + 16, self.rdesc + 16, DESC_SIZE - 16) != 0 \
@@ -1537,7 +1560,7 @@ cdef class Engine:
         cdef peer_t *p
         for q in range(self.size):
             p = &self.peers[q]
-            if q == self.rank or p.held + p.unreturned < self.slots or p.direct:
+            if q == self.rank or p.held + p.unreturned < self.slots or p.rx_direct or p.directed:
                 continue            # (a payload read straight into a receive's destination is that receive's)
             while p.arr_count > 0 and p.outstanding < self.sq_depth:
                 if self._keep_head(q) < 0:
@@ -1712,6 +1735,8 @@ cdef class Engine:
         it was written into a slot)."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint32_t imm, length
+        cdef uint8_t *dst
+        cdef const int64_t *chunk
         memcpy(&imm, p.rx_imm, 4)
         imm = ntohl(imm)
         length = imm & LEN_MASK
@@ -1725,19 +1750,37 @@ cdef class Engine:
             return 0
         if p.rx_state == RX_HEADER and length:
             p.rx_state, p.rx_need, p.rx_got = RX_PAYLOAD, length, 0
-            if self.post_peer == peer and p.arr_count == 0 and self._direct_ok(p.rx_dst, length):
-                # the message the waiting receive takes next: its payload straight into place
-                p.direct, p.direct_dst, p.rx_dst = 1, self.post_dst, self.post_dst
+            dst = NULL
+            if self.exp_peer == peer and self.exp_next < self.exp_count:
+                chunk = self.exp_chunks + self.exp_next * CHUNK_COLUMNS
+                if self._is_chunk(p.rx_dst, length, chunk[1]):
+                    # the exchange's next chunk: into its place, if it is the next one taken
+                    self.exp_next += 1
+                    if p.arr_count == p.directed:
+                        dst = self._dst(self.exp_ck, chunk)
+            elif self.post_peer == peer and p.arr_count == 0 and self._direct_ok(p.rx_dst, length):
+                # the message the waiting receive takes next
+                dst = self.post_dst
                 self.post_peer = -1
+            if dst != NULL:
+                p.rx_direct, p.rx_dst = 1, dst
                 self.directs += 1
             else:
                 p.rx_dst += C_HEADER_ROOM
             return 0
         # the frame is in: handled as the verbs link handles its completion
-        if p.direct == 1:
-            p.direct = 2
+        if p.rx_direct:
+            p.rx_direct = 0
+            p.directed += 1
         p.rx_state, p.rx_dst, p.rx_need, p.rx_got = RX_IMM, p.rx_imm, 4, 0
         return 1 if self._on_imm(peer, imm) == 0 else -1
+
+    cdef bint _is_chunk(self, const uint8_t *header, uint32_t length, int64_t n) noexcept nogil:
+        """Whether a message of ``length`` payload bytes whose header is ``header`` is a chunk of
+        ``n`` bytes of the running collective (the checks _recv then makes)."""
+        cdef uint32_t said
+        memcpy(&said, header + DESC_SIZE, 4)
+        return said == length and length == n and memcmp(header, self.rdesc, DESC_SIZE) == 0
 
     cdef bint _direct_ok(self, const uint8_t *header, uint32_t length) noexcept nogil:
         """Whether a message of ``length`` payload bytes whose header (in its slot) is ``header``

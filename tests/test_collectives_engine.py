@@ -584,16 +584,25 @@ def _direct_reads(rank, size, port):
         count = comm.sendrecv(np.full(3 * n // 4, rank + 1.0, np.float32), peer, got, peer, tag=5)
         want = np.concatenate([np.arange(2 * n, dtype=np.float32)[rank * n:(rank + 1) * n] + p * 10
                                for p in range(size)])
+        directs = engine.directs - before
+        # 16 chunks each way: those that arrive while the exchange still sends its own go into
+        # place too, not only the one its receive waits for
+        comm.barrier()
+        before = engine.directs
+        big = comm.alltoall(np.full(8 * n, rank, np.float32))
+        big_ok = bool((big[:4 * n] == 0).all() and (big[4 * n:] == 1).all())
         return (bool(np.array_equal(buf, np.arange(n, dtype=np.float32))), bool(np.array_equal(a2a, want)),
-                count == got.size and bool((got == peer + 1.0).all()), bool((kept == 7 + peer).all()),
-                engine.directs - before)
+                count == got.size and bool((got == peer + 1.0).all()), bool((kept == 7 + peer).all()) and big_ok,
+                directs, engine.directs - before)
 
 
 def test_the_socket_link_reads_payloads_straight_into_place():
-    for rank, (bcast, a2a, message, kept, directs) in enumerate(run_ranks(_direct_reads, 2, free_port(),
-                                                                        timeout=120)):
+    results = run_ranks(_direct_reads, 2, free_port(), timeout=120)
+    for rank, (bcast, a2a, message, kept, directs, _) in enumerate(results):
         assert bcast and a2a and message and kept, (rank, bcast, a2a, message, kept)
         assert directs > 0, f"rank {rank}: no payload was read straight into place"
+    # (before, a chunk went into place only while its receive waited: 2-3 of 16 per rank)
+    assert sum(r[5] for r in results) >= 16, f"chunks of the all-to-all read into place: {[r[5] for r in results]}"
 
 
 
