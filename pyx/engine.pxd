@@ -223,7 +223,7 @@ cdef class Engine:
     # longer one spends the core a peer needs (4 ranks on 2 cores, 128 MiB all-to-all over TCP:
     # 213 ms with the spin grown, 170 ms without spinning)
     cdef public bint crowded
-    cdef bint sockets                # the socket link: peers' fd, not qp (Engine.over_sockets)
+    cdef readonly bint sockets       # the socket link: peers' fd, not qp (Engine.over_sockets)
     cdef pollfd *pfds                # its poll() set, one per rank
     cdef object slot_owner           # the memory of its slots
     # a receive waiting on the socket link for a message of its call, whose payload may be read

@@ -514,6 +514,8 @@ cdef class HostCollectives:
         except Exception:
             return None
         try:
+            if not engine.sockets and self.comm.zero_copy_bytes and view.len >= self.comm.zero_copy_bytes:
+                return None                     # over RDMA: a rendezvous, the general path's
             # the last call of this direction first: a ping-pong repeats one of each (_run
             # looks at the executor's state under its lock)
             if last.matches(&view, peer, tag, None):

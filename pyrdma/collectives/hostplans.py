@@ -45,7 +45,7 @@ def _lends_freely(comm):
     costs nothing (the sockets send from the caller's memory and read into it), while over RDMA a
     receiver's buffer would need its registration for remote writes and a rendezvous, which the
     general path runs."""
-    return comm.transport.name == "tcp"
+    return comm.transport.engine.sockets
 
 
 def _elements(buf):
