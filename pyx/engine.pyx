@@ -811,8 +811,12 @@ cdef class Engine:
     cdef int _exchange(self, int sp, const int64_t *sch, int ns, int rp, const int64_t *rch, int nr,
                        int ck) noexcept nogil:
         """Send ns chunks to sp while receiving nr from rp; sends run up to ``slots`` chunks ahead
-        of the consumption of received ones (pieces of the Python executor's pipelined_step, the
-        same order of posts: see pyrdma.collectives.schedule.pipelined_step for why)."""
+        of the consumption of received ones, so that transfers overlap it, as many as the credits
+        allow without waiting. Chunk k+1 is always out before chunk k+1 is awaited, but one that
+        has to wait for a credit goes only after chunk k is released: otherwise, with one slot per
+        peer, every rank of a ring (or both sides of an exchange) would wait for a credit that its
+        neighbour returns only after its own blocked send. A step's send chunks must not depend on
+        its received ones (they may leave first). tests/flowmodel.py models this order."""
         cdef int sent = 0, k, last
         cdef uint8_t *data
         if ck == CONSUME_COPY_UPTO:

@@ -17,7 +17,8 @@ from cpython.long cimport PyLong_AsLongAndOverflow
 from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock, PyThread_allocate_lock,
                                PyThread_free_lock, PyThread_release_lock, PyLockStatus, PY_LOCK_ACQUIRED)
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
-from libc.string cimport memcpy, strcmp
+from libc.stdlib cimport malloc, free
+from libc.string cimport memcpy, memmove, strcmp
 from pyrdma._verbs.base cimport monotonic_now
 from pyrdma._verbs.mr cimport MemoryRegion
 from pyrdma._engine cimport Engine, HostRegion, Program, DESC_SIZE, FAIL_NONE
@@ -210,9 +211,9 @@ cdef class ExecLock:
 # a prepared call's key (KIND_NAMES: their names, as hostplans takes them)
 cdef enum:
     K_ALLREDUCE, K_REDUCE, K_BROADCAST, K_ALLGATHER, K_REDUCE_SCATTER, K_ALLTOALL, K_GATHER, K_SCATTER
-    K_SEND, K_RECV
+    K_SEND, K_RECV, K_SCATTER_PARTS
 cdef tuple KIND_NAMES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "gather",
-                         "scatter", "send", "recv")
+                         "scatter", "send", "recv", "scatter_parts")
 
 
 @cython.final
@@ -460,7 +461,97 @@ cdef class HostCollectives:
             if type(buf) is not _ndarray or buf.ndim == 0 or buf.shape[0] % n:
                 return None
             out = _empty((buf.shape[0] // n,) + buf.shape[1:], buf.dtype)
+        if type(buf) is list and root == self.engine.rank:
+            return self._scatter_parts(buf, out, <int>root, algorithm)
         return self._rooted(K_SCATTER, out, True, buf if root == self.engine.rank else None, root, algorithm)
+
+    cdef object _scatter_parts(self, list pieces, out, int root, algorithm):
+        """(out,) of a scatter root's list of pieces, each sent from where it lies
+        (hostplans.scatter_parts: over TCP, from the size the cost model lends at); None where the
+        general path must run it."""
+        cdef Engine engine = self.engine
+        cdef int n = engine.size, i, held = 0
+        cdef Py_buffer oview
+        cdef Py_buffer *views
+        if len(pieces) != n:
+            return None
+        try:
+            PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        views = <Py_buffer *>malloc(n * sizeof(Py_buffer))
+        try:
+            if views == NULL:
+                return None
+            for i in range(n):
+                try:
+                    PyObject_GetBuffer(pieces[i], &views[i], PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+                except Exception:
+                    return None
+                held += 1
+                if views[i].len != oview.len or not _same_format(&views[i], &oview):
+                    return None
+            self._check_prepared_under()
+            key = (K_SCATTER_PARTS, _format(&oview), oview.len, root, algorithm)
+            try:
+                calls = self.calls.get(key, _MISSING)
+            except TypeError:
+                return None
+            if calls is _MISSING:
+                if len(self.calls) >= 256:
+                    self._forget()
+                calls = self.calls[key] = self.plans.scatter_parts(self.comm, pieces, out, root, algorithm)
+            if calls is None:
+                return None
+            return (self._run_parts(<tuple>calls, views, &oview, out, root),)
+        finally:
+            for i in range(held):
+                PyBuffer_Release(&views[i])
+            free(views)
+            PyBuffer_Release(&oview)
+
+    cdef object _run_parts(self, tuple calls, Py_buffer *views, Py_buffer *out_view, object out, int root):
+        """Run a scatter root's parts (one prepared call per other rank, in rank order from the
+        root's next, each sending that rank's piece from where it lies) as one call of the
+        collectives' numbering, then copy the root's own piece into ``out``; returns ``out``."""
+        cdef Engine engine = self.engine
+        cdef HostCall call
+        cdef Program prog
+        cdef int n = engine.size, i, p, k, rc = 0
+        cdef uint64_t seq
+        self.lock._take(-1.0)
+        try:
+            ex = self.ex
+            if not ex.idle or engine.fail_kind != FAIL_NONE:
+                return None
+            seq = ex.seq
+            ex.seq = seq + 1
+            try:
+                for i in range(n - 1):
+                    p = (root + 1 + i) % n
+                    call = <HostCall>calls[i]
+                    prog = call.program
+                    for k in range(8):
+                        call.desc[k] = (seq >> (8 * k)) & 0xFF
+                    memcpy(engine.rdesc, call.desc, DESC_SIZE)
+                    engine._begin(prog, <uint64_t><uintptr_t>views[p].buf, call.work_bytes, 0, call.desc,
+                                  call.dtype, call.op, None, False, 0)
+                    engine.defer_sends = False
+                    try:
+                        with nogil:
+                            rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
+                    finally:
+                        engine._end()
+                    if rc < 0:
+                        raise self.transport.engine_failed()
+                # after the sends (each part waits for its own): ``out`` may be one of the pieces
+                memmove(out_view.buf, views[root].buf, <size_t>out_view.len)
+            except BaseException as exc:
+                ex.fail(exc)
+                raise
+            return out
+        finally:
+            self.lock._give()
 
     cdef object _rooted(self, int kind, piece, bint piece_out, full, root, algorithm):
         """(result,) of a gather or scatter (``kind``) of this rank's ``piece`` (gather: read from it;

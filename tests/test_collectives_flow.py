@@ -7,8 +7,10 @@ import threading
 import numpy as np
 import pytest
 
+from flowmodel import execute
+
 from pyrdma.collectives.algorithms import ring, tree
-from pyrdma.collectives.schedule import consumer, execute
+from pyrdma.collectives.schedule import consumer
 from pyrdma.errors import RDMATimeoutError
 
 TIMEOUT = 10.0
@@ -108,7 +110,7 @@ def _run(size, slots, max_message, count, body, send_window=1, events=None):
 
 
 def _execute(t, plan):
-    """Run a schedule with the Python executor; returns where the result lies."""
+    """Run a schedule with the Python model of the engine; returns where the result lies."""
     execute(t, plan, consumer(t.buffer(0), _add))
     return plan.result_offset
 

@@ -385,6 +385,10 @@ def _mismatch(comm, ports, kinds):
                     c.gather(np.zeros(10 + (r == 2)), root=0)
                 elif kind == "scatter-count":
                     c.scatter(np.zeros(n * (4 + (r == 1))), root=0)
+                elif kind == "scatter-list-count":          # each piece sent from where it lies
+                    count = 20_000                           # 160 kB: from the cost model's lend_bytes
+                    pieces = [np.zeros(count) for _ in range(n)] if r == 0 else None
+                    c.scatter(pieces, out=np.zeros(count + (r == 1)), root=0)
                 elif kind == "scatter-count-read":
                     c.scatter(np.zeros(n * (4 + (r == 1))), root=0, algorithm="read")
                 elif kind == "scatter-algorithm":           # the root offers, the others await data
@@ -417,11 +421,12 @@ def _mismatch(comm, ports, kinds):
 
 @pytest.mark.parametrize("transport, size", _params([3], [3]))
 def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
-    kinds = ["gather-count", "scatter-count", "scatter-count-read", "scatter-algorithm", "alltoall-counts",
+    kinds = ["gather-count", "scatter-count", "scatter-list-count", "scatter-count-read", "scatter-algorithm", "alltoall-counts",
              "send-tag", "too-long", "too-long-lent"]
     results = worlds(transport, size).run(_mismatch, [free_port() for _ in kinds], kinds, timeout=300)
-    receivers = {"gather-count": {0}, "scatter-count": {1}, "scatter-count-read": {1}, "scatter-algorithm": {1, 2},
-                 "alltoall-counts": {1}, "send-tag": {1}, "too-long": {1}, "too-long-lent": {1}}
+    receivers = {"gather-count": {0}, "scatter-count": {1}, "scatter-list-count": {1}, "scatter-count-read": {1},
+                 "scatter-algorithm": {1, 2}, "alltoall-counts": {1}, "send-tag": {1}, "too-long": {1},
+                 "too-long-lent": {1}}
     for rank, outcomes in enumerate(results):
         for kind, (result, elapsed) in zip(kinds, outcomes):
             # every rank raises UsageError; a rank that receives the mismatched message, at that call
@@ -547,7 +552,9 @@ def _one_call_copies(comm):
         calls = {"alltoall": lambda: comm.alltoall(buf, out),
                  "gather": lambda: comm.gather(mine, gathered, root=1),
                  "scatter": lambda: comm.scatter(everyone if r == 2 else None, part, root=2)}
-        if count < 300_000:     # a root's list of pieces, below the size each is lent from: joined
+        # a root's list of pieces: joined below the size each is lent from; from it each is sent
+        # from where it lies, over TCP by the one-call path too (over RDMA: the general path's runs)
+        if count < 300_000 or comm.transport.name == "tcp":
             calls["scatter_list"] = lambda: comm.scatter(pieces, part, root=2)
         for name, call in calls.items():
             call()                                             # prepares the call
@@ -682,9 +689,11 @@ def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
     with World(3, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
         for rank, frames in enumerate(w.run(_one_call_copies, timeout=300)):
             # the root joins its list of pieces (_joined, the cost model's lend test, numpy's
-            # concatenate: a few frames; the general path's planning would be dozens)
+            # concatenate: a few frames; the general path's planning would be dozens), or over TCP
+            # sends each from where it lies (_joined and the lend test)
             joined = frames.pop("scatter_list")
-            assert all(k <= 7 for k in joined) if rank == 2 else joined == [2, 2], (rank, joined)
+            assert len(joined) == (3 if transport == "tcp" else 2), joined
+            assert all(k <= 7 for k in joined) if rank == 2 else set(joined) == {2}, (rank, joined)
             assert frames == {name: [2, 2, 2] for name in ("alltoall", "gather", "scatter")}, \
                 f"rank {rank}: Python frames per call (the call and the lambda): {frames}"
         for frames in w.run(_one_call_reductions_and_rooted, timeout=300):

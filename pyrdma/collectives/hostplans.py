@@ -33,10 +33,16 @@ def _host_call(comm, make_spec, *args, receive=False, lends=True):
     layout, t = run.layout, comm.transport
     if run.avg is not None or run.fill is not None or (layout.lent and not lends):
         return None
+    return _prepared(comm, run, run.recv_tag if receive else run.tag, layout.own)
+
+
+def _prepared(comm, run, tag, own):
+    """The HostCall of ``run``, its messages described by ``tag``."""
+    layout, t = run.layout, comm.transport
     schedule = run.plan(t.max_message)
-    return HostCall(t.engine.program(schedule), run.recv_tag if receive else run.tag, run.dtype, run.op,
+    return HostCall(t.engine.program(schedule), tag, run.dtype, run.op,
                     layout.in_bytes, layout.result(schedule), layout.work_bytes,
-                    None if layout.lent else t.own_region(layout.work_bytes), own=layout.own,
+                    None if layout.lent else t.own_region(layout.work_bytes), own=own,
                     in_offset=layout.in_offset, out_bytes=layout.out_bytes, lent=_LENT[layout.lent])
 
 
@@ -102,6 +108,25 @@ def rooted_copy(comm, kind, piece, full, root, algorithm):
     if kind == "gather":
         return _host_call(comm, specs.gather, piece, None, root, algorithm)
     return _host_call(comm, specs.scatter, full, piece, root, algorithm)
+
+
+def scatter_parts(comm, pieces, out, root, algorithm):
+    """The HostCalls of a scatter root's list of pieces that are each sent from where they lie
+    (specs: one run per other rank, in the order of the runs), over TCP, where lending a piece
+    costs nothing; None where the general path must run the call (over RDMA each piece would need
+    its registration). The calls copy no own piece: HostCollectives copies the root's after the
+    sends."""
+    if not _lends_freely(comm):
+        return None
+    try:
+        spec = specs.scatter(comm, pieces, out, root, algorithm)
+    except UsageError:
+        return None
+    # a list is sent from where it lies only by those runs; below that size it is copied in (fill)
+    if comm.rank != root or len(spec.runs) != comm.size - 1 or \
+            any(run.lend is None or run.fill is not None for run in spec.runs):
+        return None
+    return tuple(_prepared(comm, run, run.tag, (0, 0, 0)) for run in spec.runs)
 
 
 def message(comm, buf, peer, tag, receive):

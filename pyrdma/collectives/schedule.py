@@ -14,18 +14,18 @@ keeps recursive doubling bit-identical across ranks). NONE drops it (zero-byte b
 COPY_UPTO receives one point-to-point message of at most the step's chunks (its sender's chunks of
 the same max_message, the last one shorter): the first header's count says how long it is, and
 the receive ends with its last chunk.
-Sends run ahead of the consumption (pipelined_step). WAIT_SENDS waits until every send to
+Sends run ahead of the consumption (Engine._exchange). WAIT_SENDS waits until every send to
 send_peer (-1: to every peer) has left local memory. OFFER and FETCH move one span of chunks by
 the receiver's RDMA READ: OFFER tells send_peer where they lie (a small message), FETCH takes
 recv_peer's offer and reads them (COPY); the offering rank may reuse them once it has a later
 message from the reader. Over a transport that cannot read (TCP) they are a plain send and a
 COPY receive of the chunks. SPREAD steps next to one another are EXCHANGEs the C engine runs
 together (each one's chunks sent as its peer's credits allow and taken as they arrive, whichever
-peer first); ``execute`` runs them one after another, which their order must allow as well.
+peer first); the flow tests' Python model (tests/flowmodel.py) runs them one after another,
+which their order must allow as well.
 
-Two executors run the same schedules: the C engine (pyrdma._engine, RDMA: one call per collective,
-no GIL) and ``execute`` below, in Python over the transport contract (TCP, and the host tests
-that model flow control).
+The C engine (pyrdma._engine) executes them, one call per collective without the GIL, over queue
+pairs or sockets.
 """
 import numpy as np
 
@@ -41,7 +41,7 @@ class Schedule:
     (recursive doubling may end in the second half of its double buffer). ``program``: set by the
     C engine the first time it runs the schedule (checked once, then trusted)."""
 
-    __slots__ = ("steps", "chunks", "result_offset", "program", "_rows", "_chunk_rows")
+    __slots__ = ("steps", "chunks", "result_offset", "program")
 
     def __init__(self, steps, chunks, result_offset=0):
         self.steps = np.array(steps, np.int64).reshape(-1, STEP_COLUMNS)
@@ -50,14 +50,6 @@ class Schedule:
         self.chunks.flags.writeable = False
         self.result_offset = result_offset
         self.program = None            # the C engine's checked form (pyrdma._engine.Program), once run
-        self._rows = self._chunk_rows = None
-
-    def rows(self):
-        """(steps, chunks) as tuples of Python ints, for the Python executor."""
-        if self._rows is None:
-            self._rows = tuple(tuple(r) for r in self.steps.tolist())
-            self._chunk_rows = tuple(tuple(c) for c in self.chunks.tolist())
-        return self._rows, self._chunk_rows
 
     def __repr__(self):
         return f"<Schedule {len(self.steps)} steps, {len(self.chunks)} chunks>"
@@ -131,105 +123,6 @@ class Builder:
 
     def build(self, result_offset=0):
         return Schedule(self.steps, self.chunks, result_offset)
-
-
-def execute(t, schedule, consume):
-    """Run ``schedule`` in Python over a transport's contract (send, recv, release, can_send,
-    wait_sends, send_window). ``consume(kind, chunk, data)`` handles each received chunk. Returns the
-    length of the last COPY_UPTO message received (None if none). An OFFER is the send of its
-    chunks, a FETCH their receive (the steps are laid out so)."""
-    steps, chunks = schedule.rows()
-    received = None
-    for kind, sp, rp, s0, ns, r0, nr, ck in steps:
-        if kind == WAIT_SENDS:
-            t.wait_sends(None if sp < 0 else sp)
-            continue
-        recv_chunks = chunks[r0:r0 + nr]
-        if ck == COPY_UPTO:
-            message = _Message(rp, recv_chunks)
-            pipelined_step(t, sp, chunks[s0:s0 + ns], rp, recv_chunks,
-                           lambda chunk, data: consume(COPY, chunk, data), message)
-            received = message.got
-        else:
-            pipelined_step(t, sp, chunks[s0:s0 + ns], rp, recv_chunks,
-                           lambda chunk, data, ck=ck: consume(ck, chunk, data))
-    return received
-
-
-class _Message:
-    """The receive of one point-to-point message (COPY_UPTO) in pipelined_step: its chunks are at
-    most the step's; the first one's description says the whole length. ``more()``: whether
-    chunks of it are still to come."""
-
-    def __init__(self, peer, chunks):
-        self.peer = peer
-        self.capacity = sum(c[1] for c in chunks)
-        self.total = None
-        self.got = 0
-
-    def take(self, t, chunk):
-        """The next chunk's data (checked), from t.recv_upto."""
-        data, total = t.recv_upto(self.peer, chunk[1])
-        if self.total is None:
-            self.total = total
-        n = len(data)
-        if self.total > self.capacity or n > chunk[1] or self.got + n > self.total or \
-                (n < chunk[1] and self.got + n != self.total):
-            raise t.too_long(self.peer, self.total, self.capacity)
-        self.got += n
-        return data
-
-    def more(self):
-        return self.total is None or self.got < self.total
-
-
-def pipelined_step(t, send_peer, send_chunks, recv_peer, recv_chunks, consume, message=None):
-    """Send ``send_chunks`` to send_peer while receiving as many chunks from recv_peer.
-
-    Sends run ahead of the consumption (reduction or copy) of received chunks, so that transfers
-    overlap it: while chunk k is awaited and consumed, chunks up to k + ``t.send_window`` go out, as
-    many as the transport takes without waiting for a credit. Chunk k+1 is always out before chunk
-    k+1 is awaited, but when it has to wait for a credit it goes only after chunk k is released.
-    Otherwise, with one receive slot per peer, every rank of a ring (or both sides of an exchange)
-    would wait for a credit that its neighbour only returns after its own blocked send. A step's
-    send chunks must not depend on its received ones (they may leave first). The C engine runs the
-    same order of posts. ``consume(chunk, data)`` handles a received chunk. ``message``: the receive
-    is one point-to-point message (_Message), which may end before the chunks do."""
-    nsend, nrecv = len(send_chunks), len(recv_chunks)
-    if nsend == 1 and nrecv == 1 and message is None:
-        # one message each way (every small collective): the loop below, unrolled
-        off, n, _ = send_chunks[0]
-        t.send(send_peer, off, n)
-        chunk = recv_chunks[0]
-        consume(chunk, t.recv(recv_peer, chunk[1]))
-        t.release(recv_peer)
-        return
-    sent = 0
-
-    def send_next():
-        nonlocal sent
-        off, n, _ = send_chunks[sent]
-        t.send(send_peer, off, n)
-        sent += 1
-
-    def send_ahead(k):
-        # chunks k+1 .. k+window, while the transport can take them without waiting
-        while sent < nsend and sent <= k + t.send_window and t.can_send(send_peer):
-            send_next()
-
-    if nsend:
-        send_next()
-    for k in range(max(nsend, nrecv)):
-        send_ahead(k)
-        if k < nrecv and (message is None or message.more()):
-            chunk = recv_chunks[k]
-            data = t.recv(recv_peer, chunk[1]) if message is None else message.take(t, chunk)
-            send_ahead(k)
-            if len(data):
-                consume(chunk if message is None else (chunk[0], len(data), chunk[2]), data)
-            t.release(recv_peer)
-        if sent < min(nsend, k + 2):
-            send_next()
 
 
 def consumer(work, reduce, write=HOST.write):

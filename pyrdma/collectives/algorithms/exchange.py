@@ -6,8 +6,8 @@
   receive blocks (``recv_bounds``); a rank's own block is copied by the caller. Every pair
   exchanges one message even of zero bytes, so counts that disagree are found, not waited for.
 - spread all-to-all (NCCL's and UCX's: every peer's block posted together): the same exchanges as
-  the pairwise one, as SPREAD steps, which the engine runs at once (the Python model one by one,
-  in the pairwise order).
+  the pairwise one, as SPREAD steps, which the engine runs at once (the flow tests' Python model one by
+  one, in the pairwise order).
 - a point-to-point exchange: one message to ``dst`` while one is received from ``src`` (either may
   be None), the receive a COPY_UPTO of at most ``capacity`` bytes.
 """

@@ -2,7 +2,7 @@
 
 Every plan works in place on a work area that holds ``count`` elements of ``itemsize`` bytes from
 offset 0. Messages are cut into chunks of at most ``max_message`` bytes and pipelined: sends run
-ahead of the reductions (schedule.pipelined_step). Plans are cached: every call of the same shape
+ahead of the reductions (the engine's _exchange). Plans are cached: every call of the same shape
 on the same rank has the same steps.
 
 - allreduce: reduce-scatter then allgather around the ring, 2(n-1) steps, each rank sends

@@ -17,18 +17,6 @@ A transport executes schedules (schedule.py); it never knows the algorithm.
     t.abort(culprit, reason)             best effort: tell every peer this group is failing
     t.interrupt(), t.close()
 
-The point-to-point calls schedule.execute, the Python model of the engine, runs on (the tests'
-model transports):
-
-    t.send(peer, offset, nbytes)         post work[offset:offset+nbytes] as the next message to peer
-    t.can_send(peer) -> bool             whether send(peer, ...) would post without waiting
-    t.send_window                        how many messages a step may send to a peer ahead of the
-                                         one it is consuming (when they post without waiting)
-    t.recv(peer, nbytes) -> uint8 view   wait for the next message from peer (messages arrive in
-                                         the order they were sent); valid until release(peer)
-    t.release(peer)                      that view has been consumed (its slot may be reused)
-    t.wait_sends(peer=None)              every posted send has left local memory (work may change)
-
 RdmaTransport: one RC QP per peer. Each rank registers, once, ``slots`` receive slots of
 ``max_message`` bytes per peer. A message is one RDMA WRITE_WITH_IMM into the receiver's next slot
 (slot = message number mod slots: RC delivers in order, so the slot index need not travel) that
