@@ -351,6 +351,12 @@ def test_cost_model_choices_and_overrides(monkeypatch):
              for m, z in ((soft, 1 << 20), (CostModel(), 1 << 20), (soft, 0), (soft, 4096))
              for b in (4096, 128 << 10, 1 << 20)]
     assert lends == [False, True, True, False, False, True, False, False, False, True, True, True]
+    # a lone send or receive: over RDMA from zero_copy_bytes (a rendezvous), over TCP at any size
+    # (nothing to register); 0 turns it off
+    links = {s: types.SimpleNamespace(engine=types.SimpleNamespace(sockets=s)) for s in (True, False)}
+    lends = [specs.lends_message(types.SimpleNamespace(zero_copy_bytes=z, transport=links[s]), b)
+             for s, z in ((True, 1 << 20), (False, 1 << 20), (True, 0)) for b in (0, 8, 1 << 20)]
+    assert lends == [False, True, True, False, False, True, False, False, False]
     assert [soft.choose_copy("scatter", b, 4, 1 << 20) for b in (8, 4096, 32768, 1 << 20)] == \
         ["direct", "direct", "read", "read"]
     assert soft.choose_copy("scatter", 1 << 20, 2, 1 << 20) == "direct"      # one block: nothing to share
