@@ -492,15 +492,8 @@ cdef class HostCollectives:
                 if views[i].len != oview.len or not _same_format(&views[i], &oview):
                     return None
             self._check_prepared_under()
-            key = (K_SCATTER_PARTS, _format(&oview), oview.len, root, algorithm)
-            try:
-                calls = self.calls.get(key, _MISSING)
-            except TypeError:
-                return None
-            if calls is _MISSING:
-                if len(self.calls) >= 256:
-                    self._forget()
-                calls = self.calls[key] = self.plans.scatter_parts(self.comm, pieces, out, root, algorithm)
+            calls = self._prepared((K_SCATTER_PARTS, _format(&oview), oview.len, root, algorithm),
+                                   self.plans.scatter_parts, (self.comm, pieces, out, root, algorithm))
             if calls is None:
                 return None
             return (self._run_parts(<tuple>calls, views, &oview, out, root),)
@@ -517,7 +510,7 @@ cdef class HostCollectives:
         cdef Engine engine = self.engine
         cdef HostCall call
         cdef Program prog
-        cdef int n = engine.size, i, p, k, rc = 0
+        cdef int n = engine.size, i, p, rc = 0
         cdef uint64_t seq
         self.lock._take(-1.0)
         try:
@@ -531,9 +524,7 @@ cdef class HostCollectives:
                     p = (root + 1 + i) % n
                     call = <HostCall>calls[i]
                     prog = call.program
-                    for k in range(8):
-                        call.desc[k] = (seq >> (8 * k)) & 0xFF
-                    memcpy(engine.rdesc, call.desc, DESC_SIZE)
+                    _number(call, engine, seq)
                     engine._begin(prog, <uint64_t><uintptr_t>views[p].buf, call.work_bytes, 0, call.desc,
                                   call.dtype, call.op, None, False, 0)
                     engine.defer_sends = False
@@ -632,6 +623,14 @@ cdef class HostCollectives:
         names in its error)."""
         cdef _LastCall last = self._last(kind)
         key = (kind, _format(view), view.len, peer, how, op)
+        call = self._prepared(key, prepare, args)
+        if call is not None:
+            last.remember(<HostCall>call, key[1], view.len, peer, how, op)
+        return call
+
+    cdef object _prepared(self, tuple key, prepare, tuple args):
+        """What is prepared for ``key`` (``prepare(*args)`` the first time); None where the general
+        path must run the call (also for an unhashable key)."""
         try:
             call = self.calls.get(key, _MISSING)
         except TypeError:
@@ -640,8 +639,6 @@ cdef class HostCollectives:
             if len(self.calls) >= 256:
                 self._forget()
             call = self.calls[key] = prepare(*args)
-        if call is not None:
-            last.remember(<HostCall>call, key[1], view.len, peer, how, op)
         return call
 
     cdef void _forget(self):
@@ -674,7 +671,7 @@ cdef class HostCollectives:
         cdef uint8_t *work
         cdef uint64_t seq
         cdef int64_t got = 0
-        cdef int rc, i
+        cdef int rc
         cdef bint copy = call.lent == LENT_NONE
         cdef list counters
         self.lock._take(-1.0)
@@ -705,9 +702,7 @@ cdef class HostCollectives:
                     work = data
                     if call.lent == LENT_BOTH:
                         region2 = self._lent(result, out_view, True)
-                for i in range(8):
-                    call.desc[i] = (seq >> (8 * i)) & 0xFF
-                memcpy(engine.rdesc, call.desc, DESC_SIZE)
+                _number(call, engine, seq)
                 # the own buffer may be read remotely (a scatter's OFFER), lent memory not
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
                               call.dtype, call.op, None, False, region.rkey if copy else 0)
@@ -772,6 +767,15 @@ cdef class HostCollectives:
         else:
             self.lent_in = last
         return last
+
+
+cdef inline void _number(HostCall call, Engine engine, uint64_t seq) noexcept:
+    """Give the call's description its number (the collectives', or the pair's next message's),
+    and expect the same in what arrives."""
+    cdef int i
+    for i in range(8):
+        call.desc[i] = (seq >> (8 * i)) & 0xFF
+    memcpy(engine.rdesc, call.desc, DESC_SIZE)
 
 
 cdef inline void _copy_in(HostCall call, uint8_t *work, const uint8_t *data, uint8_t *out_data,
