@@ -35,8 +35,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)        # pyrdma from this checkout, in the launcher and the ranks alike
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
-       "gather", "scatter", "send_recv", "numpy_allreduce")
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
+       "all_to_all_single", "all_to_all", "gather", "scatter", "send_recv", "numpy_allreduce")
 RATIO_TARGET = 1.0              # every cell: our time / gloo's
 LARGE_ALLREDUCE = (16 << 20, 0.7)   # all_reduce from this many bytes: at most this ratio
 
@@ -53,6 +53,10 @@ def _tensors(op, nbytes, n, rank, device):
         return x, torch.empty(count // n, dtype=torch.float32, device=device)
     if op == "all_gather_into_tensor":
         return x, torch.empty(count * n, dtype=torch.float32, device=device)
+    if op == "all_gather":
+        return x, [torch.empty_like(x) for _ in range(n)]
+    if op == "all_to_all":
+        return list(x.chunk(n)), [torch.empty(count // n, dtype=torch.float32, device=device) for _ in range(n)]
     if op == "gather":
         return x, [torch.empty_like(x) for _ in range(n)] if rank == 0 else None
     if op == "scatter":
@@ -74,8 +78,12 @@ def _call(op, x, out, group, comm):
         dist.reduce(x, dst=0, group=group)
     elif op == "all_gather_into_tensor":
         dist.all_gather_into_tensor(out, x, group=group)
+    elif op == "all_gather":
+        dist.all_gather(out, x, group=group)
     elif op == "all_to_all_single":
         dist.all_to_all_single(out, x, group=group)
+    elif op == "all_to_all":
+        dist.all_to_all(out, x, group=group)
     elif op == "reduce_scatter_tensor":
         dist.reduce_scatter_tensor(out, x, group=group)
     elif op == "gather":

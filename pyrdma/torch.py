@@ -365,9 +365,10 @@ class ProcessGroupPyrdma(_backend_base()):
         form (run on its thread), or, while nothing is queued there (so the order of calls holds),
         ``now()``, the blocking form, on this thread, if its caller waits for it at once
         (``opts.asyncOp`` false: host or CUDA memory alike, whose staging then waits on this thread
-        as the caller would) or it is of host memory and at most INLINE_BYTES."""
+        as the caller would) or it is of host memory and at most INLINE_BYTES (``staged`` None: no
+        memory, a barrier)."""
         comm = self._comm()
-        if comm._exec.idle and self._coalesced is None and (not getattr(opts, "asyncOp", True) or (
+        if comm._exec.idle and self._coalesced is None and (not getattr(opts, "asyncOp", True) or staged is None or (
                 isinstance(staged.array, np.ndarray) and staged.array.nbytes <= INLINE_BYTES)):
             try:
                 now()
@@ -390,7 +391,9 @@ class ProcessGroupPyrdma(_backend_base()):
             raise UsageError("pyrdma backend: allreduce_coalesced needs tensors of one dtype")
         flat = _flat_like(tensors)
         staged = _Staged(flat, "the tensors")
-        handle = self._comm().iallreduce(staged.array, op=_op(opts, "allreduce_coalesced"), dtype=staged.dtype)
+        comm, op = self._comm(), _op(opts, "allreduce_coalesced")
+        handle = self._start(staged, opts, lambda: comm.allreduce(staged.array, op=op, dtype=staged.dtype),
+                             lambda: comm.iallreduce(staged.array, op=op, dtype=staged.dtype))
         return self._work(handle, tensors, _recycled(lambda: _unflatten(staged, tensors), flat))
 
     def broadcast(self, tensors, opts=None):
@@ -409,7 +412,7 @@ class ProcessGroupPyrdma(_backend_base()):
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         handle, finish = self._allgather_list(_one(output_tensors, "allgather"), _one(input_tensors, "allgather"),
-                                              "allgather")
+                                              "allgather", opts)
         return self._work(handle, output_tensors, finish)
 
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
@@ -417,10 +420,11 @@ class ProcessGroupPyrdma(_backend_base()):
         if len(output_lists) != len(input_tensors):
             raise UsageError(f"pyrdma backend: allgather_coalesced got {len(output_lists)} output lists for "
                              f"{len(input_tensors)} inputs")
-        issued = [self._allgather_list(outs, t, "allgather_coalesced") for outs, t in zip(output_lists, input_tensors)]
+        issued = [self._allgather_list(outs, t, "allgather_coalesced", opts)
+                  for outs, t in zip(output_lists, input_tensors)]
         return self._work([h for h, _ in issued], output_lists, _all(f for _, f in issued))
 
-    def _allgather_list(self, outs, input, call):
+    def _allgather_list(self, outs, input, call, opts=None):
         src = _Staged(input, "the input")
         n = src.tensor.numel()
         if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
@@ -428,7 +432,9 @@ class ProcessGroupPyrdma(_backend_base()):
                              f"{src.tensor.dtype} elements each")
         flat = _flat_like([input], self.size() * n)
         gathered = _Staged(flat, "the output", copy_in=False)
-        handle = self._comm().iallgather(src.flat(), out=gathered.array)
+        comm = self._comm()
+        handle = self._start(gathered, opts, lambda: comm.allgather(src.flat(), out=gathered.array),
+                             lambda: comm.iallgather(src.flat(), out=gathered.array))
         return handle, _recycled(lambda: _unflatten(gathered, outs), flat)
 
     def all_gather_single(self, output, input, opts=None):
@@ -491,7 +497,8 @@ class ProcessGroupPyrdma(_backend_base()):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def barrier(self, opts=None):
-        return self._work(self._comm().ibarrier(), [])
+        comm = self._comm()
+        return self._work(self._start(None, opts, comm.barrier, comm.ibarrier), [])
 
     # ---- rooted collectives, all-to-all, point to point -----------------------------------------
 
@@ -542,9 +549,12 @@ class ProcessGroupPyrdma(_backend_base()):
         src = _Staged(flat_in, "the inputs")
         flat = _flat_like(output_tensors, sum(o.numel() for o in output_tensors))
         gathered = _Staged(flat, "the outputs", copy_in=False)
-        handle = self._comm().ialltoall(src.array, out=gathered.array,
-                                        send_counts=[t.numel() for t in input_tensors],
-                                        recv_counts=[o.numel() for o in output_tensors])
+        send, recv = [t.numel() for t in input_tensors], [o.numel() for o in output_tensors]
+        # equal pieces: the Communicator's equal form (its one-call path), as all_to_all_single's
+        counts = {} if len(set(send + recv)) == 1 and send[0] else dict(send_counts=send, recv_counts=recv)
+        comm = self._comm()
+        handle = self._start(src, opts, lambda: comm.alltoall(src.array, out=gathered.array, **counts),
+                             lambda: comm.ialltoall(src.array, out=gathered.array, **counts))
         return self._work(handle, output_tensors,
                           _recycled(lambda: _unflatten(gathered, output_tensors), flat_in, flat))
 

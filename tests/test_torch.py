@@ -77,7 +77,7 @@ WORKLOAD_CHECKS = ("fsdp2 matches gloo", "fsdp2 trained", "pipeline ScheduleGPip
                    "moe all_to_all_single forward", "moe all_to_all_single backward", "moe splits have zeros",
                    "batch_isend_irecv ring 5", "batch_isend_irecv ring 100000",
                    "irecv then isend ring 600000", "recv_anysource refused", "scatter",
-                   "all_to_all lists", "all_to_all_single equal", "async all_to_all_single and gather",
+                   "all_to_all lists", "all_to_all equal lists", "all_to_all_single equal", "async all_to_all_single and gather",
                    "coalescing manager all_gather_into_tensor", "coalescing manager reduce_scatter_tensor",
                    "functional all_gather_into_tensor_coalesced", "functional reduce_scatter_tensor_coalesced",
                    "all_gather_coalesced")

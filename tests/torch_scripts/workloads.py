@@ -214,6 +214,12 @@ def rooted_and_all_to_all(group, rank, size, checks, device):
     dist.all_to_all(outs, ins, group=group)
     checks["all_to_all lists"] = all(_close(o, torch.full((j + rank + 1,), float(100 * j + rank))) is True
                                      for j, o in enumerate(outs))
+    # all_to_all lists of equal pieces (the Communicator's equal form)
+    ins = [torch.full((3,), float(100 * rank + j), device=device) for j in range(size)]
+    outs = [torch.zeros(3, device=device) for _ in range(size)]
+    dist.all_to_all(outs, ins, group=group)
+    checks["all_to_all equal lists"] = all(_close(o, torch.full((3,), float(100 * j + rank))) is True
+                                           for j, o in enumerate(outs))
     # all_to_all_single, equal pieces
     out = torch.zeros(size * 4, device=device)
     dist.all_to_all_single(out, (torch.arange(size * 4, dtype=torch.float32) + 1000 * rank).to(device), group=group)
