@@ -596,14 +596,14 @@ cdef class HostCollectives:
         except Exception:
             return None
         try:
-            if not engine.sockets and self.comm.zero_copy_bytes and view.len >= self.comm.zero_copy_bytes:
-                return None                     # over RDMA: a rendezvous, the general path's
             # the last call of this direction first: a ping-pong repeats one of each (_run
             # looks at the executor's state under its lock)
             if last.matches(&view, peer, tag, None):
                 return self._run(last.call, buf, &view, &view, None, peer, receive)
             if not self.ex.idle:
                 return None
+            if not engine.sockets and self.comm.zero_copy_bytes and view.len >= self.comm.zero_copy_bytes:
+                return None                     # over RDMA: a rendezvous, the general path's
             call = self._last_or_prepared(K_RECV if receive else K_SEND, &view, peer, tag, None, self.plans.message,
                                           (self.comm, buf, peer, tag, receive))
             if call is None:
