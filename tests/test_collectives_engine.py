@@ -591,18 +591,30 @@ def _direct_reads(rank, size, port):
         before = engine.directs
         big = comm.alltoall(np.full(8 * n, rank, np.float32))
         big_ok = bool((big[:4 * n] == 0).all() and (big[4 * n:] == 1).all())
+        a2a_directs = engine.directs - before
+        # the last rank of a broadcast's chain takes its 8 chunks in one step, each into place
+        comm.barrier()
+        if rank == 0:
+            import time
+            time.sleep(0.3)                 # the receive waits first
+        before = engine.directs
+        b8 = np.arange(2 * n, dtype=np.float32) if rank == 0 else np.zeros(2 * n, np.float32)
+        comm.broadcast(b8, root=0, algorithm="chain")
+        big_ok = big_ok and bool(np.array_equal(b8, np.arange(2 * n, dtype=np.float32)))
         return (bool(np.array_equal(buf, np.arange(n, dtype=np.float32))), bool(np.array_equal(a2a, want)),
                 count == got.size and bool((got == peer + 1.0).all()), bool((kept == 7 + peer).all()) and big_ok,
-                directs, engine.directs - before)
+                directs, a2a_directs, engine.directs - before)
 
 
 def test_the_socket_link_reads_payloads_straight_into_place():
     results = run_ranks(_direct_reads, 2, free_port(), timeout=120)
-    for rank, (bcast, a2a, message, kept, directs, _) in enumerate(results):
+    for rank, (bcast, a2a, message, kept, directs, _, _) in enumerate(results):
         assert bcast and a2a and message and kept, (rank, bcast, a2a, message, kept)
         assert directs > 0, f"rank {rank}: no payload was read straight into place"
     # (before, a chunk went into place only while its receive waited: 2-3 of 16 per rank)
     assert sum(r[5] for r in results) >= 16, f"chunks of the all-to-all read into place: {[r[5] for r in results]}"
+    # (before, one chunk per step: those that came between two steps went to the slots)
+    assert results[1][6] == 8, f"chunks of the broadcast read into place: {results[1][6]} of 8"
 
 
 

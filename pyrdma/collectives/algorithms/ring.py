@@ -96,16 +96,22 @@ def whole_chunks(count, itemsize, max_message):
 @_cached
 def chain_broadcast(n, r, count, itemsize, max_message, root):
     """Pipelined chain root -> root+1 -> ...: each rank forwards chunk k as soon as it has it, while
-    chunk k+1 is on its way."""
+    chunk k+1 is on its way. The ends take their chunks in one step: the root only sends, and the
+    last rank only receives, so that the socket link reads every chunk straight into its place
+    (Engine._expect covers a step's chunks)."""
     b = Builder()
     if n > 1:
         pos = (r - root) % n
         right, left = (r + 1) % n, (r - 1) % n
+        chunks = whole_chunks(count, itemsize, max_message)
         b.greet_root(n, r, root)
-        for chunk in whole_chunks(count, itemsize, max_message):
-            if pos > 0:
+        if pos == 0:
+            b.send(right, chunks)
+        elif pos == n - 1:
+            b.recv(left, chunks, COPY)
+        else:
+            for chunk in chunks:
                 b.recv(left, (chunk,), COPY)
-            if pos < n - 1:
                 b.send(right, (chunk,))
         b.root_greeted(n, r, root)
         b.wait_sends()
