@@ -46,14 +46,6 @@ def _prepared(comm, run, tag, own):
                     in_offset=layout.in_offset, out_bytes=layout.out_bytes, lent=_LENT[layout.lent])
 
 
-def _lends_freely(comm):
-    """Whether the one-call path lends the caller's buffers wherever the spec does: over TCP it
-    costs nothing (the sockets send from the caller's memory and read into it), while over RDMA a
-    receiver's buffer would need its registration for remote writes and a rendezvous, which the
-    general path runs."""
-    return comm.transport.engine.sockets
-
-
 def _elements(buf):
     """Whether ``buf`` holds any bytes (the one-call path runs no empty call)."""
     try:
@@ -77,7 +69,7 @@ def reduce(comm, buf, op, root, algorithm):
 def broadcast(comm, buf, root, algorithm):
     """The HostCall of a blocking ``broadcast(buf, root=root, algorithm=algorithm)``, copied
     through the transport's buffer (below the zero-copy size; from it, in ``buf`` itself over TCP)."""
-    return _host_call(comm, specs.broadcast, buf, root, algorithm, lends=_lends_freely(comm)) \
+    return _host_call(comm, specs.broadcast, buf, root, algorithm, lends=specs.lends_freely(comm)) \
         if _elements(buf) else None
 
 
@@ -116,7 +108,7 @@ def scatter_parts(comm, pieces, out, root, algorithm):
     costs nothing; None where the general path must run the call (over RDMA each piece would need
     its registration). The calls copy no own piece: HostCollectives copies the root's after the
     sends."""
-    if not _lends_freely(comm):
+    if not specs.lends_freely(comm):
         return None
     try:
         spec = specs.scatter(comm, pieces, out, root, algorithm)
@@ -133,7 +125,7 @@ def message(comm, buf, peer, tag, receive):
     """The HostCall of a blocking send to or receive from ``peer`` with ``tag``; HostCollectives
     numbers each call's message. From the zero-copy size over TCP it is sent from and received
     into the caller's buffer."""
-    lends = _lends_freely(comm)
+    lends = specs.lends_freely(comm)
     if receive:
         return _host_call(comm, specs.p2p, buf, None, peer, tag, False, receive=True, lends=lends)
     return _host_call(comm, specs.p2p, buf, peer, None, tag, False, lends=lends)

@@ -200,12 +200,19 @@ def lends_blocks(comm, nbytes):
     return zero_copy(comm, nbytes) or bool(comm.zero_copy_bytes and lend) and nbytes >= lend
 
 
+def lends_freely(comm):
+    """Whether lending the caller's memory costs nothing: over TCP the sockets send from it and
+    read into it, while over RDMA a buffer needs its registration (and a receiver's, a rendezvous
+    for remote writes)."""
+    return comm.transport.engine.sockets
+
+
 def lends_message(comm, nbytes):
     """zero_copy for a lone send or receive of ``nbytes``: over RDMA from zero_copy_bytes (a
-    rendezvous), over TCP at any size, since the socket link writes from the caller's memory and
-    reads into it with nothing to register (2 ranks, a ping-pong: 0.99-1.01x the time of copying
-    up to 8 KiB, 0.77-0.91x at 16-256 KiB, 0.63x at 512 KiB)."""
-    if comm.transport.engine.sockets:
+    rendezvous), over TCP at any size, where lending costs nothing (lends_freely; 2 ranks, a
+    ping-pong: 0.99-1.01x the time of copying up to 8 KiB, 0.77-0.91x at 16-256 KiB, 0.63x at
+    512 KiB)."""
+    if lends_freely(comm):
         return bool(comm.zero_copy_bytes) and nbytes > 0
     return zero_copy(comm, nbytes)
 
