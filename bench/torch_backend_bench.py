@@ -17,7 +17,8 @@ faster) and the targets with their verdicts (the issue's: every cell <= 1.0x glo
 from 16 MiB, the DDP step <= 1.0x with equal parameters), and writes all of it as JSON.
 
 The ops (``--ops``, default all): the collectives of the torch API by their names (gather and
-scatter to and from rank 0); ``send_recv``, a ping-pong of ranks 0 and 1 (the time of a round
+scatter to and from rank 0); ``all_to_all_splits``, all_to_all_single with uneven split sizes
+(as MoE layers exchange tokens; each rank's input about the size given); ``send_recv``, a ping-pong of ranks 0 and 1 (the time of a round
 trip; the other ranks wait at the barrier); and ``numpy_allreduce``, on pyrdma's side the
 Communicator's own allreduce of a numpy array (the backend's Communicator, no torch in the call)
 against gloo's all_reduce of a CPU tensor of the same bytes.
@@ -36,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)        # pyrdma from this checkout, in the launcher and the ranks alike
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
-       "all_to_all_single", "all_to_all", "gather", "scatter", "send_recv", "numpy_allreduce")
+       "all_to_all_single", "all_to_all_splits", "all_to_all", "gather", "scatter", "send_recv", "numpy_allreduce")
 RATIO_TARGET = 1.0              # every cell: our time / gloo's
 LARGE_ALLREDUCE = (16 << 20, 0.7)   # all_reduce from this many bytes: at most this ratio
 
@@ -49,6 +50,12 @@ def _tensors(op, nbytes, n, rank, device):
     x = torch.ones(count, dtype=torch.float32, device=device)
     if op in ("all_to_all_single",):
         return x, torch.empty_like(x)
+    if op == "all_to_all_splits":      # MoE's token exchange: each pair's own count, half to 1.5x even
+        def split(a, b):
+            return max(1, count // n * (1 + (a + 2 * b) % 3) // 2)
+        send, recv = [split(rank, p) for p in range(n)], [split(p, rank) for p in range(n)]
+        return torch.ones(sum(send), dtype=torch.float32, device=device), \
+            (torch.empty(sum(recv), dtype=torch.float32, device=device), recv, send)
     if op == "reduce_scatter_tensor":
         return x, torch.empty(count // n, dtype=torch.float32, device=device)
     if op == "all_gather_into_tensor":
@@ -82,6 +89,8 @@ def _call(op, x, out, group, comm):
         dist.all_gather(out, x, group=group)
     elif op == "all_to_all_single":
         dist.all_to_all_single(out, x, group=group)
+    elif op == "all_to_all_splits":
+        dist.all_to_all_single(out[0], x, out[1], out[2], group=group)
     elif op == "all_to_all":
         dist.all_to_all(out, x, group=group)
     elif op == "reduce_scatter_tensor":

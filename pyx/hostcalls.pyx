@@ -97,6 +97,32 @@ cdef class HostCall:
         self.work_region = work_region
 
 
+@cython.final
+cdef class AlltoallvPlan:
+    """Blocking all-to-alls with counts of one buffer format, prepared once (hostplans.alltoallv):
+    the schedule's ``steps`` serve any counts whose every piece fits one message, so a call only
+    fills in the chunks (HostCollectives.alltoallv): chunk i carries this rank's send piece
+    ``pieces[i]`` (< size) or its receive piece ``pieces[i] - size``. ``desc``, ``dtype``, ``op``:
+    the HostCall's; a call works in the caller's memory from ``lend_total`` bytes of input and
+    output together or ``lend_each`` in each (-1: never; specs.alltoall_lend_sizes)."""
+    cdef object steps
+    cdef const int64_t[::1] pieces
+    cdef bytes desc
+    cdef int dtype, op
+    cdef int64_t lend_total, lend_each
+    cdef object region                      # the transport's buffer, as a call without lending last took it
+
+    def __init__(self, steps not None, pieces not None, bytes desc not None, int dtype, int op,
+                 int64_t lend_total, int64_t lend_each):
+        self.steps, self.pieces = steps, pieces
+        self.desc, self.dtype, self.op = desc, dtype, op
+        self.lend_total, self.lend_each = lend_total, lend_each
+
+    cdef bint lends(self, int64_t in_bytes, int64_t out_bytes):
+        return (self.lend_total >= 0 and in_bytes + out_bytes >= self.lend_total) or \
+            (self.lend_each >= 0 and min(in_bytes, out_bytes) >= self.lend_each)
+
+
 cdef object _MISSING = object()
 
 
@@ -438,6 +464,91 @@ cdef class HostCollectives:
             out = _empty_like(buf)
         return self._into(K_ALLTOALL, buf, out, None, 1, self.plans.alltoall)
 
+    def alltoallv(self, buf, out, send_counts, recv_counts):
+        """``out`` (a new array of buf's dtype when None and buf is a 1-d numpy array) holding an
+        all-to-all's pieces of the given element counts (sequences of ints, one per rank); or None
+        where the general path must run it (as allreduce; also a piece over max_message, and counts
+        that are not plain ints or do not add up: that path names the error). The plan is the
+        format's (AlltoallvPlan): only the chunks and the layout are the call's."""
+        cdef Engine engine = self.engine
+        cdef int n = engine.size, r = engine.rank
+        cdef Py_buffer view, oview
+        cdef int64_t *bounds
+        cdef int64_t base, total, own
+        if not self.ex.idle:
+            return None
+        bounds = <int64_t *>malloc(2 * (n + 1) * sizeof(int64_t))
+        if bounds == NULL:
+            raise MemoryError()
+        try:
+            try:
+                PyObject_GetBuffer(buf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            except Exception:
+                return None
+            try:
+                if not _bounds(send_counts, n, view.itemsize, engine.max_message, bounds) \
+                        or not _bounds(recv_counts, n, view.itemsize, engine.max_message, bounds + n + 1):
+                    return None
+                base, total = bounds[n], bounds[2 * n + 1]
+                own = bounds[r + 1] - bounds[r]
+                if base != view.len or own != bounds[n + 2 + r] - bounds[n + 1 + r] or base + total == 0:
+                    return None
+                if out is None:
+                    if type(buf) is not _ndarray or buf.ndim != 1:
+                        return None
+                    out = _empty(total // view.itemsize, buf.dtype)
+                try:
+                    PyObject_GetBuffer(out, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+                except Exception:
+                    return None
+                try:
+                    if not _same_format(&view, &oview) or oview.len != total:
+                        return None
+                    self._check_prepared_under()
+                    plan = self._prepared(("alltoallv", _format(&view)), self.plans.alltoallv, (self.comm, buf))
+                    if plan is None:
+                        return None
+                    call = self._alltoallv_call(<AlltoallvPlan>plan, bounds, bounds + n + 1,
+                                                (<AlltoallvPlan>plan).lends(base, total)
+                                                and not _overlap(&view, &oview))
+                    return self._run(<HostCall>call, out, &view, &oview, buf)
+                finally:
+                    PyBuffer_Release(&oview)
+            finally:
+                PyBuffer_Release(&view)
+        finally:
+            free(bounds)
+
+    cdef HostCall _alltoallv_call(self, AlltoallvPlan plan, const int64_t *sb, const int64_t *rb, bint lent):
+        """The HostCall of one all-to-all with the byte bounds ``sb`` (send) and ``rb`` (receive),
+        in the caller's memory (``lent``) or through the transport's buffer, as specs.alltoall lays
+        it out."""
+        cdef Engine engine = self.engine
+        cdef int n = engine.size, r = engine.rank
+        cdef Py_ssize_t i, nchunks = plan.pieces.shape[0]
+        cdef int64_t p, base = sb[n], total = rb[n]
+        chunks = _empty((nchunks, 3), "i8")
+        cdef int64_t[:, ::1] c = chunks
+        for i in range(nchunks):
+            p = plan.pieces[i]
+            if p < n:
+                c[i, 0], c[i, 1] = sb[p], sb[p + 1] - sb[p]
+            else:
+                p -= n
+                c[i, 0], c[i, 1] = base + rb[p], rb[p + 1] - rb[p]
+            c[i, 2] = 0
+        cdef Program prog = Program.__new__(Program)
+        prog._check(r, n, engine.max_message, plan.steps, c)
+        own = sb[r + 1] - sb[r]
+        if lent:
+            return HostCall(prog, plan.desc, plan.dtype, plan.op, base, 0, base + total, None,
+                            own=(sb[r], rb[r], own), out_bytes=total, lent=LENT_BOTH)
+        region = plan.region
+        if region is None or _region(region).closed or _region(region).length < <uint64_t>(base + total):
+            region = plan.region = self.transport.own_region(base + total)
+        return HostCall(prog, plan.desc, plan.dtype, plan.op, base, base, base + total, region,
+                        own=(sb[r], base + rb[r], own), out_bytes=total)
+
     def gather(self, buf, out, root, algorithm):
         """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
         and buf is a numpy array); None where the general path must run it (as allreduce)."""
@@ -767,6 +878,29 @@ cdef class HostCollectives:
         else:
             self.lent_in = last
         return last
+
+
+cdef bint _bounds(object counts, int n, Py_ssize_t itemsize, int64_t max_piece, int64_t *bounds) except -1:
+    """Fill ``bounds`` (n + 1) with the byte offsets of ``counts`` (a list or tuple of n ints, or
+    a 1-d integer ndarray); False where they are not that, or a count is negative or over
+    ``max_piece`` bytes."""
+    cdef Py_ssize_t i
+    cdef long long x
+    cdef int overflow
+    if type(counts) is _ndarray:
+        counts = counts.tolist()
+    if (type(counts) is not list and type(counts) is not tuple) or len(counts) != n:
+        return False
+    bounds[0] = 0
+    for i in range(n):
+        c = counts[i]
+        if type(c) is not int:
+            return False
+        x = PyLong_AsLongAndOverflow(c, &overflow)
+        if overflow or x < 0 or x > max_piece // itemsize:
+            return False
+        bounds[i + 1] = bounds[i] + x * itemsize
+    return True
 
 
 cdef inline void _number(HostCall call, Engine engine, uint64_t seq) noexcept:

@@ -435,8 +435,9 @@ class Communicator:
         like buf, likewise); with ``send_counts`` (element counts per rank, zeros allowed, pieces
         contiguous in rank order, as MPI_Alltoallv and torch's input_split_sizes) they may differ,
         and ``recv_counts`` (output_split_sizes) is exchanged first when not given. Returns out."""
-        if send_counts is None and recv_counts is None and self._host is not None:
-            done = self._host.alltoall(buf, out)
+        if self._host is not None:
+            done = self._host.alltoall(buf, out) if send_counts is None and recv_counts is None else \
+                self._host.alltoallv(buf, out, send_counts, recv_counts)
             if done is not None:
                 return done
         return self._call(specs.alltoall, buf, out, send_counts, recv_counts, blocking=True)

@@ -11,7 +11,7 @@ raises their error).
 """
 import numpy as np
 
-from pyrdma._hostcalls import LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, HostCall
+from pyrdma._hostcalls import LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, AlltoallvPlan, HostCall
 from pyrdma.buffers import host_array
 from pyrdma.collectives import specs
 from pyrdma.errors import UsageError
@@ -91,6 +91,27 @@ def alltoall(comm, buf, out, op):
     buf and received into out where they are. (``out``: its shape is the call's, and the one-call
     path lends no out that overlaps buf; ``op``: None.)"""
     return _host_call(comm, specs.alltoall, buf, None, None, None) if _elements(buf) else None
+
+
+def alltoallv(comm, buf):
+    """The AlltoallvPlan of blocking all-to-alls with counts (send and receive counts given) of
+    ``buf``'s format: the general path's spec of one such call, planned with one element per
+    piece, whose steps serve any counts whose every piece fits one message (max_message); its
+    chunks tell which piece each one carries (their offsets are the piece's element: p for rank
+    p's send piece, size + q for rank q's receive piece)."""
+    n = comm.size
+    try:
+        dtype = host_array(buf, "buf").dtype
+        spec = specs.alltoall(comm, np.zeros(n, dtype), np.zeros(n, dtype), [1] * n, [1] * n)
+    except UsageError:
+        return None
+    run = spec.runs[0]
+    if len(spec.runs) != 1 or dtype.itemsize > comm.transport.max_message:
+        return None
+    schedule = run.plan(comm.transport.max_message)
+    total, each = specs.alltoall_lend_sizes(comm)
+    return AlltoallvPlan(schedule.steps, schedule.chunks[:, 0] // dtype.itemsize, run.tag, run.dtype, run.op,
+                         -1 if total is None else total, -1 if each is None else each)
 
 
 def rooted_copy(comm, kind, piece, full, root, algorithm):

@@ -217,6 +217,23 @@ def lends_message(comm, nbytes):
     return zero_copy(comm, nbytes)
 
 
+def alltoall_lends(comm, in_bytes, out_bytes):
+    """Whether an all-to-all sends from its input and receives into its output where they are
+    (they must not overlap): from ``total`` bytes of both together, or ``each`` bytes in each of
+    them (alltoall_lend_sizes)."""
+    total, each = alltoall_lend_sizes(comm)
+    return (total is not None and in_bytes + out_bytes >= total) or \
+        (each is not None and min(in_bytes, out_bytes) >= each)
+
+
+def alltoall_lend_sizes(comm):
+    """(total, each) of alltoall_lends (None: never), for the general path and the one-call path
+    alike: from zero_copy_bytes of both together, and below it where each is large enough for its
+    registration (lends_blocks: RDMA's; over TCP the cost model's lend size too)."""
+    zc, lend = comm.zero_copy_bytes, comm.cost_model.lend_bytes
+    return (zc or None), (lend if zc and lend else None)
+
+
 def alltoall_entry(comm, block):
     """The registry entry of an all-to-all of ``block`` bytes per rank, the cost model's choice;
     ``block`` 0 where the counts differ per rank (alltoallv): the choice must be every rank's."""
@@ -522,6 +539,9 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
             mine = np.diff(np.array(sb, np.int64)) // item
             recv_counts = comm.alltoall(mine)
         rb = byte_bounds(recv_counts, "recv_counts", n, item)
+        if sb[r + 1] - sb[r] != rb[r + 1] - rb[r]:
+            raise UsageError(f"rank {r} sends itself {(sb[r + 1] - sb[r]) // item} elements (send_counts[{r}]) "
+                             f"but expects {(rb[r + 1] - rb[r]) // item} (recv_counts[{r}]): they must be equal")
     if out is None:
         if send_counts is None:
             out = np.empty_like(arr)
@@ -538,8 +558,7 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
     tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
     plan = functools.partial(entry.planner, n, r, sb, rb, base)
     own = sb[r + 1] - sb[r]
-    # each of buf and out costs a registration: both must be large enough for it below zero_copy_bytes
-    if (zero_copy(comm, base + rb[-1]) or lends_blocks(comm, min(base, rb[-1]))) and not np.shares_memory(src, dst):
+    if alltoall_lends(comm, base, rb[-1]) and not np.shares_memory(src, dst):
         # sent from buf and received into out where they are: no copy in or out
         layout = Layout(base, rb[-1], base + rb[-1], own=(sb[r], rb[r], own), lent="both")
         return Spec([Run(plan, tag, layout, src, dst, lend=src, out=dst)], lambda: out)
