@@ -18,7 +18,9 @@ from 16 MiB, the DDP step <= 1.0x with equal parameters), and writes all of it a
 
 The ops (``--ops``, default all): the collectives of the torch API by their names (gather and
 scatter to and from rank 0); ``all_to_all_splits``, all_to_all_single with uneven split sizes
-(as MoE layers exchange tokens; each rank's input about the size given); ``send_recv``, a ping-pong of ranks 0 and 1 (the time of a round
+(as MoE layers exchange tokens; each rank's input about the size given); ``batch_isend_irecv``,
+each rank's tensor to the next rank while it receives the previous one's (a pipeline's exchange);
+``send_recv``, a ping-pong of ranks 0 and 1 (the time of a round
 trip; the other ranks wait at the barrier); and ``numpy_allreduce``, on pyrdma's side the
 Communicator's own allreduce of a numpy array (the backend's Communicator, no torch in the call)
 against gloo's all_reduce of a CPU tensor of the same bytes.
@@ -37,7 +39,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)        # pyrdma from this checkout, in the launcher and the ranks alike
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",
-       "all_to_all_single", "all_to_all_splits", "all_to_all", "gather", "scatter", "send_recv", "numpy_allreduce")
+       "all_to_all_single", "all_to_all_splits", "all_to_all", "gather", "scatter", "send_recv", "batch_isend_irecv",
+       "numpy_allreduce")
 RATIO_TARGET = 1.0              # every cell: our time / gloo's
 LARGE_ALLREDUCE = (16 << 20, 0.7)   # all_reduce from this many bytes: at most this ratio
 
@@ -70,6 +73,8 @@ def _tensors(op, nbytes, n, rank, device):
         return x, [torch.ones_like(x) for _ in range(n)] if rank == 0 else None
     if op == "numpy_allreduce":
         return x, x.numpy() if device.type == "cpu" else None
+    if op == "batch_isend_irecv":
+        return x, torch.empty_like(x)
     return x, None
 
 
@@ -99,6 +104,11 @@ def _call(op, x, out, group, comm):
         dist.gather(x, out, dst=0, group=group)
     elif op == "scatter":
         dist.scatter(x, out, src=0, group=group)
+    elif op == "batch_isend_irecv":
+        rank, n = dist.get_rank(), dist.get_world_size()
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % n, group=group),
+                                            dist.P2POp(dist.irecv, out, (rank - 1) % n, group=group)]):
+            work.wait()
     elif op == "send_recv":
         rank = dist.get_rank()
         if rank == 0:

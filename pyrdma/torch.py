@@ -610,24 +610,25 @@ class ProcessGroupPyrdma(_backend_base()):
         return work
 
     def _issue_p2p(self, waiter=None):
-        """Issue the pending sends and receives as one batch; or, where ``waiter`` (a Work being waited
-        on) is the only one, of host memory, and nothing is queued, run it at once on this thread (the
-        blocking send or recv: a ping-pong's message is then one C call, without the hop to the
-        communicator's thread and back)."""
+        """Issue the pending sends and receives as one batch, on the communicator's thread; or,
+        where ``waiter`` (a Work being waited on) is one of them, all of host memory, and nothing
+        is queued, on this thread, whose caller waits anyway (without the hop to the communicator's
+        thread and back: a pipeline's isend/irecv pairs, batch_isend_irecv; a lone blocking send
+        or recv is the Communicator's own, one C call)."""
         with self._p2p_lock:
             pending, self._p2p_pending = self._p2p_pending, []
             if not pending:
                 return
             comm = self.comm
-            inline = len(pending) == 1 and pending[0][4] is waiter and isinstance(pending[0][1].array, np.ndarray) \
-                and comm._exec.idle and self._coalesced is None
+            inline = any(p[4] is waiter for p in pending) and comm._exec.idle and self._coalesced is None \
+                and all(isinstance(p[1].array, np.ndarray) for p in pending)
             if not inline:
-                handle = comm.batch([(kind, staged.flat(), peer, tag) for kind, staged, peer, tag, _ in pending])
-                for i, (kind, staged, peer, tag, work) in enumerate(pending):
-                    work._start([handle], None if kind == "send" else
-                                _received(lambda i=i: handle.wait()[i], staged, peer))
+                self._batch(pending, False)
                 return
-        # the blocking call outside the lock: a thread that queues a send meanwhile must not wait on it
+        # the blocking calls outside the lock: a thread that queues a send meanwhile must not wait on them
+        if len(pending) > 1:
+            self._batch(pending, True)
+            return
         kind, staged, peer, tag, work = pending[0]
         try:
             if kind == "send":
@@ -638,6 +639,19 @@ class ProcessGroupPyrdma(_backend_base()):
             work._start([Done(error=exc)])
             return
         work._start([], None if kind == "send" else _received(lambda: got, staged, peer))
+
+    def _batch(self, pending, blocking):
+        """Start the Works of ``pending`` as one Communicator batch (``blocking``: run now)."""
+        try:
+            handle = self.comm._batch([(kind, staged.flat(), peer, tag) for kind, staged, peer, tag, _ in pending],
+                                      blocking)
+        except Exception as exc:    # noqa: BLE001 -- raised by wait(), as from the queued batch
+            if not blocking:
+                raise
+            handle = Done(error=exc)
+        for i, (kind, staged, peer, tag, work) in enumerate(pending):
+            work._start([handle], None if kind == "send" else
+                        _received(lambda i=i: handle.wait()[i], staged, peer))
 
     def _comm(self):
         """The Communicator, once the sends and receives issued before this call have gone."""

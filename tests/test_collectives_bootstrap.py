@@ -357,6 +357,16 @@ def test_cost_model_choices_and_overrides(monkeypatch):
     lends = [specs.lends_message(types.SimpleNamespace(zero_copy_bytes=z, transport=links[s]), b)
              for s, z in ((True, 1 << 20), (False, 1 << 20), (True, 0)) for b in (0, 8, 1 << 20)]
     assert lends == [False, True, True, False, False, True, False, False, False]
+    # an exchange (sendrecv, a step of a batch) over TCP sends from and receives into the caller's
+    # arrays where they do not overlap; over RDMA through the transport's buffer
+
+    def exchange_lent(sockets, send, recv):
+        comm = types.SimpleNamespace(size=2, rank=0, zero_copy_bytes=1 << 20, transport=links[sockets],
+                                     _exec=types.SimpleNamespace(sent=[0, 0], received=[0, 0]))
+        return specs.p2p(comm, (send, recv), 1, 1, 0).runs[0].layout.lent
+    a = np.arange(8.0)
+    assert [exchange_lent(True, a[:4], a[4:]), exchange_lent(False, a[:4], a[4:]), exchange_lent(True, a[:6], a[2:]),
+            exchange_lent(True, a[:0], a[4:])] == ["both", None, None, None]
     assert [soft.choose_copy("scatter", b, 4, 1 << 20) for b in (8, 4096, 32768, 1 << 20)] == \
         ["direct", "direct", "read", "read"]
     assert soft.choose_copy("scatter", 1 << 20, 2, 1 << 20) == "direct"      # one block: nothing to share

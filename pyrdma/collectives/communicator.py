@@ -482,6 +482,11 @@ class Communicator:
         before its send waits for it; in a batch nothing waits for another operation of the same
         batch. Every pair of ranks' messages still keeps its order. Returns a Handle whose wait()
         gives one entry per op: None for a send, the elements received for a receive."""
+        return self._batch(ops, False)
+
+    def _batch(self, ops, blocking):
+        """batch(ops); ``blocking``: run on this thread where nothing is queued (the Handle is
+        then done, but for a parked send's wait)."""
         n, r = self.size, self.rank
         sends, recvs = {}, {}
         ops = list(ops)
@@ -526,7 +531,7 @@ class Communicator:
                     if ops[i][0] == "recv":
                         results[i] = got
             return (results if staged is None else staged.upload(results)), tickets
-        return SendHandle(self._exec.submit(False, run, seq=False), self._exec, t)
+        return SendHandle(self._exec.submit(blocking, run, seq=False), self._exec, t)
 
     def _call(self, make_spec, *args, blocking, dtype=_NO_DTYPE):
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run

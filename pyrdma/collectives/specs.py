@@ -599,12 +599,16 @@ def p2p(comm, buf, dst, src, tag, numbered=True):
             received[src] += 1
     nbytes = s_data.nbytes if s_data is not None else 0
     capacity = r_data.nbytes if r_data is not None else 0
-    # a lone send or receive works on the caller's memory itself when zero-copy pays
-    lend = layout = None
+    # a lone send or receive works on the caller's memory itself when zero-copy pays; an exchange
+    # where lending costs nothing (TCP) sends from sendbuf and receives into recvbuf, the second area
+    lend = layout = out = None
     if recvbuf is None and lends_message(comm, nbytes):
         lend, layout = s_data, Layout(nbytes, 0, nbytes, lent="in")
     elif sendbuf is None and lends_message(comm, capacity):
         lend, layout = r_data, Layout(0, capacity, capacity, lent="out")
+    elif sendbuf is not None and recvbuf is not None and lends_freely(comm) and nbytes and capacity \
+            and not np.may_share_memory(s_data, r_data):
+        lend, out, layout = s_data, r_data, Layout(nbytes, capacity, nbytes + capacity, lent="both")
     area = nbytes + capacity if lend is None else (nbytes or capacity)
     if layout is None:          # through the transport's buffer; what arrived is copied out by finish
         layout = Layout(nbytes, 0, area)
@@ -618,8 +622,8 @@ def p2p(comm, buf, dst, src, tag, numbered=True):
         if lend is None and received:
             r_data[:received] = work[nbytes:nbytes + received]
         return received // item
-    plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if lend is not None else nbytes)
-    return Spec([Run(plan, send_desc, layout, s_data, finish=finish, lend=lend, recv_tag=recv_desc)],
+    plan = functools.partial(exchange.message, dst, nbytes, src, capacity, 0 if layout.lent == "out" else nbytes)
+    return Spec([Run(plan, send_desc, layout, s_data, finish=finish, lend=lend, recv_tag=recv_desc, out=out)],
                 collective=False)
 
 
