@@ -53,9 +53,12 @@ cdef class HostCall:
     (``lent``, a LENT_ kind; ``work_region`` None), whose input has ``nbytes`` and output
     ``out_bytes``. ``own``: (from, to, length) of a copy before the run (an all-to-all's,
     gather's or scatter's own block, which no message carries): within the transport's buffer, or
-    from the caller's input to its output (to the input itself where the call has no output)."""
+    from the caller's input to its output (to the input itself where the call has no output).
+    ``rdesc``: an exchange's (a send and a receive at once) description of what it receives."""
     cdef Program program
     cdef uint8_t desc[DESC_SIZE]
+    cdef uint8_t rdesc[DESC_SIZE]                    # an exchange's receive description (has_rdesc)
+    cdef bint has_rdesc
     cdef int dtype, op, lent
     cdef int64_t nbytes, result_offset, work_bytes, in_offset, out_bytes
     cdef int64_t own_from, own_to, own_len
@@ -63,9 +66,9 @@ cdef class HostCall:
 
     def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
                  int64_t result_offset, int64_t work_bytes, work_region=None, own=(0, 0, 0),
-                 int64_t in_offset=0, int64_t out_bytes=-1, int lent=-1):
+                 int64_t in_offset=0, int64_t out_bytes=-1, int lent=-1, bytes rdesc=None):
         cdef int64_t area
-        if len(desc) != DESC_SIZE:
+        if len(desc) != DESC_SIZE or (rdesc is not None and len(rdesc) != DESC_SIZE):
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
         if not 0 <= dtype < 8 or not 0 <= op < 4:
             raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
@@ -91,6 +94,9 @@ cdef class HostCall:
         self.lent = lent
         self.program = program
         memcpy(self.desc, <char *>desc, DESC_SIZE)
+        self.has_rdesc = rdesc is not None
+        if self.has_rdesc:
+            memcpy(self.rdesc, <char *>rdesc, DESC_SIZE)
         self.dtype, self.op = dtype, op
         self.nbytes, self.result_offset, self.work_bytes = nbytes, result_offset, work_bytes
         self.in_offset, self.out_bytes = in_offset, out_bytes
@@ -237,9 +243,9 @@ cdef class ExecLock:
 # a prepared call's key (KIND_NAMES: their names, as hostplans takes them)
 cdef enum:
     K_ALLREDUCE, K_REDUCE, K_BROADCAST, K_ALLGATHER, K_REDUCE_SCATTER, K_ALLTOALL, K_GATHER, K_SCATTER
-    K_SEND, K_RECV, K_SCATTER_PARTS
+    K_SEND, K_RECV, K_SCATTER_PARTS, K_EXCHANGE
 cdef tuple KIND_NAMES = ("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "gather",
-                         "scatter", "send", "recv", "scatter_parts")
+                         "scatter", "send", "recv", "scatter_parts", "exchange")
 
 
 @cython.final
@@ -693,6 +699,37 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&pview)
 
+    def exchange(self, sendbuf, int dst, recvbuf, int src, send_tag, recv_tag):
+        """(elements received,) of a blocking send of ``sendbuf`` to ``dst`` while ``recvbuf``
+        receives from ``src`` (Communicator.sendrecv, a batch of one send and one receive), each
+        message the pair's next; None where the general path must run it (as allreduce)."""
+        cdef Py_buffer view, oview
+        cdef Engine engine = self.engine
+        if type(send_tag) is not int or type(recv_tag) is not int or not self.ex.idle \
+                or not 0 <= dst < engine.size or not 0 <= src < engine.size or engine.rank in (dst, src):
+            return None
+        try:
+            PyObject_GetBuffer(sendbuf, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+        except Exception:
+            return None
+        try:
+            try:
+                PyObject_GetBuffer(recvbuf, &oview, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            except Exception:
+                return None
+            try:
+                self._check_prepared_under()
+                key = (K_EXCHANGE, _format(&view), view.len, _format(&oview), oview.len, dst, src, send_tag, recv_tag)
+                call = self._prepared(key, self.plans.exchange, (self.comm, sendbuf, dst, recvbuf, src, send_tag,
+                                                                 recv_tag))
+                if call is None or ((<HostCall>call).lent != LENT_NONE and _overlap(&view, &oview)):
+                    return None
+                return (self._run(<HostCall>call, recvbuf, &view, &oview, sendbuf, dst, True, src),)
+            finally:
+                PyBuffer_Release(&oview)
+        finally:
+            PyBuffer_Release(&view)
+
     cdef object _message(self, buf, int peer, tag, bint receive):
         """A blocking send of ``buf`` to ``peer`` (``buf`` once sent), or receive from it (the
         elements received) as the pair's next message; None where the general path must run it (as
@@ -768,22 +805,24 @@ cdef class HostCollectives:
         return self._run(self.barrier_call, True, NULL)
 
     cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL,
-                     object source=None, int peer=-1, bint receive=False):
+                     object source=None, int peer=-1, bint receive=False, int src=-1):
         """Run a prepared call on ``view`` (NULL: no data, as a barrier's; ``source``: its object,
         where it is not ``result``), its result copied into or worked on in ``out_view`` (NULL:
         view), and return ``result``. ``peer`` >= 0: a message to that rank (or, ``receive``, from
         it), whose description takes the pair's next message number instead of the collectives'
-        call number; a receive copies out what arrived and returns its element count."""
+        call number; a receive copies out what arrived and returns its element count. ``src`` >= 0:
+        an exchange, a message to ``peer`` while one from ``src`` arrives in ``out_view``."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
         cdef region_t region, region2
         cdef uint8_t *data = <uint8_t *>view.buf if view != NULL else NULL
         cdef uint8_t *out_data = <uint8_t *>out_view.buf if out_view != NULL else data
         cdef uint8_t *work
-        cdef uint64_t seq
+        cdef uint64_t seq, rseq = 0
         cdef int64_t got = 0
         cdef int rc
         cdef bint copy = call.lent == LENT_NONE
+        cdef Py_ssize_t item = (out_view if src >= 0 else view).itemsize if receive else 1
         cdef list counters
         self.lock._take(-1.0)
         try:
@@ -795,9 +834,12 @@ cdef class HostCollectives:
                 seq = ex.seq
                 ex.seq = seq + 1
             else:
-                counters = self.received if receive else self.sent
+                counters = self.received if receive and src < 0 else self.sent
                 seq = counters[peer]
                 counters[peer] = seq + 1
+                if src >= 0:
+                    rseq = self.received[src]
+                    self.received[src] = rseq + 1
             try:
                 if copy:
                     region = _region(call.work_region)
@@ -814,6 +856,8 @@ cdef class HostCollectives:
                     if call.lent == LENT_BOTH:
                         region2 = self._lent(result, out_view, True)
                 _number(call, engine, seq)
+                if src >= 0:
+                    _number_receive(call, engine, rseq)
                 # the own buffer may be read remotely (a scatter's OFFER), lent memory not
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
                               call.dtype, call.op, None, False, region.rkey if copy else 0)
@@ -839,12 +883,13 @@ cdef class HostCollectives:
                     engine._end()
                 if rc < 0:
                     raise self.transport.engine_failed()
-                if receive and got % view.itemsize:
-                    raise UsageError(f"rank {peer} sent {got} bytes, not whole {view.itemsize}-byte elements")
+                if receive and got % item:
+                    raise UsageError(f"rank {peer if src < 0 else src} sent {got} bytes, not whole {item}-byte "
+                                     f"elements")
             except BaseException as exc:
                 ex.fail(exc)
                 raise
-            return got // view.itemsize if receive else result
+            return got // item if receive else result
         finally:
             self.lock._give()
 
@@ -903,6 +948,14 @@ cdef bint _bounds(object counts, int n, Py_ssize_t itemsize, int64_t max_piece, 
     return True
 
 
+cdef inline void _number_receive(HostCall call, Engine engine, uint64_t seq) noexcept:
+    """Expect an exchange's receive description, numbered ``seq`` (the pair's next message)."""
+    cdef int i
+    memcpy(engine.rdesc, call.rdesc, DESC_SIZE)
+    for i in range(8):
+        engine.rdesc[i] = (seq >> (8 * i)) & 0xFF
+
+
 cdef inline void _number(HostCall call, Engine engine, uint64_t seq) noexcept:
     """Give the call's description its number (the collectives', or the pair's next message's),
     and expect the same in what arrives."""
@@ -928,12 +981,12 @@ cdef inline void _copy_in(HostCall call, uint8_t *work, const uint8_t *data, uin
 cdef inline int64_t _copy_out(HostCall call, Engine engine, const uint8_t *work, uint8_t *out_data,
                               bint copy, bint receive) noexcept nogil:
     """A run's copy after it out of the transport's buffer: the result, or a receive's message
-    (whose length it returns)."""
+    (whose length it returns), from ``result_offset``."""
     cdef int64_t got = 0
     if receive:
         got = engine.received
         if got and copy:
-            memcpy(out_data, work, <size_t>got)
+            memcpy(out_data, work + call.result_offset, <size_t>got)
     elif copy and call.out_bytes:
         memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
     return got

@@ -406,6 +406,9 @@ def _mismatch(comm, ports, kinds):
                     if r == 1:
                         recv[0] = 2
                     c.alltoall(np.zeros(n), send_counts=send, recv_counts=recv)
+                elif kind == "sendrecv-tag":            # an exchange (one C call), each rank its own tag
+                    if r < 2:
+                        c.sendrecv(np.zeros(5), 1 - r, np.zeros(5), 1 - r, tag=1 + r)
                 elif kind == "send-tag":
                     if r == 0:
                         c.send(np.zeros(5), 1, tag=1)
@@ -429,11 +432,11 @@ def _mismatch(comm, ports, kinds):
 @pytest.mark.parametrize("transport, size", _params([3], [3]))
 def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
     kinds = ["gather-count", "scatter-count", "scatter-list-count", "scatter-count-read", "scatter-algorithm", "alltoall-counts",
-             "send-tag", "too-long", "too-long-lent"]
+             "send-tag", "sendrecv-tag", "too-long", "too-long-lent"]
     results = worlds(transport, size).run(_mismatch, [free_port() for _ in kinds], kinds, timeout=300)
     receivers = {"gather-count": {0}, "scatter-count": {1}, "scatter-list-count": {1}, "scatter-count-read": {1},
-                 "scatter-algorithm": {1, 2}, "alltoall-counts": {1}, "send-tag": {1}, "too-long": {1},
-                 "too-long-lent": {1}}
+                 "scatter-algorithm": {1, 2}, "alltoall-counts": {1}, "send-tag": {1}, "sendrecv-tag": {0, 1},
+                 "too-long": {1}, "too-long-lent": {1}}
     for rank, outcomes in enumerate(results):
         for kind, (result, elapsed) in zip(kinds, outcomes):
             # every rank raises UsageError; a rank that receives the mismatched message, at that call
@@ -446,6 +449,9 @@ def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
     assert "24000-byte message" in too_long and "16000 bytes" in too_long, too_long
     tag = results[1][kinds.index("send-tag")][0]
     assert "tag=1" in tag and "tag=2" in tag, tag
+    # both receive a message of the other tag: one names the tags, or each does (the other may be told first)
+    tags = [results[rank][kinds.index("sendrecv-tag")][0] for rank in (0, 1)]
+    assert any("tag=1" in t and "tag=2" in t for t in tags), tags
 
 
 def _dead(comm, victim, kind):
@@ -617,7 +623,7 @@ def _one_call_messages(comm):
     r = comm.rank
     frames = []
     if r > 1:
-        return frames
+        return frames, []
     peer = 1 - r
     lent = (200_000,) if comm.transport.name == "tcp" else ()
     for count in (1, 1000, 100_000) + lent:            # 8 B to 800 kB (zero-copy: 1 MiB), 1.6 MB
@@ -638,13 +644,34 @@ def _one_call_messages(comm):
                 assert comm.irecv(y, peer, tag=k).wait(60) == count
                 assert np.array_equal(y[:count], piece(peer, r, count, "float64"))
         del frames[-6:-3]
+    # an exchange: sendrecv, and a batch of one send and one receive waited on at once (torch's
+    # batch_isend_irecv, Communicator._batch); the paths mix (rank 0's second call is the general one)
+    exchanges = []
+    for count in (1, 1000, 100_000) + lent:
+        x = piece(r, peer, count, "float64")
+        y = np.zeros(count + 3)
+        for k in range(3):
+            if k == 2:
+                n = [None]
+
+                def exchange():
+                    n[0] = comm.sendrecv(x, peer, y, peer, tag=4)
+                exchanges.append(count_python_calls(exchange))
+                got = n[0]
+            elif k == 1 and r == 0:
+                got = comm.batch([("recv", y, peer, 4), ("send", x, peer, 4)]).wait(60)[0]
+            else:
+                got = comm._batch([("recv", y, peer, 4), ("send", x, peer, 4)], True).wait(60)[0]
+            assert got == count and np.array_equal(y[:count], piece(peer, r, count, "float64")), (count, k)
+            assert not y[count:].any()
+            y[:] = 0
     big = np.arange(200_000, dtype=np.float64)       # 1.6 MB: over RDMA the general path's rendezvous
     if r == 0:
         comm.send(big, 1)
     else:
         z = np.zeros_like(big)
         assert comm.recv(z, 0) == big.size and np.array_equal(z, big)
-    return frames
+    return frames, exchanges
 
 
 def _one_call_reductions_and_rooted(comm):
@@ -727,9 +754,11 @@ def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
         for frames in w.run(_one_call_reductions_and_rooted, timeout=300):
             assert frames == {name: [2] for name in ("broadcast", "reduce", "allgather", "reduce_scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"
-        for rank, frames in enumerate(w.run(_one_call_messages, timeout=300)):
+        for rank, (frames, exchanges) in enumerate(w.run(_one_call_messages, timeout=300)):
             assert frames == ([1] * (12 if transport == "tcp" else 9) if rank < 2 else []), \
                 f"rank {rank}: Python frames per send/recv (the lambda's only): {frames}"
+            assert exchanges == ([2] * (4 if transport == "tcp" else 3) if rank < 2 else []), \
+                f"rank {rank}: Python frames per sendrecv (the lambda's and sendrecv's): {exchanges}"
 
 
 def _each_once(comm):

@@ -52,7 +52,7 @@ from pyrdma._hostcalls import communicator_recv, communicator_send
 from pyrdma.collectives import specs
 from pyrdma.collectives.bootstrap import MPIExchange, StoreExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import CostModel
-from pyrdma.collectives.executor import Executor, Handle, SendHandle  # noqa: F401 - Handle: the package's name
+from pyrdma.collectives.executor import Done, Executor, Handle, SendHandle  # noqa: F401 - Handle: the package's name
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.schedule import consumer
 from pyrdma.collectives.specs import ALGORITHMS, OPS, check_op  # noqa: F401 - ALGORITHMS, OPS: the package's names
@@ -470,6 +470,10 @@ class Communicator:
     def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
         """send(sendbuf, dst) and recv(recvbuf, src) at once (the exchange of a ring or of a pair:
         neither waits for the other, whatever the sizes). Returns the elements received."""
+        if self._host is not None and type(dst) is int and type(src) is int:
+            done = self._host.exchange(sendbuf, dst, recvbuf, src, tag, tag)
+            if done is not None:
+                return done[0]
         return self._call(specs.p2p, (sendbuf, recvbuf), dst, src, tag, blocking=True)
 
     def isendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
@@ -490,6 +494,10 @@ class Communicator:
         n, r = self.size, self.rank
         sends, recvs = {}, {}
         ops = list(ops)
+        if blocking and len(ops) == 2 and self._host is not None:
+            done = self._exchange(ops)
+            if done is not None:
+                return done
         staged = None
         if all(isinstance(op, (tuple, list)) and len(op) in (3, 4) for op in ops) and _is_cuda(*(op[1] for op in ops)):
             staged = _cuda().StagedCall("batch", [op[1] for op in ops],
@@ -532,6 +540,24 @@ class Communicator:
                         results[i] = got
             return (results if staged is None else staged.upload(results)), tickets
         return SendHandle(self._exec.submit(blocking, run, seq=False), self._exec, t)
+
+    def _exchange(self, ops):
+        """The Done of a blocking batch of one send and one receive as the one-call path's
+        exchange (both at once: in a batch neither waits for the other, whichever steps the
+        general path would give them); None where the general path must run it."""
+        if not all(isinstance(op, (tuple, list)) and len(op) in (3, 4) for op in ops):
+            return None
+        (k0, b0, p0, *t0), (k1, b1, p1, *t1) = ops
+        if not isinstance(k0, str) or not isinstance(k1, str) or {k0, k1} != {"send", "recv"}:
+            return None
+        if k0 == "recv":
+            (b0, p0, t0), (b1, p1, t1) = (b1, p1, t1), (b0, p0, t0)
+        if type(p0) is not int or type(p1) is not int:
+            return None
+        done = self._host.exchange(b0, p0, b1, p1, t0[0] if t0 else 0, t1[0] if t1 else 0)
+        if done is None:
+            return None
+        return Done([None, done[0]] if k0 == "send" else [done[0], None])
 
     def _call(self, make_spec, *args, blocking, dtype=_NO_DTYPE):
         """The one call path: validate and plan (``make_spec``, on the caller's thread), then run

@@ -152,6 +152,26 @@ def message(comm, buf, peer, tag, receive):
     return _host_call(comm, specs.p2p, buf, peer, None, tag, False, lends=lends)
 
 
+def exchange(comm, sendbuf, dst, recvbuf, src, send_tag, recv_tag):
+    """The HostCall of a blocking exchange: ``sendbuf`` to ``dst`` while ``recvbuf`` receives from
+    ``src`` (HostCollectives numbers each call's messages): over TCP sent from and received into
+    the caller's arrays (specs.p2p's rule), over RDMA through the transport's buffer, the received
+    message copied out from after the sent one."""
+    try:
+        spec = specs.p2p(comm, (sendbuf, recvbuf), dst, src, (send_tag, recv_tag), False)
+    except UsageError:
+        return None
+    run, t = spec.runs[0], comm.transport
+    layout = run.layout
+    if layout.lent not in (None, "both"):
+        return None
+    nbytes, capacity = layout.in_bytes, layout.work_bytes - layout.in_bytes
+    copy = layout.lent is None
+    return HostCall(t.engine.program(run.plan(t.max_message)), run.tag, 0, 0, nbytes, nbytes if copy else 0,
+                    layout.work_bytes, t.own_region(layout.work_bytes) if copy else None, out_bytes=capacity,
+                    lent=LENT_NONE if copy else LENT_BOTH, rdesc=run.recv_tag)
+
+
 def barrier(comm):
     """The HostCall of barrier()."""
     return _host_call(comm, specs.barrier)
