@@ -35,6 +35,7 @@ class Engine:
     rendezvous_bytes: int
     spin_yields: bool
     crowded: bool
+    waiters: int
     @property
     def sockets(self) -> bool: ...
     @property

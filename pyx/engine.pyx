@@ -587,6 +587,7 @@ cdef class Engine:
                 unuse(<VerbsObject>self.keep[i])
             raise
         self.spin_now = 0.0 if background else self.spin_adaptive
+        self.in_background = background
         # only the main thread runs signal handlers: elsewhere a wait never takes the GIL for them
         self.signals = PyThread_get_thread_ident() == _main_thread
         return 0
@@ -1420,11 +1421,13 @@ cdef class Engine:
         to ``seconds`` for something: spin first, then sleep (on the completion channel, or in
         poll() on the sockets). The number handled, or -1 on failure."""
         cdef int n, k = 0
-        cdef double end
+        cdef double end, spin = self.spin_now
+        if spin == 0 and self.in_background and self.waiters > 0:
+            spin = self.spin_adaptive
         n = self._poll_link()
         if n == 0 and seconds > 0:
-            if self.spin_now > 0:
-                end = monotonic_now() + min(self.spin_now, seconds)
+            if spin > 0:
+                end = monotonic_now() + min(spin, seconds)
                 while n == 0 and (k % CLOCK_EVERY != 0 or monotonic_now() < end):
                     # yield between polls: where ranks outnumber cores (4 ranks on the VM's 2 vCPUs)
                     # the peer we wait for gets the CPU now, not after our spin (8 B allreduce, 4
@@ -1433,7 +1436,7 @@ cdef class Engine:
                         sched_yield()
                     n = self._poll_link()
                     k += 1
-            if n == 0 and seconds > self.spin_now:
+            if n == 0 and seconds > spin:
                 n = self._sleep_link(seconds)
         if n >= 0 and self.rdv_peer >= 0 and self.peers[self.rdv_peer].cts and self._rendezvous_write() < 0:
             return -1

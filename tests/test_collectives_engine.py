@@ -655,3 +655,39 @@ def _receive_after_close(rank, size, port):
 def test_sends_left_in_flight_by_a_blocking_call_complete_before_their_buffer_is_reused():
     assert all(run_ranks(_deferred_sends, 3, free_port(), timeout=300))
     assert all(run_ranks(_receive_after_close, 2, free_port(), timeout=120))
+
+
+def test_a_thread_waiting_for_a_queued_call_lets_its_run_spin():
+    """Engine.waiters counts the threads in Handle.wait for a queued call (a background run, which
+    otherwise leaves the CPU to the caller's work, spins while it is above 0); it goes back to 0
+    when the wait ends, by the result or by a timeout."""
+    import threading
+    import time
+    import types
+    from pyrdma.collectives.executor import Executor
+    from pyrdma.errors import RDMATimeoutError
+    engine = types.SimpleNamespace(waiters=0)
+    ex = Executor(0, 1, types.SimpleNamespace(engine=engine, background=False), threading.RLock())
+    go, late = threading.Event(), threading.Event()
+    try:
+        handle = ex.submit(False, lambda: go.wait(30) and "done", seq=False)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(handle.wait(30)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while engine.waiters != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine.waiters == 1
+        go.set()
+        waiter.join(30)
+        assert got == ["done"] and engine.waiters == 0
+        handle = ex.submit(False, lambda: late.wait(30), seq=False)
+        with pytest.raises(RDMATimeoutError):
+            handle.wait(0.05)
+        assert engine.waiters == 0
+        late.set()
+        assert handle.wait(30) is True and engine.waiters == 0
+    finally:
+        go.set()
+        late.set()
+        ex._pool.shutdown(wait=True)

@@ -7,6 +7,7 @@ takes the next call number (the ``seq`` of every message's description; point-to
 are numbered per pair of ranks instead). A call that fails halfway leaves the message streams out
 of step for good: the executor tells the peers (an abort) and refuses every later call.
 """
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,8 +20,8 @@ class Handle:
     ``test()`` says whether it has finished. A wait that times out raises RDMATimeoutError and leaves
     the collective running (every collective ends by itself: its own waits have timeouts)."""
 
-    def __init__(self, future):
-        self._future = future
+    def __init__(self, future, executor=None):
+        self._future, self._executor = future, executor
 
     def test(self):
         return self._future.done()
@@ -33,6 +34,12 @@ class Handle:
         self._future.add_done_callback(lambda _future: fn(self))
 
     def wait(self, timeout=None):
+        if not self._future.done() and self._executor is not None:
+            with self._executor.waiting():
+                return self._result(timeout)
+        return self._result(timeout)
+
+    def _result(self, timeout):
         try:
             return self._future.result(timeout)
         except TimeoutError:
@@ -159,7 +166,22 @@ class Executor:
             with self.lock:
                 return Done(self._guarded(fn, *args))
         future = self._pool.submit(self._run_queued, fn, *args)
-        return Handle(future)
+        return Handle(future, self)
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """While a thread waits for a queued call: the engine's background runs spin (Engine.waiters)."""
+        engine = getattr(self.transport, "engine", None)
+        if engine is None:
+            yield
+            return
+        with self._count_lock:
+            engine.waiters += 1
+        try:
+            yield
+        finally:
+            with self._count_lock:
+                engine.waiters -= 1
 
     def _run_queued(self, fn, *args):
         try:
