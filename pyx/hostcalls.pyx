@@ -274,6 +274,36 @@ cdef class _LastCall:
 
 
 @cython.final
+cdef class _Queued:
+    """A one-call run queued on the communicator's thread (HostCollectives.submit): the call, its
+    objects, the buffers it works on (held, so that they stay as they were checked) and its number,
+    all taken when it was submitted."""
+    cdef HostCollectives host
+    cdef HostCall call
+    cdef object result, source
+    cdef Py_buffer view, out_view
+    cdef bint has_view, has_out      # held (NULL in _run where not)
+    cdef int64_t seq
+
+    def __call__(self):
+        try:
+            return self.host._run(self.call, self.result, &self.view if self.has_view else NULL,
+                                  &self.out_view if self.has_out else NULL, self.source, -1, False, -1, self.seq)
+        finally:
+            self._release()
+
+    cdef void _release(self):
+        if self.has_out:
+            PyBuffer_Release(&self.out_view)
+        if self.has_view:
+            PyBuffer_Release(&self.view)
+        self.has_view = self.has_out = False
+
+    def __dealloc__(self):
+        self._release()
+
+
+@cython.final
 cdef class HostCollectives:
     """Blocking collectives on host memory as one C call each (both links): ``allreduce(buf, op,
     algorithm)`` and ``reduce`` in place, ``broadcast``, ``allgather``, ``reduce_scatter``,
@@ -282,8 +312,9 @@ cdef class HostCollectives:
     from the last call of its kind or a dict keyed by (kind, format, bytes, ...), and the copy in,
     the schedule and the copy out run without the GIL. Python runs only to prepare a new shape,
     register new memory in place, and raise errors, so a call costs about as much as a Python
-    function call whatever its size. What a method does not take (it
-    returns None) goes the Communicator's general way."""
+    function call whatever its size. submit(method, *args) queues one of them instead, to run on
+    the communicator's thread (the non-blocking forms). What a method does not take (it returns
+    None) goes the Communicator's general way."""
     cdef Engine engine
     cdef ExecLock lock                                    # the executor's lock
     cdef object ex, comm, transport, plans                # the executor, the communicator, hostplans
@@ -293,6 +324,7 @@ cdef class HostCollectives:
     cdef tuple lasts                                      # the _LastCall of each kind (K_)
     cdef object lent_in, lent_out                         # the last registrations of lent inputs, outputs
     cdef list sent, received                              # the communicator's messages per peer so far
+    cdef unsigned long queuer                             # the thread in submit() (0: none): its runs are queued
 
     def __init__(self, Engine engine not None, executor, comm, transport, plans):
         """``executor``: the communicator's pyrdma.collectives.executor.Executor (the order of calls,
@@ -304,6 +336,43 @@ cdef class HostCollectives:
         self.calls = {}
         self.sent, self.received = executor.sent, executor.received
         self.lasts = tuple(_LastCall() for _ in KIND_NAMES)
+
+    def submit(self, method, *args):
+        """The Handle of ``method(*args)``, a blocking collective of this class (allreduce,
+        reduce, broadcast, allgather, reduce_scatter, alltoall, gather, scatter, barrier) made
+        non-blocking: checked and looked up now, queued behind the calls before it and run as one
+        C call on the communicator's thread; None where the general path must run it. A shape not
+        prepared yet is prepared only while nothing is queued (preparing may grow the buffer that
+        a queued run uses)."""
+        self.queuer = PyThread_get_thread_ident()
+        try:
+            done = method(*args)
+        finally:
+            self.queuer = 0
+        return done[0] if type(done) is tuple else done
+
+    cdef inline bint _takes(self):
+        """Whether a call may go the one-call way now: queued (submit), or run at once where
+        nothing is queued."""
+        return self._queuing() or self.ex.idle
+
+    cdef inline bint _queuing(self):
+        """Whether this thread is in submit() (another thread's calls run as they would)."""
+        return self.queuer != 0 and self.queuer == PyThread_get_thread_ident()
+
+    cdef object _enqueue(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view, object source):
+        """The Handle of ``call``'s run queued on the communicator's thread (_run's arguments),
+        its buffers held until it has run, its number the next call's."""
+        cdef _Queued job = _Queued.__new__(_Queued)
+        job.host, job.call, job.result, job.source = self, call, result, source
+        if view != NULL:
+            PyObject_GetBuffer(view.obj, &job.view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            job.has_view = True
+        if out_view != NULL and out_view != view:
+            PyObject_GetBuffer(out_view.obj, &job.out_view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            job.has_out = True
+        job.seq = self.ex.seq
+        return self.ex.submit(False, job, seq=True)
 
     cdef void _check_prepared_under(self):
         """Forget the prepared calls when what they were prepared under has changed."""
@@ -320,7 +389,7 @@ cdef class HostCollectives:
         call that the Communicator does not prepare (it raises the errors of bad arguments)."""
         cdef Py_buffer view
         cdef _LastCall last
-        if not self.ex.idle:
+        if not self._takes():
             return None
         try:
             PyObject_GetBuffer(buf, &view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
@@ -343,7 +412,7 @@ cdef class HostCollectives:
         allreduce)."""
         cdef Py_buffer view
         cdef _LastCall last
-        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < self.engine.size:
+        if not self._takes() or type(root) is not int or not 0 <= <long>root < self.engine.size:
             return None
         is_root = root == self.engine.rank
         try:
@@ -366,7 +435,7 @@ cdef class HostCollectives:
         (as allreduce; also over RDMA from the zero-copy size on, where it works in ``buf`` itself)."""
         cdef Py_buffer view
         cdef _LastCall last
-        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < self.engine.size:
+        if not self._takes() or type(root) is not int or not 0 <= <long>root < self.engine.size:
             return None
         try:
             PyObject_GetBuffer(buf, &view, (0 if root == self.engine.rank else PyBUF_WRITABLE) | PyBUF_FORMAT
@@ -389,7 +458,7 @@ cdef class HostCollectives:
         holding every rank's ``buf`` in rank order; None where the general path must run it (as
         allreduce)."""
         cdef int n = self.engine.size
-        if not self.ex.idle:
+        if not self._takes():
             return None
         if out is None:
             if type(buf) is not _ndarray:
@@ -404,7 +473,7 @@ cdef class HostCollectives:
         cdef Py_buffer view
         cdef _LastCall last
         cdef HostCall call
-        if not self.ex.idle:
+        if not self._takes():
             return None
         if out is None:
             if type(buf) is not _ndarray:
@@ -462,7 +531,7 @@ cdef class HostCollectives:
         """``out`` (a new array like ``buf`` when None and buf is a numpy array) holding the equal
         pieces of every rank's all-to-all; or None where the general path must run it (as
         allreduce)."""
-        if not self.ex.idle:
+        if not self._takes():
             return None
         if out is None:
             if type(buf) is not _ndarray:
@@ -481,7 +550,7 @@ cdef class HostCollectives:
         cdef Py_buffer view, oview
         cdef int64_t *bounds
         cdef int64_t base, total, own
-        if not self.ex.idle:
+        if not self.ex.idle:            # (queued too: a call may grow the transport's buffer)
             return None
         bounds = <int64_t *>malloc(2 * (n + 1) * sizeof(int64_t))
         if bounds == NULL:
@@ -559,7 +628,7 @@ cdef class HostCollectives:
         """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
         and buf is a numpy array); None where the general path must run it (as allreduce)."""
         cdef int n = self.engine.size
-        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < n:
+        if not self._takes() or type(root) is not int or not 0 <= <long>root < n:
             return None
         is_root = root == self.engine.rank
         if is_root and out is None:
@@ -572,14 +641,14 @@ cdef class HostCollectives:
         """(out,) of a scatter from ``root`` (out: a new array when None and buf is a numpy
         array); None where the general path must run it (as allreduce)."""
         cdef int n = self.engine.size
-        if not self.ex.idle or type(root) is not int or not 0 <= <long>root < n:
+        if not self._takes() or type(root) is not int or not 0 <= <long>root < n:
             return None
         if out is None:
             if type(buf) is not _ndarray or buf.ndim == 0 or buf.shape[0] % n:
                 return None
             out = _empty((buf.shape[0] // n,) + buf.shape[1:], buf.dtype)
         if type(buf) is list and root == self.engine.rank:
-            return self._scatter_parts(buf, out, <int>root, algorithm)
+            return None if self._queuing() else self._scatter_parts(buf, out, <int>root, algorithm)
         return self._rooted(K_SCATTER, out, True, buf if root == self.engine.rank else None, root, algorithm)
 
     cdef object _scatter_parts(self, list pieces, out, int root, algorithm):
@@ -784,6 +853,8 @@ cdef class HostCollectives:
         except TypeError:
             return None
         if call is _MISSING:
+            if not self.ex.idle:         # queued (submit): preparing may grow the buffer a run uses
+                return None
             if len(self.calls) >= 256:
                 self._forget()
             call = self.calls[key] = prepare(*args)
@@ -798,20 +869,23 @@ cdef class HostCollectives:
     def barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
         comm = self.comm
-        if not self.ex.idle:
+        if not self.ex.idle and (not self._queuing() or self.barrier_call is None):
             return None
         if self.barrier_call is None:
             self.barrier_call = self.plans.barrier(comm)
-        return self._run(self.barrier_call, True, NULL)
+        # (True: taken; a queued one's wait() gives None, as the general path's)
+        return self._run(self.barrier_call, None if self._queuing() else True, NULL)
 
     cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL,
-                     object source=None, int peer=-1, bint receive=False, int src=-1):
+                     object source=None, int peer=-1, bint receive=False, int src=-1, int64_t queued=-1):
         """Run a prepared call on ``view`` (NULL: no data, as a barrier's; ``source``: its object,
         where it is not ``result``), its result copied into or worked on in ``out_view`` (NULL:
         view), and return ``result``. ``peer`` >= 0: a message to that rank (or, ``receive``, from
         it), whose description takes the pair's next message number instead of the collectives'
         call number; a receive copies out what arrived and returns its element count. ``src`` >= 0:
-        an exchange, a message to ``peer`` while one from ``src`` arrives in ``out_view``."""
+        an exchange, a message to ``peer`` while one from ``src`` arrives in ``out_view``. In
+        submit() the run is queued instead (the Handle); ``queued`` >= 0: that queued run, on the
+        communicator's thread, numbered ``queued``."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
         cdef region_t region, region2
@@ -824,13 +898,20 @@ cdef class HostCollectives:
         cdef bint copy = call.lent == LENT_NONE
         cdef Py_ssize_t item = (out_view if src >= 0 else view).itemsize if receive else 1
         cdef list counters
+        if queued < 0 and self._queuing():
+            return self._enqueue(call, result, view, out_view, source)
         self.lock._take(-1.0)
         try:
             ex = self.ex
-            if not ex.idle or engine.fail_kind != FAIL_NONE:
+            if queued >= 0:
+                if engine.fail_kind != FAIL_NONE:
+                    raise self.transport.engine_failed()
+            elif not ex.idle or engine.fail_kind != FAIL_NONE:
                 return None
-            # the call is accepted: its number is taken, as in submit
-            if peer < 0:
+            # the call is accepted: its number is taken, as in submit (a queued one's was then)
+            if queued >= 0:
+                seq = <uint64_t>queued
+            elif peer < 0:
                 seq = ex.seq
                 ex.seq = seq + 1
             else:
@@ -860,7 +941,7 @@ cdef class HostCollectives:
                     _number_receive(call, engine, rseq)
                 # the own buffer may be read remotely (a scatter's OFFER), lent memory not
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
-                              call.dtype, call.op, None, False, region.rkey if copy else 0)
+                              call.dtype, call.op, None, queued >= 0, region.rkey if copy else 0)
                 if call.lent == LENT_BOTH:
                     engine._second_area(call.nbytes, <uint64_t><uintptr_t>out_data, region2.lkey)
                 # from the transport's buffer the sends need not be complete when the call returns

@@ -739,6 +739,77 @@ def _one_call_reductions_and_rooted(comm):
     return {name: sorted(set(f)) for name, f in frames.items()}
 
 
+def _queued_one_calls(comm):
+    """Non-blocking collectives of host memory that the one-call path takes are checked and looked
+    up on the caller's thread and run as one C call each on the communicator's thread
+    (HostCollectives.submit): once a blocking call prepared their shapes no spec is planned again,
+    many are in flight at once, mixed with the general path's (out= of an allreduce), and each
+    gives the blocking form's result, whichever order they are waited in."""
+    from pyrdma.collectives import specs
+    n, r = comm.size, comm.rank
+    count = 1000
+    mine = piece(r, 0, count, "float64")
+    everyone = np.concatenate([piece(p, 0, count, "float64") for p in range(n)])
+    total = sum(piece(p, 0, count, "float64") for p in range(n))
+    lo, hi = comm.segment_bounds(count)[r]
+    buf = np.concatenate([piece(r, p, 10, "float64") for p in range(n)])
+    send, recv = [1 + (r + 2 * p) % 3 for p in range(n)], [1 + (p + 2 * r) % 3 for p in range(n)]
+    vbuf = np.concatenate([piece(r, p, send[p], "float64") for p in range(n)])
+    outs = {"ar": mine.copy(), "bc": mine.copy(), "ag": np.zeros(n * count), "rs": np.zeros(hi - lo),
+            "a2a": np.zeros(n * 10), "ga": np.zeros(n * count) if r == 1 else None, "sc": np.zeros(count),
+            "re": mine.copy(), "a2av": np.zeros(sum(recv))}
+
+    def issue(blocking):
+        o = outs
+        calls = [("a2av", lambda: comm.alltoall(vbuf, o["a2av"], send_counts=send, recv_counts=recv),
+                  lambda: comm.ialltoall(vbuf, o["a2av"], send_counts=send, recv_counts=recv)),
+                 ("ar", lambda: comm.allreduce(o["ar"]), lambda: comm.iallreduce(o["ar"])),
+                 ("bc", lambda: comm.broadcast(o["bc"], root=1), lambda: comm.ibroadcast(o["bc"], root=1)),
+                 ("ag", lambda: comm.allgather(mine, o["ag"]), lambda: comm.iallgather(mine, o["ag"])),
+                 ("rs", lambda: comm.reduce_scatter(mine, o["rs"]), lambda: comm.ireduce_scatter(mine, o["rs"])),
+                 ("a2a", lambda: comm.alltoall(buf, o["a2a"]), lambda: comm.ialltoall(buf, o["a2a"])),
+                 ("ga", lambda: comm.gather(mine, o["ga"], root=1), lambda: comm.igather(mine, o["ga"], root=1)),
+                 ("sc", lambda: comm.scatter(everyone if r == 2 else None, o["sc"], root=2),
+                  lambda: comm.iscatter(everyone if r == 2 else None, o["sc"], root=2)),
+                 ("re", lambda: comm.reduce(o["re"], root=2), lambda: comm.ireduce(o["re"], root=2)),
+                 ("bar", lambda: comm.barrier(), lambda: comm.ibarrier())]
+        return {name: (now() if blocking else later()) for name, now, later in calls}
+    issue(True)                          # prepares every shape
+    for o in outs.values():
+        if o is not None:
+            o[:] = 0
+    outs["ar"][:], outs["bc"][:], outs["re"][:] = mine, mine, mine
+    planned = []
+    originals = {name: getattr(specs, name) for name in ("allreduce", "reduce", "broadcast", "allgather",
+                                                         "reduce_scatter", "alltoall", "gather", "scatter", "barrier")}
+
+    def counting(name):
+        def plan(*args, **kwargs):
+            planned.append(name)
+            return originals[name](*args, **kwargs)
+        return plan
+    for name in originals:
+        setattr(specs, name, counting(name))
+    try:
+        handles = issue(False)
+        general = comm.iallreduce(mine, out=np.zeros(count))
+        results = {name: h.wait(60) for name, h in reversed(list(handles.items()))}
+        assert np.array_equal(general.wait(60), total)
+    finally:
+        for name, plan in originals.items():
+            setattr(specs, name, plan)
+    assert planned == ["allreduce"], planned              # the general path's allreduce only
+    want = {"ar": total, "bc": piece(1, 0, count, "float64"), "ag": everyone, "rs": total[lo:hi],
+            "a2a": np.concatenate([piece(p, r, 10, "float64") for p in range(n)]),
+            "ga": everyone if r == 1 else None, "sc": piece(r, 0, count, "float64"),
+            "re": total if r == 2 else None,
+            "a2av": np.concatenate([piece(p, r, recv[p], "float64") for p in range(n)]), "bar": None}
+    for name, expect in want.items():
+        got = results[name]
+        assert (got is None and expect is None) or (got is outs.get(name) and np.array_equal(got, expect)), name
+    return True
+
+
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.device)])
 def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
     with World(3, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
@@ -754,6 +825,7 @@ def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
         for frames in w.run(_one_call_reductions_and_rooted, timeout=300):
             assert frames == {name: [2] for name in ("broadcast", "reduce", "allgather", "reduce_scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"
+        assert all(w.run(_queued_one_calls, timeout=300))
         for rank, (frames, exchanges) in enumerate(w.run(_one_call_messages, timeout=300)):
             assert frames == ([1] * (12 if transport == "tcp" else 9) if rank < 2 else []), \
                 f"rank {rank}: Python frames per send/recv (the lambda's only): {frames}"
