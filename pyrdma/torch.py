@@ -200,8 +200,13 @@ class Work(_c10d.Work):
 
     def _start(self, handles, finish=None):
         self._handles = list(handles)
+        once = threading.Lock()
 
         def complete():
+            # once, by whichever comes first: the last handle's callback (on the Communicator's
+            # thread) or wait() (on the waiting one, which then need not be woken a second time)
+            if not once.acquire(blocking=False):
+                return
             try:
                 for h in self._handles:
                     h.wait()
@@ -212,6 +217,7 @@ class Work(_c10d.Work):
             else:
                 self._future.set_result(self._result)
 
+        self._complete = complete
         if not self._handles:           # (a call that ran on the caller's thread: done already)
             complete()
             return
@@ -239,6 +245,7 @@ class Work(_c10d.Work):
         deadline = time.monotonic() + seconds if seconds > 0 else None
         for h in self._issued(waiting=True):           # RDMATimeoutError if one is still running at the deadline
             h.wait(None if deadline is None else max(deadline - time.monotonic(), 0.001))
+        self._complete()
         self._future.wait()             # re-raises the collective's error
         return True
 
