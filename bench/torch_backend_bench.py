@@ -1,7 +1,7 @@
 """The "pyrdma" torch backend against gloo, in the same processes and the same run:
 
     python3 bench/torch_backend_bench.py [--device cpu|cuda] [--ranks 2] [--sizes 8,65536,1048576]
-        [--ops all_reduce,broadcast,...] [--iters 20] [--rounds 1] [--ddp-steps 10] [--json OUT]
+        [--ops all_reduce,broadcast,...] [--iters 20] [--rounds 1] [--ddp-steps 10] [--async] [--json OUT]
 
 ``--ranks`` processes on this host join one job: the default group over pyrdma and a second group
 over gloo. For each op and size (bytes of the op's input tensor) each backend runs the op
@@ -10,7 +10,9 @@ tensors, torch.cuda.synchronize(); a backend's time is the slowest rank's median
 alternate per size and per round, so drift affects both; with ``--rounds`` R every cell is measured R
 times (all ops and sizes once per round) and its ratio is the median of the per-round ratios, as
 bench/collectives_bench.py reports them (on a noisy machine one round's small cells move by +-30%).
-Then a DDP step (``--layers`` x Linear(``--width``),
+With ``--async`` each collective is
+called with async_op=True and its Work waited for at once (numpy_allreduce: iallreduce), which
+runs it on the backend's communicator thread instead of the caller's. Then a DDP step (``--layers`` x Linear(``--width``),
 batch ``--batch``, SGD) over each backend from the same seed: median step time, and whether the two
 models' parameters agree afterwards. Prints a table of pyrdma's time / gloo's (below 1: pyrdma is
 faster) and the targets with their verdicts (the issue's: every cell <= 1.0x gloo, all_reduce <= 0.7x
@@ -78,32 +80,34 @@ def _tensors(op, nbytes, n, rank, device):
     return x, None
 
 
-def _call(op, x, out, group, comm):
+def _call(op, x, out, group, comm, async_op=False):
+    """One call of ``op``; ``async_op``: the collectives' async form, waited for at once."""
     import torch.distributed as dist
+    a, work = async_op, None
     if op == "all_reduce" or (op == "numpy_allreduce" and comm is None):
-        dist.all_reduce(x, group=group)
+        work = dist.all_reduce(x, group=group, async_op=a)
     elif op == "numpy_allreduce":
-        comm.allreduce(out)
+        work = comm.iallreduce(out) if a else comm.allreduce(out)
     elif op == "broadcast":
-        dist.broadcast(x, src=0, group=group)
+        work = dist.broadcast(x, src=0, group=group, async_op=a)
     elif op == "reduce":
-        dist.reduce(x, dst=0, group=group)
+        work = dist.reduce(x, dst=0, group=group, async_op=a)
     elif op == "all_gather_into_tensor":
-        dist.all_gather_into_tensor(out, x, group=group)
+        work = dist.all_gather_into_tensor(out, x, group=group, async_op=a)
     elif op == "all_gather":
-        dist.all_gather(out, x, group=group)
+        work = dist.all_gather(out, x, group=group, async_op=a)
     elif op == "all_to_all_single":
-        dist.all_to_all_single(out, x, group=group)
+        work = dist.all_to_all_single(out, x, group=group, async_op=a)
     elif op == "all_to_all_splits":
-        dist.all_to_all_single(out[0], x, out[1], out[2], group=group)
+        work = dist.all_to_all_single(out[0], x, out[1], out[2], group=group, async_op=a)
     elif op == "all_to_all":
-        dist.all_to_all(out, x, group=group)
+        work = dist.all_to_all(out, x, group=group, async_op=a)
     elif op == "reduce_scatter_tensor":
-        dist.reduce_scatter_tensor(out, x, group=group)
+        work = dist.reduce_scatter_tensor(out, x, group=group, async_op=a)
     elif op == "gather":
-        dist.gather(x, out, dst=0, group=group)
+        work = dist.gather(x, out, dst=0, group=group, async_op=a)
     elif op == "scatter":
-        dist.scatter(x, out, src=0, group=group)
+        work = dist.scatter(x, out, src=0, group=group, async_op=a)
     elif op == "batch_isend_irecv":
         rank, n = dist.get_rank(), dist.get_world_size()
         for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % n, group=group),
@@ -119,9 +123,11 @@ def _call(op, x, out, group, comm):
             dist.send(x, 0, group=group)
     else:
         raise ValueError(op)
+    if a and work is not None:
+        work.wait()
 
 
-def _time(op, nbytes, group, barrier, n, device, iters, comm):
+def _time(op, nbytes, group, barrier, n, device, iters, comm, async_op=False):
     import torch
     x, out = _tensors(op, nbytes, n, torch.distributed.get_rank(), device)
     if op == "numpy_allreduce" and device.type != "cpu":
@@ -130,7 +136,7 @@ def _time(op, nbytes, group, barrier, n, device, iters, comm):
     for i in range(iters + 1):
         barrier()
         t0 = time.perf_counter()
-        _call(op, x, out, group, comm)
+        _call(op, x, out, group, comm, async_op)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:
@@ -192,7 +198,7 @@ def worker(rank, args, port, results):
                 for name in order:
                     try:
                         t = _time(op, nbytes, groups[name], barrier, n, device, args.iters,
-                                  ours if name == "pyrdma" else None)
+                                  ours if name == "pyrdma" else None, args.async_op)
                     except Exception as exc:  # noqa: BLE001 -- a backend that lacks the op: reported, not fatal
                         t = f"{type(exc).__name__}: {exc}"[:200]
                     mine["ops"].setdefault(f"{op} {nbytes} {name}", []).append(t)
@@ -220,6 +226,8 @@ def main(argv=None):
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--json", default=None)
+    p.add_argument("--async", dest="async_op", action="store_true",
+                   help="the collectives' async_op=True form, waited for at once (the communicator's thread)")
     args = p.parse_args(argv)
     unknown = set(args.ops) - set(OPS)
     if unknown:
@@ -245,7 +253,8 @@ def main(argv=None):
             ratio = "" if row["pyrdma_vs_gloo"] is None else f"{row['pyrdma_vs_gloo']:.2f}"
             table.append(f"{op:<22} {nbytes:>10} {_us(row['pyrdma_s']):>12} {_us(row['gloo_s']):>12} "
                          f"{ratio:>8} {spread:>11}")
-    report = {"device": args.device, "ranks": args.ranks, "iters": args.iters, "rounds": args.rounds, "ops": rows}
+    report = {"device": args.device, "ranks": args.ranks, "iters": args.iters, "rounds": args.rounds,
+              "async_op": args.async_op, "ops": rows}
     print(f"{'op':<22} {'bytes':>10} {'pyrdma us':>12} {'gloo us':>12} {'ratio':>8} {'rounds':>11}")
     print("\n".join(table))
     if args.ddp_steps:
