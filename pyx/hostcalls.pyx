@@ -1029,20 +1029,23 @@ cdef bint _bounds(object counts, int n, Py_ssize_t itemsize, int64_t max_piece, 
     return True
 
 
+cdef inline void _put_number(uint8_t *desc, uint64_t seq) noexcept:
+    """Write ``seq`` as a description's number (its first 8 bytes, little-endian)."""
+    cdef int i
+    for i in range(8):
+        desc[i] = (seq >> (8 * i)) & 0xFF
+
+
 cdef inline void _number_receive(HostCall call, Engine engine, uint64_t seq) noexcept:
     """Expect an exchange's receive description, numbered ``seq`` (the pair's next message)."""
-    cdef int i
     memcpy(engine.rdesc, call.rdesc, DESC_SIZE)
-    for i in range(8):
-        engine.rdesc[i] = (seq >> (8 * i)) & 0xFF
+    _put_number(engine.rdesc, seq)
 
 
 cdef inline void _number(HostCall call, Engine engine, uint64_t seq) noexcept:
     """Give the call's description its number (the collectives', or the pair's next message's),
     and expect the same in what arrives."""
-    cdef int i
-    for i in range(8):
-        call.desc[i] = (seq >> (8 * i)) & 0xFF
+    _put_number(call.desc, seq)
     memcpy(engine.rdesc, call.desc, DESC_SIZE)
 
 
