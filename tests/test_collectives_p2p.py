@@ -472,6 +472,12 @@ def _dead(comm, victim, kind):
             comm.scatter(np.zeros(n * 100), root=0, algorithm="read")
         elif kind == "recv":
             comm.recv(np.zeros(100), victim)
+        elif kind == "sendrecv":                 # the one-call exchange
+            comm.sendrecv(np.zeros(100), victim, np.zeros(100), victim)
+        elif kind == "alltoallv":                # the one-call all-to-all with counts
+            comm.alltoall(np.zeros(n * 100), send_counts=[100] * n, recv_counts=[100] * n)
+        elif kind == "iallreduce":               # a one-call run queued on the communicator's thread
+            comm.iallreduce(np.zeros(100)).wait(30)
         elif kind == "rendezvous send":       # 2 MiB, over the rendezvous size: it waits for the CTS
             comm.send(np.zeros(1 << 18), victim)
     except pyrdma.PeerError as exc:
@@ -479,7 +485,8 @@ def _dead(comm, victim, kind):
     return ("no error", None, None)
 
 
-@pytest.mark.parametrize("kind", ["alltoall", "gather", "scatter", "scatter read", "recv"])
+@pytest.mark.parametrize("kind", ["alltoall", "gather", "scatter", "scatter read", "recv", "sendrecv", "alltoallv",
+                                  "iallreduce"])
 @pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
 def test_dead_rank_is_named(transport, kind):
     _check_dead_rank_is_named(transport, kind)
