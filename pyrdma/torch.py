@@ -198,40 +198,40 @@ class Work(_c10d.Work):
         if handles is not None:
             self._start(handles, finish)
 
+    # No closure here refers back to the Work: a reference cycle per call left every collective to
+    # the garbage collector, whose passes over torch's objects cost ~25 us a call on average.
     def _start(self, handles, finish=None):
-        self._handles = list(handles)
-        once = threading.Lock()
-
-        def complete():
-            # once, by whichever comes first: the last handle's callback (on the Communicator's
-            # thread) or wait() (on the waiting one, which then need not be woken a second time)
-            if not once.acquire(blocking=False):
-                return
-            try:
-                for h in self._handles:
-                    h.wait()
-                if finish is not None:
-                    finish()
-            except Exception as exc:    # noqa: BLE001 -- handed to whoever waits on the Work
-                self._future.set_exception(exc)
-            else:
-                self._future.set_result(self._result)
-
-        self._complete = complete
+        self._handles, self._finish = list(handles), finish
+        self._once = threading.Lock()
         if not self._handles:           # (a call that ran on the caller's thread: done already)
-            complete()
+            self._complete()
             return
-        remaining = [len(self._handles)]
-        lock = threading.Lock()
-
-        def done(_h):
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                complete()
+        self._remaining = len(self._handles)
+        self._count_lock = threading.Lock()
         for h in self._handles:
-            h.add_done_callback(done)
+            h.add_done_callback(self._handle_done)
+
+    def _handle_done(self, _handle):
+        with self._count_lock:
+            self._remaining -= 1
+            if self._remaining:
+                return
+        self._complete()
+
+    def _complete(self):
+        """Once, by whichever comes first: the last handle's callback (on the Communicator's thread)
+        or wait() (on the waiting one, which then need not be woken a second time)."""
+        if not self._once.acquire(blocking=False):
+            return
+        try:
+            for h in self._handles:
+                h.wait()
+            if self._finish is not None:
+                self._finish()
+        except Exception as exc:    # noqa: BLE001 -- handed to whoever waits on the Work
+            self._future.set_exception(exc)
+        else:
+            self._future.set_result(self._result)
 
     def _issued(self, waiting=False):
         """The handles, the call issued first if it waits to be (``waiting``: by wait(), whose caller
