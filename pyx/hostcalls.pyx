@@ -939,9 +939,11 @@ cdef class HostCollectives:
                 _number(call, engine, seq)
                 if src >= 0:
                     _number_receive(call, engine, rseq)
-                # the own buffer may be read remotely (a scatter's OFFER), lent memory not
+                # the own buffer may be read remotely (a scatter's OFFER), lent memory not; a queued
+                # run is in the background unless its waiter runs it (executor._Queue.help)
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
-                              call.dtype, call.op, None, queued >= 0, region.rkey if copy else 0)
+                              call.dtype, call.op, None, queued >= 0 and self.transport.background,
+                              region.rkey if copy else 0)
                 if call.lent == LENT_BOTH:
                     engine._second_area(call.nbytes, <uint64_t><uintptr_t>out_data, region2.lkey)
                 # from the transport's buffer the sends need not be complete when the call returns

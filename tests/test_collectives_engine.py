@@ -696,4 +696,32 @@ def test_a_thread_waiting_for_a_queued_call_lets_its_run_spin():
     finally:
         go.set()
         late.set()
-        ex._pool.shutdown(wait=True)
+        ex.queue.stop(30)
+
+
+def test_a_waiter_runs_the_queue_up_to_its_call_when_the_thread_has_not_started_it():
+    """Handle.wait() without a timeout runs the queued calls up to its own on the waiting thread
+    (in order, in the foreground: transport.background stays False) if the communicator's thread
+    has not taken them; the calls after it stay queued."""
+    import threading
+    import types
+    from pyrdma.collectives.executor import Executor
+    transport = types.SimpleNamespace(engine=types.SimpleNamespace(waiters=0), background=False)
+    ex = Executor(0, 1, transport, threading.RLock())
+    ex.queue._started = True             # the communicator's thread not scheduled yet
+    ran = []
+
+    def job(name):
+        ran.append((name, threading.get_ident(), transport.background))
+        return name
+    try:
+        first, second, third = (ex.submit(False, job, name, seq=False) for name in "abc")
+        assert ex.pending == 3 and not ex.idle
+        assert second.wait() == "b"
+        me = threading.get_ident()
+        assert ran == [("a", me, False), ("b", me, False)] and first.test() and not third.test()
+        assert first.wait() == "a" and ex.pending == 1
+        assert third.wait() == "c" and ex.idle and ran[-1] == ("c", me, False)
+    finally:
+        ex.queue._started = False
+        ex.queue.stop(30)
