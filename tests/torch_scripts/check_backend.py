@@ -152,6 +152,30 @@ def collectives(gloo, rank, size, checks):
     checks["barrier"] = True
     if DEVICE.type == "cpu":
         waited_at_once(rank, size, checks)
+        leaves_no_garbage(rank, size, checks)
+
+
+def leaves_no_garbage(rank, size, checks):
+    """Collectives, blocking and async, and sends and receives leave no reference cycle: each would
+    wait for the garbage collector, whose passes over torch's objects cost tens of us a call."""
+    import gc
+    x, out = here(torch.ones(64 * 1024)), here(torch.zeros(64 * 1024))
+    calls = [lambda: dist.all_reduce(x), lambda: dist.all_reduce(x, async_op=True).wait(),
+             lambda: dist.broadcast(x, 0, async_op=True).wait(), lambda: dist.all_to_all_single(out, x),
+             lambda: [w.wait() for w in dist.batch_isend_irecv(
+                 [dist.P2POp(dist.isend, x, (rank + 1) % size), dist.P2POp(dist.irecv, out, (rank - 1) % size)])]]
+    for call in calls:
+        call()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            for call in calls:
+                call()
+        found = gc.collect()
+    finally:
+        gc.enable()
+    checks["no reference cycles"] = found == 0 or f"{found} objects left to the garbage collector"
 
 
 def waited_at_once(rank, size, checks):
