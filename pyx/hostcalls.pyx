@@ -799,6 +799,11 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
+    def message(self, buf, int peer, tag, bint receive):
+        """A blocking send of ``buf`` to ``peer`` (``buf`` once sent), or receive from it (the
+        elements received): what _message does (a step of a batch, Communicator._one_call_steps)."""
+        return self._message(buf, peer, tag, receive)
+
     cdef object _message(self, buf, int peer, tag, bint receive):
         """A blocking send of ``buf`` to ``peer`` (``buf`` once sent), or receive from it (the
         elements received) as the pair's next message; None where the general path must run it (as

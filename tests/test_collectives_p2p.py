@@ -681,6 +681,46 @@ def _one_call_messages(comm):
     return frames, exchanges
 
 
+def _one_call_batches(comm):
+    """A warm blocking batch of host memory (torch's batch_isend_irecv waited on) runs each of its
+    steps as one C call: two messages each way with every other rank (two exchanges per step), and
+    sends with no receive beside them (lone steps); the general path's batch mixes with it (rank 0's
+    second call) in one numbering per pair."""
+    from pyrdma.testing import count_python_calls
+    n, r = comm.size, comm.rank
+    frames = []
+    for count in (1, 1000, 100_000):                # 8 B to 800 kB (zero-copy: 1 MiB)
+        others = [(r + k) % n for k in range(1, n)]
+        got = {(p, tag): np.zeros(count + 2) for p in others for tag in (0, 5)}
+        ops = [("recv", got[p, tag], p, tag) for p in reversed(others) for tag in (0, 5)] + \
+              [("send", piece(r, p, count + tag, "float64")[:count + tag // 5], p, tag) for p in others for tag in (0, 5)]
+        lone = [("send", piece(r, 1, count, "float64"), 1, 7)] * 2 if r == 0 else \
+            [("recv", got[0, tag], 0, 7) for tag in (0, 5)] if r == 1 else []
+        for k in range(3):                          # prepares, then warm twice
+            for y in got.values():
+                y[:] = 0
+            if k == 1 and r == 0:
+                counts = comm.batch(ops).wait(60)
+            elif k == 2:
+                out = [None]
+                frames.append(count_python_calls(lambda: out.__setitem__(0, comm._batch(ops, True).wait(60))))
+                counts = out[0]
+            else:
+                counts = comm._batch(ops, True).wait(60)
+            for (kind, buf, p, tag), c in zip(ops, counts):
+                if kind == "recv":
+                    want = count + tag // 5
+                    assert c == want and np.array_equal(buf[:c], piece(p, r, count + tag, "float64")[:c]), (count, k)
+                    assert not buf[c:].any()
+                else:
+                    assert c is None
+            if lone:
+                counts = comm._batch(lone, True).wait(60) if k != 1 else comm.batch(lone).wait(60)
+                assert r == 0 or (counts == [count, count] and all(
+                    np.array_equal(got[0, tag][:count], piece(0, 1, count, "float64")) for tag in (0, 5))), (count, k)
+    return frames
+
+
 def _one_call_reductions_and_rooted(comm):
     """A warm blocking broadcast, reduce, allgather or reduce-scatter of host memory below the
     zero-copy size is one Python frame and gives the general path's result; the paths mix (rank 0
@@ -833,6 +873,9 @@ def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
             assert frames == {name: [2] for name in ("broadcast", "reduce", "allgather", "reduce_scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"
         assert all(w.run(_queued_one_calls, timeout=300))
+        for rank, frames in enumerate(w.run(_one_call_batches, timeout=300)):
+            # the lambda, _batch, _is_cuda, _one_call_steps, Done and its wait (the general path's: 162)
+            assert frames == [6] * 3, f"rank {rank}: Python frames per batch of 8: {frames}"
         for rank, (frames, exchanges) in enumerate(w.run(_one_call_messages, timeout=300)):
             assert frames == ([1] * (12 if transport == "tcp" else 9) if rank < 2 else []), \
                 f"rank {rank}: Python frames per send/recv (the lambda's only): {frames}"

@@ -43,6 +43,7 @@ it and build a new one. ``close()`` may come from any thread: a collective block
 raises UsageError within a fraction of a second, as Ctrl-C raises KeyboardInterrupt.
 """
 import functools
+import operator
 import os
 import threading
 
@@ -88,6 +89,9 @@ _ROLES = {
     specs.p2p: lambda comm, buf, dst, src, tag: [("in", "inout") if isinstance(buf, tuple) else
                                                  "in" if dst is not None else "inout", "", "", ""],
 }
+
+
+_BUFFER = operator.itemgetter(1)      # an op's buffer (Communicator.batch)
 
 
 def _is_cuda(*objs):
@@ -538,31 +542,39 @@ class Communicator:
             done = self._exchange(ops)
             if done is not None:
                 return done
+        for i, op in enumerate(ops):
+            if not isinstance(op, (tuple, list)) or len(op) not in (3, 4) or op[0] not in ("send", "recv"):
+                raise UsageError(f"batch: op {i} must be ('send'|'recv', buf, peer[, tag]), got {op!r}")
         staged = None
-        if all(isinstance(op, (tuple, list)) and len(op) in (3, 4) for op in ops) and _is_cuda(*(op[1] for op in ops)):
+        if _is_cuda(*map(_BUFFER, ops)):
             staged = _cuda().StagedCall("batch", [op[1] for op in ops],
                                         ["in" if op[0] == "send" else "inout" for op in ops])
             ops = [(op[0], h, *op[2:]) for op, h in zip(ops, staged.host_args)]
         for i, op in enumerate(ops):
-            if not isinstance(op, (tuple, list)) or len(op) not in (3, 4) or op[0] not in ("send", "recv"):
-                raise UsageError(f"batch: op {i} must be ('send'|'recv', buf, peer[, tag]), got {op!r}")
             peer = op[2]
             if not isinstance(peer, (int, np.integer)) or not 0 <= peer < n or peer == r:
                 raise UsageError(f"batch: op {i} names rank {peer!r}, not another rank of this communicator")
-            (sends if op[0] == "send" else recvs).setdefault(int(peer), []).append((i, op[1], op[3] if len(op) > 3
-                                                                                  else 0))
+            (sends if op[0] == "send" else recvs).setdefault(int(peer), []).append((i, op[3] if len(op) > 3 else 0))
         # pairwise order: at step k the j-th send to rank r+k goes with the j-th receive from
         # rank r-k; every rank steps through k alike, so no step waits on one of a later step
-        steps = []
+        pairings = []           # (send (op index, tag) or None, its rank, receive or None, its rank)
         for k in range(1, n):
             out, inc = sends.get((r + k) % n, []), recvs.get((r - k) % n, [])
             for j in range(max(len(out), len(inc))):
-                s, v = out[j] if j < len(out) else None, inc[j] if j < len(inc) else None
-                buf = (s[1], v[1]) if s and v else (s or v)[1]
-                tag = (s[2], v[2]) if s and v else (s or v)[2]
-                spec = specs.p2p(self, buf, (r + k) % n if s else None, (r - k) % n if v else None, tag)
-                steps.append(tuple((x[0], spec) for x in (s, v) if x is not None))
+                pairings.append((out[j] if j < len(out) else None, (r + k) % n,
+                                 inc[j] if j < len(inc) else None, (r - k) % n))
         results = [None] * len(ops)
+        if blocking and staged is None and self._host is not None:
+            first = self._one_call_steps(pairings, results, ops)
+            if first == len(pairings):
+                return Done(results)
+            pairings = pairings[first:]
+        steps = []
+        for s, dst, v, src in pairings:
+            buf = (ops[s[0]][1], ops[v[0]][1]) if s and v else ops[(s or v)[0]][1]
+            tag = (s[1], v[1]) if s and v else (s or v)[1]
+            spec = specs.p2p(self, buf, dst if s else None, src if v else None, tag)
+            steps.append(tuple((x[0], spec) for x in (s, v) if x is not None))
         t = self.transport
 
         def run():
@@ -580,6 +592,31 @@ class Communicator:
                         results[i] = got
             return (results if staged is None else staged.upload(results)), tickets
         return SendHandle(self._exec.submit(blocking, run, seq=False), self._exec, t)
+
+    def _one_call_steps(self, pairings, results, ops):
+        """Run the steps of a blocking batch (``pairings``, as _batch makes them) one C call each
+        (HostCollectives.exchange, or message for a lone send or receive) while the one-call path
+        takes them, the received counts into ``results``; the number of steps it ran (the general
+        path runs the rest, in order after them). Only for numpy arrays of host memory that the
+        general path would take as they are, so that no step after the first can fail its checks."""
+        for op in ops:
+            buf = op[1]
+            if type(buf) is not np.ndarray or not buf.flags.c_contiguous or (op[0] == "recv" and not buf.flags.writeable):
+                return 0
+        host = self._host
+        for done, (s, dst, v, src) in enumerate(pairings):
+            if s and v:
+                got = host.exchange(ops[s[0]][1], dst, ops[v[0]][1], src, s[1], v[1])
+                got = got if got is None else got[0]
+            elif s:
+                got = host.message(ops[s[0]][1], dst, s[1], False)
+            else:
+                got = host.message(ops[v[0]][1], src, v[1], True)
+            if got is None:
+                return done
+            if v:
+                results[v[0]] = got
+        return len(pairings)
 
     def _exchange(self, ops):
         """The Done of a blocking batch of one send and one receive as the one-call path's
