@@ -79,8 +79,9 @@ class _Queue:
     up to it itself. Python threads share one GIL, so the communicator's thread seldom gets to start
     a call before its caller blocks in wait() anyway; the caller running it spares two thread
     wake-ups (over TCP, 2 ranks on 2 cores, a torch all_to_all_single of 128 KiB with async_op=True
-    waited for at once: 1.64x gloo's time when the thread ran it, 1.03x now). The thread is a daemon, so that an unclosed communicator does not hold the interpreter up;
-    at exit the calls queued so far still run (as a ThreadPoolExecutor's would)."""
+    waited for at once: 1.64x gloo's time when the thread ran it, 1.03-1.51x in two runs since).
+    The thread is a daemon, so that an unclosed communicator does not hold the interpreter up; at
+    exit the calls queued so far still run (as a ThreadPoolExecutor's would)."""
     _live = weakref.WeakSet()
 
     def __init__(self, name):
