@@ -693,7 +693,8 @@ def _one_call_batches(comm):
         others = [(r + k) % n for k in range(1, n)]
         got = {(p, tag): np.zeros(count + 2) for p in others for tag in (0, 5)}
         ops = [("recv", got[p, tag], p, tag) for p in reversed(others) for tag in (0, 5)] + \
-              [("send", piece(r, p, count + tag, "float64")[:count + tag // 5], p, tag) for p in others for tag in (0, 5)]
+              [("send", piece(r, p, count + tag, "float64")[:count + tag // 5], p, tag)
+               for p in others for tag in (0, 5)]
         lone = [("send", piece(r, 1, count, "float64"), 1, 7)] * 2 if r == 0 else \
             [("recv", got[0, tag], 0, 7) for tag in (0, 5)] if r == 1 else []
         for k in range(3):                          # prepares, then warm twice

@@ -601,7 +601,8 @@ class Communicator:
         general path would take as they are, so that no step after the first can fail its checks."""
         for op in ops:
             buf = op[1]
-            if type(buf) is not np.ndarray or not buf.flags.c_contiguous or (op[0] == "recv" and not buf.flags.writeable):
+            if type(buf) is not np.ndarray or not buf.flags.c_contiguous or \
+                    (op[0] == "recv" and not buf.flags.writeable):
                 return 0
         host = self._host
         for done, (s, dst, v, src) in enumerate(pairings):
