@@ -366,6 +366,13 @@ def _errors(comm, port):
     expect(lambda: comm.send(np.zeros(2), (r + 1) % n, tag=-1), ["tag"])
     expect(lambda: comm.recv(np.zeros(6)[::2], (r + 1) % n), ["C-contiguous"])
     expect(lambda: comm.scatter(None, root=(r + 1) % n), ["out="])
+    # a blocking batch (torch's, waited on) whose second step has a bad tag: nothing of its first goes
+    sent = list(comm._exec.sent)
+    right, left = (r + 1) % n, (r - 1) % n
+    expect(lambda: comm._batch([("send", np.ones(2), right), ("recv", np.zeros(2), left),
+                                ("send", np.ones(2), right, -1), ("recv", np.zeros(2), left, -1)], True), ["tag"])
+    if comm._exec.sent != sent:
+        bad.append((["nothing sent"], f"messages sent per rank {sent} -> {comm._exec.sent}"))
     # the communicator still works: bad input is refused before anything is sent
     x = np.ones(2)
     comm.allreduce(x)

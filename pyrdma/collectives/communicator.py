@@ -56,6 +56,7 @@ from pyrdma.collectives.costmodel import CostModel
 from pyrdma.collectives.executor import Done, Executor, Handle, SendHandle  # noqa: F401 - Handle: the package's name
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.schedule import consumer
+from pyrdma.collectives.transport import NO_ROOT
 from pyrdma.collectives.specs import ALGORITHMS, OPS, check_op  # noqa: F401 - ALGORITHMS, OPS: the package's names
 from pyrdma.buffers import is_cuda_array
 from pyrdma.errors import UsageError, WireFormatError
@@ -570,11 +571,17 @@ class Communicator:
                 return Done(results)
             pairings = pairings[first:]
         steps = []
-        for s, dst, v, src in pairings:
-            buf = (ops[s[0]][1], ops[v[0]][1]) if s and v else ops[(s or v)[0]][1]
-            tag = (s[1], v[1]) if s and v else (s or v)[1]
-            spec = specs.p2p(self, buf, dst if s else None, src if v else None, tag)
-            steps.append(tuple((x[0], spec) for x in (s, v) if x is not None))
+        # planning numbers the messages: one that fails its checks leaves the numbers as they were
+        sent, received = list(self._exec.sent), list(self._exec.received)
+        try:
+            for s, dst, v, src in pairings:
+                buf = (ops[s[0]][1], ops[v[0]][1]) if s and v else ops[(s or v)[0]][1]
+                tag = (s[1], v[1]) if s and v else (s or v)[1]
+                spec = specs.p2p(self, buf, dst if s else None, src if v else None, tag)
+                steps.append(tuple((x[0], spec) for x in (s, v) if x is not None))
+        except BaseException:
+            self._exec.sent[:], self._exec.received[:] = sent, received
+            raise
         t = self.transport
 
         def run():
@@ -598,11 +605,12 @@ class Communicator:
         (HostCollectives.exchange, or message for a lone send or receive) while the one-call path
         takes them, the received counts into ``results``; the number of steps it ran (the general
         path runs the rest, in order after them). Only for numpy arrays of host memory that the
-        general path would take as they are, so that no step after the first can fail its checks."""
+        general path would take as they are, and valid tags, so that no step after the first can
+        fail its checks (bad input is refused before anything is sent)."""
         for op in ops:
-            buf = op[1]
+            buf, tag = op[1], op[3] if len(op) > 3 else 0
             if type(buf) is not np.ndarray or not buf.flags.c_contiguous or \
-                    (op[0] == "recv" and not buf.flags.writeable):
+                    (op[0] == "recv" and not buf.flags.writeable) or type(tag) is not int or not 0 <= tag < NO_ROOT:
                 return 0
         host = self._host
         for done, (s, dst, v, src) in enumerate(pairings):
