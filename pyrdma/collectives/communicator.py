@@ -345,14 +345,20 @@ class Communicator:
                 return done
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=True, dtype=dtype)
 
+    def _queued(self, name, *args):
+        """The Handle of the one-call path's ``name`` (a HostCollectives method) queued with
+        ``args`` (HostCollectives.submit: one C call on the communicator's thread), or None where
+        the general path must run the call."""
+        host = self._host
+        return None if host is None else host.submit(getattr(host, name), *args)
+
     def iallreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done.
         (Each non-blocking collective of host memory that the one-call path takes runs as one C
-        call on the communicator's thread: HostCollectives.submit.)"""
-        if out is None and dtype is None and self._host is not None:
-            handle = self._host.submit(self._host.allreduce, buf, op, algorithm)
-            if handle is not None:
-                return handle
+        call on the communicator's thread: _queued.)"""
+        handle = self._queued("allreduce", buf, op, algorithm) if out is None and dtype is None else None
+        if handle is not None:
+            return handle
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=False, dtype=dtype)
 
     def reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
@@ -365,10 +371,9 @@ class Communicator:
         return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=True, dtype=dtype)
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
-        if out is None and dtype is None and self._host is not None:
-            handle = self._host.submit(self._host.reduce, buf, op, root, algorithm)
-            if handle is not None:
-                return handle
+        handle = self._queued("reduce", buf, op, root, algorithm) if out is None and dtype is None else None
+        if handle is not None:
+            return handle
         return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=False, dtype=dtype)
 
     def broadcast(self, buf, root=0, algorithm="auto"):
@@ -380,10 +385,9 @@ class Communicator:
         return self._call(specs.broadcast, buf, root, algorithm, blocking=True)
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):
-        if self._host is not None:
-            handle = self._host.submit(self._host.broadcast, buf, root, algorithm)
-            if handle is not None:
-                return handle
+        handle = self._queued("broadcast", buf, root, algorithm)
+        if handle is not None:
+            return handle
         return self._call(specs.broadcast, buf, root, algorithm, blocking=False)
 
     def allgather(self, buf, out=None):
@@ -397,10 +401,9 @@ class Communicator:
         return self._call(specs.allgather, buf, out, blocking=True)
 
     def iallgather(self, buf, out=None):
-        if self._host is not None:
-            handle = self._host.submit(self._host.allgather, buf, out)
-            if handle is not None:
-                return handle
+        handle = self._queued("allgather", buf, out)
+        if handle is not None:
+            return handle
         return self._call(specs.allgather, buf, out, blocking=False)
 
     def reduce_scatter(self, buf, out=None, op="sum", dtype=None):
@@ -413,10 +416,9 @@ class Communicator:
         return self._call(specs.reduce_scatter, buf, out, op, blocking=True, dtype=dtype)
 
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
-        if dtype is None and self._host is not None:
-            handle = self._host.submit(self._host.reduce_scatter, buf, out, op)
-            if handle is not None:
-                return handle
+        handle = self._queued("reduce_scatter", buf, out, op) if dtype is None else None
+        if handle is not None:
+            return handle
         return self._call(specs.reduce_scatter, buf, out, op, blocking=False, dtype=dtype)
 
     def barrier(self):
@@ -425,10 +427,9 @@ class Communicator:
             self._call(specs.barrier, blocking=True)
 
     def ibarrier(self):
-        if self._host is not None:
-            handle = self._host.submit(self._host.barrier)
-            if handle is not None:
-                return handle
+        handle = self._queued("barrier")
+        if handle is not None:
+            return handle
         return self._call(specs.barrier, blocking=False)
 
     def gather(self, buf, out=None, root=0, algorithm="auto"):
@@ -442,10 +443,9 @@ class Communicator:
         return self._call(specs.gather, buf, out, root, algorithm, blocking=True)
 
     def igather(self, buf, out=None, root=0, algorithm="auto"):
-        if self._host is not None:
-            handle = self._host.submit(self._host.gather, buf, out, root, algorithm)
-            if handle is not None:
-                return handle
+        handle = self._queued("gather", buf, out, root, algorithm)
+        if handle is not None:
+            return handle
         return self._call(specs.gather, buf, out, root, algorithm, blocking=False)
 
     def scatter(self, buf, out=None, root=0, algorithm="auto"):
@@ -462,11 +462,10 @@ class Communicator:
         return self._call(specs.scatter, buf, out, root, algorithm, blocking=True)
 
     def iscatter(self, buf, out=None, root=0, algorithm="auto"):
-        if self._host is not None:
-            full = _joined(self, buf) if type(buf) is list and root == self.rank else buf
-            handle = self._host.submit(self._host.scatter, full, out, root, algorithm)
-            if handle is not None:
-                return handle
+        full = _joined(self, buf) if type(buf) is list and root == self.rank and self._host is not None else buf
+        handle = self._queued("scatter", full, out, root, algorithm)
+        if handle is not None:
+            return handle
         return self._call(specs.scatter, buf, out, root, algorithm, blocking=False)
 
     def alltoall(self, buf, out=None, send_counts=None, recv_counts=None):
@@ -483,11 +482,10 @@ class Communicator:
         return self._call(specs.alltoall, buf, out, send_counts, recv_counts, blocking=True)
 
     def ialltoall(self, buf, out=None, send_counts=None, recv_counts=None):
-        if self._host is not None:
-            handle = self._host.submit(self._host.alltoall, buf, out) if send_counts is None and recv_counts is None \
-                else self._host.submit(self._host.alltoallv, buf, out, send_counts, recv_counts)
-            if handle is not None:
-                return handle
+        handle = self._queued("alltoall", buf, out) if send_counts is None and recv_counts is None \
+            else self._queued("alltoallv", buf, out, send_counts, recv_counts)
+        if handle is not None:
+            return handle
         return self._call(specs.alltoall, buf, out, send_counts, recv_counts, blocking=False)
 
     # send(buf, dst, tag=0) and recv(buf, src, tag=0) are C functions (pyrdma._hostcalls'; their
