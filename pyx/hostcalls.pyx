@@ -17,7 +17,10 @@ from cpython.long cimport PyLong_AsLongAndOverflow
 from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock, PyThread_allocate_lock,
                                PyThread_free_lock, PyThread_release_lock, PyLockStatus, PY_LOCK_ACQUIRED)
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport malloc, calloc, free
+from posix.time cimport timespec, clock_gettime, CLOCK_MONOTONIC
+from posix.types cimport clockid_t, time_t, pid_t
+from posix.unistd cimport getpid
 from libc.string cimport memcpy, memmove, strcmp
 from pyrdma._verbs.base cimport monotonic_now
 from pyrdma._verbs.mr cimport MemoryRegion
@@ -239,6 +242,186 @@ cdef class ExecLock:
         self._give()
 
 
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_mutex_t:
+        pass
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+    ctypedef unsigned long pthread_t
+    int pthread_mutex_init(pthread_mutex_t *m, const void *attr)
+    int pthread_mutex_destroy(pthread_mutex_t *m)
+    int pthread_mutex_lock(pthread_mutex_t *m)
+    int pthread_mutex_unlock(pthread_mutex_t *m)
+    int pthread_condattr_init(pthread_condattr_t *a)
+    int pthread_condattr_setclock(pthread_condattr_t *a, clockid_t clock)
+    int pthread_condattr_destroy(pthread_condattr_t *a)
+    int pthread_cond_init(pthread_cond_t *c, const pthread_condattr_t *a)
+    int pthread_cond_destroy(pthread_cond_t *c)
+    int pthread_cond_wait(pthread_cond_t *c, pthread_mutex_t *m)
+    int pthread_cond_timedwait(pthread_cond_t *c, pthread_mutex_t *m, const timespec *t)
+    int pthread_cond_signal(pthread_cond_t *c)
+    int pthread_create(pthread_t *t, const void *attr, void *(*fn)(void *) noexcept nogil, void *arg)
+    int pthread_join(pthread_t t, void **ret)
+
+
+ctypedef struct waker_t:
+    pthread_mutex_t mutex
+    pthread_cond_t cond                 # the timer thread's: armed, or closing
+    PyThread_type_lock wake             # released to wake the sleeper (held while it may sleep)
+    double deadline                     # CLOCK_MONOTONIC seconds of the next wake-up (0: none)
+    double delay
+    int idle_ticks                      # ticks in a row with nothing armed
+    bint signaled, closing, parked
+
+
+cdef double _clock() noexcept nogil:
+    cdef timespec t
+    clock_gettime(CLOCK_MONOTONIC, &t)
+    return t.tv_sec + t.tv_nsec * 1e-9
+
+
+cdef void _signal_sleeper(waker_t *w) noexcept nogil:
+    if not w.signaled:
+        w.signaled = True
+        PyThread_release_lock(w.wake)
+
+
+cdef int IDLE_TICKS = 50        # a Waker's timer ticks this many delays after the last arm() before it parks
+
+
+cdef void *_waker_timer(void *arg) noexcept nogil:
+    cdef waker_t *w = <waker_t *>arg
+    cdef timespec until
+    cdef double now, wake_at
+    pthread_mutex_lock(&w.mutex)
+    while not w.closing:
+        now = _clock()
+        if w.deadline != 0 and now >= w.deadline:
+            w.deadline = 0
+            _signal_sleeper(w)
+        if w.deadline == 0:
+            w.idle_ticks += 1
+            if w.idle_ticks > IDLE_TICKS:
+                # parked: the next arm() signals (a thread switch); while calls come often the
+                # timer ticks instead, and arm() only sets the deadline
+                w.parked = True
+                pthread_cond_wait(&w.cond, &w.mutex)
+                w.parked = False
+                w.idle_ticks = 0
+                continue
+            wake_at = now + w.delay
+        else:
+            w.idle_ticks = 0
+            wake_at = w.deadline
+        until.tv_sec = <time_t>wake_at
+        until.tv_nsec = <long>((wake_at - <double>until.tv_sec) * 1e9)
+        pthread_cond_timedwait(&w.cond, &w.mutex, &until)
+    pthread_mutex_unlock(&w.mutex)
+    return NULL
+
+
+@cython.final
+cdef class Waker:
+    """Wakes the communicator's thread (executor._Queue) ``delay`` seconds after a call is queued,
+    unless the queue was emptied first (disarm): a caller that queues a call and soon waits for it
+    runs it itself, and a thread woken at every put only took the GIL from it (two thread switches
+    per call, most of a non-blocking call's cost over TCP). A thread of its own (C, never holding the
+    GIL) keeps the time, so arming it costs no GIL hand-over."""
+    cdef waker_t *w
+    cdef pthread_t timer
+    cdef bint started
+    cdef pid_t pid                      # the process that started the timer (a fork's child has none)
+
+    def __cinit__(self):
+        cdef pthread_condattr_t attr
+        self.w = <waker_t *>calloc(1, sizeof(waker_t))
+        if self.w == NULL:
+            raise MemoryError()
+        self.w.wake = PyThread_allocate_lock()
+        if self.w.wake == NULL:
+            free(self.w)
+            self.w = NULL
+            raise MemoryError()
+        PyThread_acquire_lock_timed(self.w.wake, 0, 0)
+        pthread_mutex_init(&self.w.mutex, NULL)
+        pthread_condattr_init(&attr)
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.w.cond, &attr)
+        pthread_condattr_destroy(&attr)
+
+    def __init__(self, double delay):
+        self.w.delay = delay
+
+    def start(self):
+        """Start the timer thread (with the communicator's)."""
+        if self.started:
+            return
+        if pthread_create(&self.timer, NULL, _waker_timer, self.w) != 0:
+            raise OSError("pyrdma: cannot start the communicator's timer thread")
+        self.started, self.pid = True, getpid()
+
+    def arm(self):
+        """A call was queued: wake the sleeper after the delay (if not armed already)."""
+        cdef waker_t *w = self.w
+        with nogil:
+            pthread_mutex_lock(&w.mutex)
+            if w.deadline == 0 and not w.closing:
+                w.deadline = _clock() + w.delay
+                if w.parked:
+                    pthread_cond_signal(&w.cond)
+            pthread_mutex_unlock(&w.mutex)
+
+    def disarm(self):
+        """The queue is empty: no wake-up is due (the caller looks at the queue again after this)."""
+        cdef waker_t *w = self.w
+        with nogil:
+            pthread_mutex_lock(&w.mutex)
+            w.deadline = 0
+            pthread_mutex_unlock(&w.mutex)
+
+    def wake(self):
+        """Wake the sleeper now (to stop it)."""
+        cdef waker_t *w = self.w
+        with nogil:
+            pthread_mutex_lock(&w.mutex)
+            _signal_sleeper(w)
+            pthread_mutex_unlock(&w.mutex)
+
+    def sleep(self):
+        """Block (without the GIL) until woken."""
+        cdef waker_t *w = self.w
+        with nogil:
+            PyThread_acquire_lock_timed(w.wake, -1, 0)
+            pthread_mutex_lock(&w.mutex)
+            w.signaled = False
+            pthread_mutex_unlock(&w.mutex)
+
+    def close(self):
+        """Stop the timer thread (arm() does nothing after this)."""
+        cdef waker_t *w = self.w
+        with nogil:
+            pthread_mutex_lock(&w.mutex)
+            w.closing = True
+            pthread_cond_signal(&w.cond)
+            pthread_mutex_unlock(&w.mutex)
+        if self.started and self.pid == getpid():
+            with nogil:
+                pthread_join(self.timer, NULL)
+        self.started = False
+
+    def __dealloc__(self):
+        cdef waker_t *w = self.w
+        if w == NULL:
+            return
+        self.close()
+        pthread_cond_destroy(&w.cond)
+        pthread_mutex_destroy(&w.mutex)
+        PyThread_free_lock(w.wake)
+        free(w)
+
+
 # The kinds of call that HostCollectives prepares: an index into its ``lasts`` and the first field of
 # a prepared call's key (KIND_NAMES: their names, as hostplans takes them)
 cdef enum:
@@ -275,20 +458,27 @@ cdef class _LastCall:
 
 @cython.final
 cdef class _Queued:
-    """A one-call run queued on the communicator's thread (HostCollectives.submit): the call, its
-    objects, the buffers it works on (held, so that they stay as they were checked) and its number,
-    all taken when it was submitted."""
+    """A one-call run queued on the communicator's thread (HostCollectives.submit, or collect for a
+    batch's own job): the call, its objects, the buffers it works on (held, so that they stay as
+    they were checked) and its numbers, all taken when it was submitted: the collectives' call
+    number, or a message's number for its pair of ranks (``peer`` >= 0; an exchange's receive
+    from ``src`` >= 0 takes ``rseq`` too)."""
     cdef HostCollectives host
     cdef HostCall call
     cdef object result, source
     cdef Py_buffer view, out_view
     cdef bint has_view, has_out      # held (NULL in _run where not)
-    cdef int64_t seq
+    cdef bint out_is_view            # _run's out_view was its view (a message's)
+    cdef int64_t seq, rseq
+    cdef int peer, src
+    cdef bint receive
 
     def __call__(self):
         try:
-            return self.host._run(self.call, self.result, &self.view if self.has_view else NULL,
-                                  &self.out_view if self.has_out else NULL, self.source, -1, False, -1, self.seq)
+            done = self.host._run(self.call, self.result, &self.view if self.has_view else NULL,
+                                  &self.out_view if self.has_out else &self.view if self.out_is_view else NULL,
+                                  self.source, self.peer, self.receive, self.src, self.seq, self.rseq)
+            return None if self.peer >= 0 and not self.receive else done    # a send: as the general path's
         finally:
             self._release()
 
@@ -325,6 +515,7 @@ cdef class HostCollectives:
     cdef object lent_in, lent_out                         # the last registrations of lent inputs, outputs
     cdef list sent, received                              # the communicator's messages per peer so far
     cdef unsigned long queuer                             # the thread in submit() (0: none): its runs are queued
+    cdef bint collecting                                  # in collect(): the queued runs are returned
 
     def __init__(self, Engine engine not None, executor, comm, transport, plans):
         """``executor``: the communicator's pyrdma.collectives.executor.Executor (the order of calls,
@@ -351,6 +542,16 @@ cdef class HostCollectives:
             self.queuer = 0
         return done[0] if type(done) is tuple else done
 
+    def collect(self, method, *args):
+        """As submit, but the run is returned instead of queued (a callable that runs it and
+        returns what the blocking method would): a step of a non-blocking batch, whose own queued
+        job runs it (Communicator._batch). Its numbers are taken now, as submit's."""
+        self.collecting = True
+        try:
+            return self.submit(method, *args)
+        finally:
+            self.collecting = False
+
     cdef inline bint _takes(self):
         """Whether a call may go the one-call way now: queued (submit), or run at once where
         nothing is queued."""
@@ -360,19 +561,32 @@ cdef class HostCollectives:
         """Whether this thread is in submit() (another thread's calls run as they would)."""
         return self.queuer != 0 and self.queuer == PyThread_get_thread_ident()
 
-    cdef object _enqueue(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view, object source):
+    cdef object _enqueue(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view, object source,
+                         int peer, bint receive, int src):
         """The Handle of ``call``'s run queued on the communicator's thread (_run's arguments),
-        its buffers held until it has run, its number the next call's."""
+        its buffers held until it has run, its numbers the next ones (the next call's, or the
+        pair's next message's); in collect() (messages only) the run itself, not queued."""
         cdef _Queued job = _Queued.__new__(_Queued)
+        cdef list counters
         job.host, job.call, job.result, job.source = self, call, result, source
+        job.peer, job.receive, job.src = peer, receive, src
         if view != NULL:
             PyObject_GetBuffer(view.obj, &job.view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
             job.has_view = True
         if out_view != NULL and out_view != view:
             PyObject_GetBuffer(out_view.obj, &job.out_view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
             job.has_out = True
-        job.seq = self.ex.seq
-        return self.ex.submit(False, job, seq=True)
+        job.out_is_view = out_view != NULL and out_view == view
+        if peer < 0:
+            job.seq = self.ex.seq
+            return self.ex.submit(False, job, seq=True)
+        counters = self.received if receive and src < 0 else self.sent
+        job.seq = counters[peer]
+        counters[peer] = job.seq + 1
+        if src >= 0:
+            job.rseq = self.received[src]
+            self.received[src] = job.rseq + 1
+        return job if self.collecting else self.ex.submit(False, job, seq=False)
 
     cdef void _check_prepared_under(self):
         """Forget the prepared calls when what they were prepared under has changed."""
@@ -768,13 +982,13 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&pview)
 
-    def exchange(self, sendbuf, int dst, recvbuf, int src, send_tag, recv_tag):
+    def exchange(self, sendbuf, dst, recvbuf, src, send_tag, recv_tag):
         """(elements received,) of a blocking send of ``sendbuf`` to ``dst`` while ``recvbuf``
         receives from ``src`` (Communicator.sendrecv, a batch of one send and one receive), each
         message the pair's next; None where the general path must run it (as allreduce)."""
         cdef Py_buffer view, oview
         cdef Engine engine = self.engine
-        if type(send_tag) is not int or type(recv_tag) is not int or not self.ex.idle \
+        if type(send_tag) is not int or type(recv_tag) is not int or type(dst) is not int or type(src) is not int \
                 or not 0 <= dst < engine.size or not 0 <= src < engine.size or engine.rank in (dst, src):
             return None
         try:
@@ -799,9 +1013,12 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
-    def message(self, buf, int peer, tag, bint receive):
+    def message(self, buf, peer, tag, bint receive):
         """A blocking send of ``buf`` to ``peer`` (``buf`` once sent), or receive from it (the
-        elements received): what _message does (a step of a batch, Communicator._one_call_steps)."""
+        elements received): what _message does (a step of a batch, Communicator._one_call_steps;
+        isend and irecv through submit)."""
+        if type(peer) is not int or not 0 <= peer < self.engine.size:
+            return None
         return self._message(buf, peer, tag, receive)
 
     cdef object _message(self, buf, int peer, tag, bint receive):
@@ -822,8 +1039,6 @@ cdef class HostCollectives:
             # looks at the executor's state under its lock)
             if last.matches(&view, peer, tag, None):
                 return self._run(last.call, buf, &view, &view, None, peer, receive)
-            if not self.ex.idle:
-                return None
             if not engine.sockets and self.comm.zero_copy_bytes and view.len >= self.comm.zero_copy_bytes:
                 return None                     # over RDMA: a rendezvous, the general path's
             call = self._last_or_prepared(K_RECV if receive else K_SEND, &view, peer, tag, None, self.plans.message,
@@ -882,7 +1097,8 @@ cdef class HostCollectives:
         return self._run(self.barrier_call, None if self._queuing() else True, NULL)
 
     cdef object _run(self, HostCall call, object result, Py_buffer *view, Py_buffer *out_view=NULL,
-                     object source=None, int peer=-1, bint receive=False, int src=-1, int64_t queued=-1):
+                     object source=None, int peer=-1, bint receive=False, int src=-1, int64_t queued=-1,
+                     int64_t queued_r=0):
         """Run a prepared call on ``view`` (NULL: no data, as a barrier's; ``source``: its object,
         where it is not ``result``), its result copied into or worked on in ``out_view`` (NULL:
         view), and return ``result``. ``peer`` >= 0: a message to that rank (or, ``receive``, from
@@ -890,7 +1106,7 @@ cdef class HostCollectives:
         call number; a receive copies out what arrived and returns its element count. ``src`` >= 0:
         an exchange, a message to ``peer`` while one from ``src`` arrives in ``out_view``. In
         submit() the run is queued instead (the Handle); ``queued`` >= 0: that queued run, on the
-        communicator's thread, numbered ``queued``."""
+        communicator's thread, numbered ``queued`` (an exchange's receive ``queued_r``)."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
         cdef region_t region, region2
@@ -903,8 +1119,14 @@ cdef class HostCollectives:
         cdef bint copy = call.lent == LENT_NONE
         cdef Py_ssize_t item = (out_view if src >= 0 else view).itemsize if receive else 1
         cdef list counters
-        if queued < 0 and self._queuing():
-            return self._enqueue(call, result, view, out_view, source)
+        if queued < 0:
+            if self._queuing():
+                return self._enqueue(call, result, view, out_view, source, peer, receive, src)
+            if peer >= 0 and not self.ex.idle:
+                # a blocking message behind queued calls (an isend's, then this recv): queued after
+                # them and waited for, as the general path's would be
+                done = self._enqueue(call, result, view, out_view, source, peer, receive, src).wait()
+                return result if not receive else done
         self.lock._take(-1.0)
         try:
             ex = self.ex
@@ -915,7 +1137,7 @@ cdef class HostCollectives:
                 return None
             # the call is accepted: its number is taken, as in submit (a queued one's was then)
             if queued >= 0:
-                seq = <uint64_t>queued
+                seq, rseq = <uint64_t>queued, <uint64_t>queued_r
             elif peer < 0:
                 seq = ex.seq
                 ex.seq = seq + 1

@@ -699,6 +699,62 @@ def test_a_thread_waiting_for_a_queued_call_lets_its_run_spin():
         ex.queue.stop(30)
 
 
+def test_the_waker_wakes_its_sleeper_a_delay_after_arm_unless_disarmed():
+    """executor._Queue's Waker: arm() wakes the sleeper no sooner than the delay after (a caller
+    that waits at once runs its call itself meanwhile); disarm() cancels it; wake() is at once."""
+    import threading
+    import time
+    from pyrdma._hostcalls import Waker
+    w = Waker(0.02)
+    w.start()
+    try:
+        for _ in range(2):                  # a second time: the timer parked, or still ticking
+            start = time.monotonic()
+            w.arm()
+            w.sleep()
+            assert 0.02 <= time.monotonic() - start < 10
+        woken = threading.Event()
+        sleeper = threading.Thread(target=lambda: (w.sleep(), woken.set()))
+        w.arm()
+        w.disarm()
+        sleeper.start()
+        assert not woken.wait(0.2)
+        w.wake()
+        assert woken.wait(10)
+        sleeper.join(10)
+    finally:
+        w.close()
+    w.arm()                                 # closed: nothing happens
+    w.close()
+
+
+def test_a_queued_call_that_nobody_waits_for_runs_on_the_communicators_thread():
+    """A queued call is run by the communicator's thread once the wake delay has passed with no
+    caller waiting for it, also one queued while a waiter ran the queue (which then leaves the
+    thread's wake-up armed)."""
+    import threading
+    import types
+    from pyrdma.collectives.executor import Executor
+    transport = types.SimpleNamespace(engine=types.SimpleNamespace(waiters=0), background=False)
+    ex = Executor(0, 1, transport, threading.RLock())
+    me, threads, done = threading.get_ident(), [], threading.Event()
+
+    def job(name):
+        threads.append((name, threading.get_ident() != me))
+        if name == "b":                     # queued while the waiter runs the queue
+            ex.submit(False, job, "c", seq=False).add_done_callback(lambda _h: done.set())
+        return name
+    try:
+        ex.submit(False, job, "a", seq=False).add_done_callback(lambda _h: done.set())
+        assert done.wait(30) and threads == [("a", True)]
+        done.clear()
+        assert ex.submit(False, job, "b", seq=False).wait() == "b"
+        # (b on this thread, unless the wait came later than the delay on a busy machine)
+        assert done.wait(30) and [name for name, _ in threads] == ["a", "b", "c"] and threads[2][1]
+    finally:
+        ex.queue.stop(30)
+
+
 def test_a_waiter_runs_the_queue_up_to_its_call_when_the_thread_has_not_started_it():
     """Handle.wait() without a timeout runs the queued calls up to its own on the waiting thread
     (in order, in the foreground: transport.background stays False) if the communicator's thread

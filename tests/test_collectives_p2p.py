@@ -865,6 +865,49 @@ def _queued_one_calls(comm):
     return True
 
 
+def _queued_messages(comm):
+    """Non-blocking messages of host memory whose shapes a blocking call prepared (isend, irecv,
+    isendrecv, a batch not waited on at once, and a blocking recv behind them) run as one C call
+    each, queued with their numbers taken at the call: no spec is planned again but the general
+    path's (a tag not prepared), whose messages keep one numbering per pair with theirs."""
+    from pyrdma.collectives import specs
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    sent = {tag: piece(r, right, 50 + tag, "float64") for tag in (3, 4, 5, 6, 9)}
+    got = {tag: np.zeros(60 + tag) for tag in (3, 4, 5, 6, 9)}
+    batch = [("send", sent[6], right, 6), ("recv", got[6], left, 6)]
+
+    for tag in (4, 5):                              # the blocking calls prepare every shape but tag 9's
+        comm.send(sent[tag], right, tag)
+        comm.recv(got[tag], left, tag)
+    comm.sendrecv(sent[3], right, got[3], left, 3)
+    comm._batch(batch, True)
+    for y in got.values():
+        y[:] = 0
+    planned = []
+    plan = specs.p2p
+
+    def counting(comm, buf, dst, src, tag, *numbered):
+        planned.append(tag)
+        return plan(comm, buf, dst, src, tag, *numbered)
+    specs.p2p = counting
+    try:
+        handles = [comm.isend(sent[4], right, 4), comm.irecv(got[4], left, 4),
+                   comm.isendrecv(sent[3], right, got[3], left, 3),
+                   comm.isend(sent[9], right, 9), comm.irecv(got[9], left, 9), comm.batch(batch),
+                   comm.isend(sent[5], right, 5)]
+        received = comm.recv(got[5], left, 5)
+        results = [h.wait(60) for h in reversed(handles)][::-1]
+    finally:
+        specs.p2p = plan
+    assert set(planned) == {9}, planned             # the general path's isend and irecv only
+    assert results == [None, 54, 53, None, 59, [None, 56], None] and received == 55, (results, received)
+    for tag in (3, 4, 5, 6, 9):
+        assert np.array_equal(got[tag][:50 + tag], piece(left, r, 50 + tag, "float64")), tag
+        assert not got[tag][50 + tag:].any(), tag
+    return True
+
+
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.device)])
 def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
     with World(3, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
@@ -881,6 +924,7 @@ def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
             assert frames == {name: [2] for name in ("broadcast", "reduce", "allgather", "reduce_scatter")}, \
                 f"Python frames per call (the call and the lambda): {frames}"
         assert all(w.run(_queued_one_calls, timeout=300))
+        assert all(w.run(_queued_messages, timeout=300))
         for rank, frames in enumerate(w.run(_one_call_batches, timeout=300)):
             # the lambda, _batch, _is_cuda, _one_call_steps, Done and its wait (the general path's: 162)
             assert frames == [6] * 3, f"rank {rank}: Python frames per batch of 8: {frames}"

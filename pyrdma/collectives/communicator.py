@@ -499,6 +499,10 @@ class Communicator:
         holding up the calls after it: they run while it waits for its receive (SendHandle)."""
         if _is_cuda(buf):
             return self._call(specs.p2p, buf, dst, None, tag, blocking=False)
+        if type(dst) is int and type(tag) is int:
+            handle = self._queued("message", buf, dst, tag, False)
+            if handle is not None:
+                return handle
         spec = specs.p2p(self, buf, dst, None, tag)
         t = self.transport
 
@@ -508,6 +512,10 @@ class Communicator:
         return SendHandle(self._exec.submit(False, job, seq=False), self._exec, t)
 
     def irecv(self, buf, src, tag=0):
+        if type(src) is int and type(tag) is int:
+            handle = self._queued("message", buf, src, tag, True)
+            if handle is not None:
+                return handle
         return self._call(specs.p2p, buf, None, src, tag, blocking=False)
 
     def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
@@ -520,6 +528,10 @@ class Communicator:
         return self._call(specs.p2p, (sendbuf, recvbuf), dst, src, tag, blocking=True)
 
     def isendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
+        if type(dst) is int and type(src) is int and type(tag) is int:
+            handle = self._queued("exchange", sendbuf, dst, recvbuf, src, tag, tag)
+            if handle is not None:
+                return handle
         return self._call(specs.p2p, (sendbuf, recvbuf), dst, src, tag, blocking=False)
 
     def batch(self, ops):
@@ -563,14 +575,18 @@ class Communicator:
                 pairings.append((out[j] if j < len(out) else None, (r + k) % n,
                                  inc[j] if j < len(inc) else None, (r - k) % n))
         results = [None] * len(ops)
-        if blocking and staged is None and self._host is not None:
-            first = self._one_call_steps(pairings, results, ops)
-            if first == len(pairings):
-                return Done(results)
+        # planning numbers the messages (as collecting does): one that fails its checks leaves the
+        # numbers as they were
+        sent, received = list(self._exec.sent), list(self._exec.received)
+        collected = []          # a non-blocking batch's first steps as one-call runs, and their receives
+        if staged is None and self._host is not None:
+            first = self._one_call_steps(pairings, results, ops, None if blocking else collected)
+            if blocking:
+                if first == len(pairings):
+                    return Done(results)
+                sent, received = list(self._exec.sent), list(self._exec.received)
             pairings = pairings[first:]
         steps = []
-        # planning numbers the messages: one that fails its checks leaves the numbers as they were
-        sent, received = list(self._exec.sent), list(self._exec.received)
         try:
             for s, dst, v, src in pairings:
                 buf = (ops[s[0]][1], ops[v[0]][1]) if s and v else ops[(s or v)[0]][1]
@@ -585,6 +601,10 @@ class Communicator:
         def run():
             if staged is not None:
                 staged.download()
+            for step, received_at in collected:
+                got = step()
+                if received_at is not None:
+                    results[received_at] = got
             tickets = []
             for step in steps:
                 # each step one run: its own descriptions; a lone send may park (SendHandle)
@@ -598,13 +618,15 @@ class Communicator:
             return (results if staged is None else staged.upload(results)), tickets
         return SendHandle(self._exec.submit(blocking, run, seq=False), self._exec, t)
 
-    def _one_call_steps(self, pairings, results, ops):
+    def _one_call_steps(self, pairings, results, ops, collect=None):
         """Run the steps of a blocking batch (``pairings``, as _batch makes them) one C call each
         (HostCollectives.exchange, or message for a lone send or receive) while the one-call path
         takes them, the received counts into ``results``; the number of steps it ran (the general
         path runs the rest, in order after them). Only for numpy arrays of host memory that the
         general path would take as they are, and valid tags, so that no step after the first can
-        fail its checks (bad input is refused before anything is sent)."""
+        fail its checks (bad input is refused before anything is sent). ``collect``, a list: a
+        non-blocking batch's, whose steps are appended to it (HostCollectives.collect: the run,
+        and the op index of its receive or None) for the batch's job to run instead."""
         for op in ops:
             buf, tag = op[1], op[3] if len(op) > 3 else 0
             if type(buf) is not np.ndarray or not buf.flags.c_contiguous or \
@@ -613,16 +635,22 @@ class Communicator:
         host = self._host
         for done, (s, dst, v, src) in enumerate(pairings):
             if s and v:
-                got = host.exchange(ops[s[0]][1], dst, ops[v[0]][1], src, s[1], v[1])
-                got = got if got is None else got[0]
+                how = (host.exchange, ops[s[0]][1], dst, ops[v[0]][1], src, s[1], v[1])
             elif s:
-                got = host.message(ops[s[0]][1], dst, s[1], False)
+                how = (host.message, ops[s[0]][1], dst, s[1], False)
             else:
-                got = host.message(ops[v[0]][1], src, v[1], True)
+                how = (host.message, ops[v[0]][1], src, v[1], True)
+            if collect is not None:
+                got = host.collect(*how)
+                if got is None:
+                    return done
+                collect.append((got, v[0] if v else None))
+                continue
+            got = how[0](*how[1:])
             if got is None:
                 return done
             if v:
-                results[v[0]] = got
+                results[v[0]] = got[0] if s else got
         return len(pairings)
 
     def _exchange(self, ops):

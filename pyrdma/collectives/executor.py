@@ -12,14 +12,19 @@ import atexit
 import collections
 import contextlib
 import logging
-import queue
 import threading
 import weakref
 
+from pyrdma._hostcalls import Waker
 from pyrdma.collectives.transport import LEFT, MISMATCH, NO_CULPRIT, PEER_FAILED, closed_error
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError
 
 _log = logging.getLogger("pyrdma")
+
+# How long a queued call waits for its caller to run it (Handle.wait) before the communicator's own
+# thread is woken to run it: a caller that waits at once (most non-blocking calls) runs it without
+# a thread switch; one that goes on working (DDP's bucket allreduces) has it started this late.
+WAKE_DELAY = 0.0002
 
 
 class _Job:
@@ -80,27 +85,31 @@ class _Queue:
     a call before its caller blocks in wait() anyway; the caller running it spares two thread
     wake-ups (over TCP, 2 ranks on 2 cores, a torch all_to_all_single of 128 KiB with async_op=True
     waited for at once: 1.64x gloo's time when the thread ran it, 1.03-1.51x in two runs since).
+    So the thread is not woken at each put, which took the GIL from the caller all the same, but
+    WAKE_DELAY after it by a Waker (a timer in C), and not at all if a waiter emptied the queue
+    first (a numpy iallreduce of 8 B waited for at once: 16 -> 8 us).
     The thread is a daemon, so that an unclosed communicator does not hold the interpreter up; at
     exit the calls queued so far still run (as a ThreadPoolExecutor's would)."""
     _live = weakref.WeakSet()
 
     def __init__(self, name):
         self._jobs = collections.deque()
-        self._wake = queue.SimpleQueue()          # a token per job; None: stop
+        self._waker = Waker(WAKE_DELAY)
         self._runner = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._started = False
+        self._started = self._stopping = False
         self._start_lock = threading.Lock()
 
     def put(self, job):
         if not self._started:
             with self._start_lock:
                 if not self._started:
+                    self._waker.start()
                     self._thread.start()
                     self._started = True
                     _Queue._live.add(self)
         self._jobs.append(job)
-        self._wake.put(True)
+        self._waker.arm()
 
     def help(self, job):
         """Run the queue up to ``job`` on this thread, if no other runs it now; whether it did."""
@@ -108,6 +117,11 @@ class _Queue:
             return False
         try:
             self._run(False, job)
+            if not self._jobs:
+                # nothing left for the thread to wake up for (a job put meanwhile arms it again)
+                self._waker.disarm()
+                if self._jobs:
+                    self._waker.arm()
         finally:
             self._runner.release()
         return True
@@ -122,18 +136,24 @@ class _Queue:
             job.run(background)
 
     def _loop(self):
-        while self._wake.get():
+        while True:
+            self._waker.sleep()
             with self._runner:
                 self._run(True)
+                if self._stopping:          # (a call queued before stop() began runs still)
+                    self._run(True)
+                    return
 
     def stop(self, timeout=None):
         """Stop once the jobs queued so far have run; wait for that (``timeout``: at most so long)."""
         with self._start_lock:
             started, self._started = self._started, True     # a put after this would start nothing
         if started:
-            self._wake.put(None)
+            self._stopping = True
+            self._waker.wake()
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout)
+        self._waker.close()
 
 
 @atexit.register
