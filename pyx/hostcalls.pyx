@@ -332,7 +332,7 @@ cdef class Waker:
     cdef waker_t *w
     cdef pthread_t timer
     cdef bint started
-    cdef pid_t pid                      # the process that started the timer (a fork's child has none)
+    cdef pid_t pid                      # the process that made it (a fork's child has no timer thread)
 
     def __cinit__(self):
         cdef pthread_condattr_t attr
@@ -350,6 +350,7 @@ cdef class Waker:
         pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
         pthread_cond_init(&self.w.cond, &attr)
         pthread_condattr_destroy(&attr)
+        self.pid = getpid()
 
     def __init__(self, double delay):
         self.w.delay = delay
@@ -360,7 +361,7 @@ cdef class Waker:
             return
         if pthread_create(&self.timer, NULL, _waker_timer, self.w) != 0:
             raise OSError("pyrdma: cannot start the communicator's timer thread")
-        self.started, self.pid = True, getpid()
+        self.started = True
 
     def arm(self):
         """A call was queued: wake the sleeper after the delay (if not armed already)."""
@@ -401,12 +402,17 @@ cdef class Waker:
     def close(self):
         """Stop the timer thread (arm() does nothing after this)."""
         cdef waker_t *w = self.w
+        if self.pid != getpid():
+            # a fork's child: the timer is the parent's, and its mutex may have been held at the fork
+            self.started = False
+            w.closing = True
+            return
         with nogil:
             pthread_mutex_lock(&w.mutex)
             w.closing = True
             pthread_cond_signal(&w.cond)
             pthread_mutex_unlock(&w.mutex)
-        if self.started and self.pid == getpid():
+        if self.started:
             with nogil:
                 pthread_join(self.timer, NULL)
         self.started = False
@@ -416,6 +422,8 @@ cdef class Waker:
         if w == NULL:
             return
         self.close()
+        if self.pid != getpid():
+            return          # a fork's child: left as the fork found it (destroying a waited-on cond blocks)
         pthread_cond_destroy(&w.cond)
         pthread_mutex_destroy(&w.mutex)
         PyThread_free_lock(w.wake)
@@ -1105,8 +1113,9 @@ cdef class HostCollectives:
         it), whose description takes the pair's next message number instead of the collectives'
         call number; a receive copies out what arrived and returns its element count. ``src`` >= 0:
         an exchange, a message to ``peer`` while one from ``src`` arrives in ``out_view``. In
-        submit() the run is queued instead (the Handle); ``queued`` >= 0: that queued run, on the
-        communicator's thread, numbered ``queued`` (an exchange's receive ``queued_r``)."""
+        submit() the run is queued instead (the Handle), and a blocking message behind queued calls
+        is queued and waited for; ``queued`` >= 0: that queued run, on the communicator's thread or
+        its waiter's, numbered ``queued`` (an exchange's receive ``queued_r``)."""
         cdef Engine engine = self.engine
         cdef Program prog = call.program
         cdef region_t region, region2

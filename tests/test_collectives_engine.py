@@ -728,6 +728,41 @@ def test_the_waker_wakes_its_sleeper_a_delay_after_arm_unless_disarmed():
     w.close()
 
 
+def test_a_waker_in_a_forked_child_closes_without_its_parents_timer():
+    """A fork's child has no timer thread, and the timer may have held its mutex at the fork:
+    close() and the Waker's end return at once there, and the parent's timer goes on."""
+    import os
+    import signal
+    import time
+    from pyrdma._hostcalls import Waker
+    w = Waker(0.001)
+    w.start()
+    try:
+        for _ in range(1000):
+            w.arm()
+            w.disarm()
+        pid = os.fork()
+        if pid == 0:
+            w.close()
+            del w
+            os._exit(7)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung closing its Waker")
+        assert os.waitstatus_to_exitcode(status) == 7
+        w.arm()
+        w.sleep()
+    finally:
+        w.close()
+
+
 def test_a_queued_call_that_nobody_waits_for_runs_on_the_communicators_thread():
     """A queued call is run by the communicator's thread once the wake delay has passed with no
     caller waiting for it, also one queued while a waiter ran the queue (which then leaves the
