@@ -499,10 +499,9 @@ class Communicator:
         holding up the calls after it: they run while it waits for its receive (SendHandle)."""
         if _is_cuda(buf):
             return self._call(specs.p2p, buf, dst, None, tag, blocking=False)
-        if type(dst) is int and type(tag) is int:
-            handle = self._queued("message", buf, dst, tag, False)
-            if handle is not None:
-                return handle
+        handle = self._queued("message", buf, dst, tag, False)
+        if handle is not None:
+            return handle
         spec = specs.p2p(self, buf, dst, None, tag)
         t = self.transport
 
@@ -512,10 +511,9 @@ class Communicator:
         return SendHandle(self._exec.submit(False, job, seq=False), self._exec, t)
 
     def irecv(self, buf, src, tag=0):
-        if type(src) is int and type(tag) is int:
-            handle = self._queued("message", buf, src, tag, True)
-            if handle is not None:
-                return handle
+        handle = self._queued("message", buf, src, tag, True)
+        if handle is not None:
+            return handle
         return self._call(specs.p2p, buf, None, src, tag, blocking=False)
 
     def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
@@ -528,10 +526,9 @@ class Communicator:
         return self._call(specs.p2p, (sendbuf, recvbuf), dst, src, tag, blocking=True)
 
     def isendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
-        if type(dst) is int and type(src) is int and type(tag) is int:
-            handle = self._queued("exchange", sendbuf, dst, recvbuf, src, tag, tag)
-            if handle is not None:
-                return handle
+        handle = self._queued("exchange", sendbuf, dst, recvbuf, src, tag, tag)
+        if handle is not None:
+            return handle
         return self._call(specs.p2p, (sendbuf, recvbuf), dst, src, tag, blocking=False)
 
     def batch(self, ops):
