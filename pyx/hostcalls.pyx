@@ -541,8 +541,9 @@ cdef class HostCollectives:
         reduce, broadcast, allgather, reduce_scatter, alltoall, gather, scatter, barrier) made
         non-blocking: checked and looked up now, queued behind the calls before it and run as one
         C call on the communicator's thread; None where the general path must run it. A shape not
-        prepared yet is prepared only while nothing is queued (preparing may grow the buffer that
-        a queued run uses)."""
+        prepared yet is prepared now, within the transport's buffer as it is while calls are
+        queued (growing it would close a region that a running call uses): one that needs more
+        takes the general path, whose run grows it."""
         self.queuer = PyThread_get_thread_ident()
         try:
             done = method(*args)
@@ -561,9 +562,11 @@ cdef class HostCollectives:
             self.collecting = False
 
     cdef inline bint _takes(self):
-        """Whether a call may go the one-call way now: queued (submit), or run at once where
-        nothing is queued."""
-        return self._queuing() or self.ex.idle
+        """Whether a call may go the one-call way now: queued (submit), run at once where nothing
+        is queued, or queued behind the calls that are and waited for (_run); not in a closed or
+        failed group (the general path raises its error)."""
+        ex = self.ex
+        return self._queuing() or ex.idle or (not ex.closed and ex.broken is None)
 
     cdef inline bint _queuing(self):
         """Whether this thread is in submit() (another thread's calls run as they would)."""
@@ -772,7 +775,7 @@ cdef class HostCollectives:
         cdef Py_buffer view, oview
         cdef int64_t *bounds
         cdef int64_t base, total, own
-        if not self.ex.idle:            # (queued too: a call may grow the transport's buffer)
+        if not self._takes():
             return None
         bounds = <int64_t *>malloc(2 * (n + 1) * sizeof(int64_t))
         if bounds == NULL:
@@ -808,6 +811,8 @@ cdef class HostCollectives:
                     call = self._alltoallv_call(<AlltoallvPlan>plan, bounds, bounds + n + 1,
                                                 (<AlltoallvPlan>plan).lends(base, total)
                                                 and not _overlap(&view, &oview))
+                    if call is None:
+                        return None
                     return self._run(<HostCall>call, out, &view, &oview, buf)
                 finally:
                     PyBuffer_Release(&oview)
@@ -819,7 +824,7 @@ cdef class HostCollectives:
     cdef HostCall _alltoallv_call(self, AlltoallvPlan plan, const int64_t *sb, const int64_t *rb, bint lent):
         """The HostCall of one all-to-all with the byte bounds ``sb`` (send) and ``rb`` (receive),
         in the caller's memory (``lent``) or through the transport's buffer, as specs.alltoall lays
-        it out."""
+        it out; None beside queued calls where the buffer would have to grow (as _prepared)."""
         cdef Engine engine = self.engine
         cdef int n = engine.size, r = engine.rank
         cdef Py_ssize_t i, nchunks = plan.pieces.shape[0]
@@ -842,6 +847,8 @@ cdef class HostCollectives:
                             own=(sb[r], rb[r], own), out_bytes=total, lent=LENT_BOTH)
         region = plan.region
         if region is None or _region(region).closed or _region(region).length < <uint64_t>(base + total):
+            if not self.ex.idle and not self.transport.own_fits(base + total):
+                return None
             region = plan.region = self.transport.own_region(base + total)
         return HostCall(prog, plan.desc, plan.dtype, plan.op, base, base, base + total, region,
                         own=(sb[r], base + rb[r], own), out_bytes=total)
@@ -870,7 +877,7 @@ cdef class HostCollectives:
                 return None
             out = _empty((buf.shape[0] // n,) + buf.shape[1:], buf.dtype)
         if type(buf) is list and root == self.engine.rank:
-            return None if self._queuing() else self._scatter_parts(buf, out, <int>root, algorithm)
+            return None if self._queuing() or not self.ex.idle else self._scatter_parts(buf, out, <int>root, algorithm)
         return self._rooted(K_SCATTER, out, True, buf if root == self.engine.rank else None, root, algorithm)
 
     cdef object _scatter_parts(self, list pieces, out, int root, algorithm):
@@ -1081,11 +1088,20 @@ cdef class HostCollectives:
         except TypeError:
             return None
         if call is _MISSING:
-            if not self.ex.idle:         # queued (submit): preparing may grow the buffer a run uses
-                return None
             if len(self.calls) >= 256:
                 self._forget()
-            call = self.calls[key] = prepare(*args)
+            if self.ex.idle:
+                call = self.calls[key] = prepare(*args)
+                return call
+            # beside queued calls, one of which may be running: within the transport's buffer as it
+            # is (growing it would close a region in use), else the general path runs this one and
+            # grows it (hostplans.beside_queued). (Refusing every shape first met while a call was
+            # queued sent a DDP's later buckets, or an irecv behind its isend, the general way at
+            # every call.)
+            got = self.plans.beside_queued(prepare, args)
+            if got is None:
+                return None
+            call = self.calls[key] = got[0]
         return call
 
     cdef void _forget(self):
@@ -1097,10 +1113,12 @@ cdef class HostCollectives:
     def barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
         comm = self.comm
-        if not self.ex.idle and (not self._queuing() or self.barrier_call is None):
+        if not self._takes():
             return None
         if self.barrier_call is None:
-            self.barrier_call = self.plans.barrier(comm)
+            self.barrier_call = self._prepared(("barrier",), self.plans.barrier, (comm,))
+            if self.barrier_call is None:
+                return None
         # (True: taken; a queued one's wait() gives None, as the general path's)
         return self._run(self.barrier_call, None if self._queuing() else True, NULL)
 
@@ -1131,11 +1149,12 @@ cdef class HostCollectives:
         if queued < 0:
             if self._queuing():
                 return self._enqueue(call, result, view, out_view, source, peer, receive, src)
-            if peer >= 0 and not self.ex.idle:
-                # a blocking message behind queued calls (an isend's, then this recv): queued after
-                # them and waited for, as the general path's would be
+            if not self.ex.idle:
+                # a blocking call behind queued ones (an isend's, then this recv; a DDP bucket's
+                # allreduce, then this one): queued after them and waited for, as the general
+                # path's would be
                 done = self._enqueue(call, result, view, out_view, source, peer, receive, src).wait()
-                return result if not receive else done
+                return done if receive else result
         self.lock._take(-1.0)
         try:
             ex = self.ex

@@ -908,9 +908,78 @@ def _queued_messages(comm):
     return True
 
 
+def _prepared_beside_queued(comm):
+    """Shapes first met while calls are queued are prepared then for the one-call path: an
+    iallgather behind another, an all-to-all with counts behind them, an irecv behind its isend.
+    The large allgather needs the transport's buffer grown while the small one, prepared with its
+    region, is queued: that call goes the general way, whose run grows the buffer, and the next
+    is prepared. Blocking calls behind queued ones (barrier, allreduce, broadcast) are queued after
+    them as one C call each and waited for. So each shape is planned once, the large allgather
+    twice, and nothing after the second round. (Before, a shape first met behind a queued call,
+    and any blocking collective behind one, took the general path at every call.)"""
+    from pyrdma.collectives import specs
+    n, r = comm.size, comm.rank
+    right, left = (r + 1) % n, (r - 1) % n
+    comm.allgather(piece(r, 0, 7, "float64"))          # the small shape prepared, the buffer made
+    big = comm.transport._own.nbytes // (8 * n) + 64     # float64s each: out outgrows the buffer
+    assert big * 8 < comm.zero_copy_bytes, (big, comm.zero_copy_bytes)     # (copied, not lent)
+    counts = [[(s + 2 * p) % 4 * 5 for p in range(n)] for s in range(n)]     # counts[sender][receiver], zeros too
+    planned, originals = [], {name: getattr(specs, name) for name in ("allgather", "alltoall", "p2p", "allreduce",
+                                                                      "broadcast", "barrier")}
+
+    def counting(name):
+        def plan(*args, **kwargs):
+            planned.append(name)
+            return originals[name](*args, **kwargs)
+        return plan
+    for name in originals:
+        setattr(specs, name, counting(name))
+    rounds = []
+    try:
+        for k in range(4):
+            planned.clear()
+            # each blocking call behind the queued one before it (which its wait runs first)
+            before = comm.ibarrier()
+            comm.barrier()
+            small = comm.iallgather(piece(r, k, 7, "float64"))
+            large = comm.iallgather(piece(r, k, big, "float64"))
+            mine = np.concatenate([piece(r, p + k, counts[r][p], "float64") for p in range(n)])
+            a2av = comm.ialltoall(mine, send_counts=counts[r], recv_counts=[counts[p][r] for p in range(n)])
+            summed = np.full(9, r + k, "float64")
+            assert comm.allreduce(summed) is summed and (summed == sum(range(n)) + n * k).all()
+            send = comm.isend(piece(r, k, 33, "float64"), right, 12)
+            got = np.zeros(40)
+            recv = comm.irecv(got, left, 12)
+            sent = np.full(5, k + 1 if r == 1 else -1, "int32")
+            assert comm.broadcast(sent, root=1) is sent and (sent == k + 1).all()
+            assert recv.wait(60) == 33 and send.wait(60) is None and before.wait(60) is None
+            assert np.array_equal(got[:33], piece(left, k, 33, "float64")) and not got[33:].any()
+            assert np.array_equal(a2av.wait(60), np.concatenate([piece(p, r + k, counts[p][r], "float64")
+                                                                 for p in range(n)]))
+            for h, count in ((large, big), (small, 7)):
+                assert np.array_equal(h.wait(60), np.concatenate([piece(p, k, count, "float64") for p in range(n)]))
+            rounds.append(sorted(planned))
+    finally:
+        for name, plan in originals.items():
+            setattr(specs, name, plan)
+    # (the large allgather is planned once more where the small one had run before it was made)
+    assert rounds[0] in ([*["allgather"] * k, "allreduce", "alltoall", "barrier", "broadcast", "p2p", "p2p"]
+                         for k in (1, 2)) and rounds[1] in ([], ["allgather"]) and rounds[2] == rounds[3] == [], rounds
+    # what refuses the large one beside queued calls, by itself
+    from pyrdma.collectives import hostplans
+    t = comm.transport
+    region, nbytes = t.own_region(0), t._own.nbytes
+    assert hostplans.beside_queued(hostplans.allgather, (comm, np.zeros(nbytes // (8 * n) + 64), None, None)) is None
+    assert t.own_region(0) is region and t._own.nbytes == nbytes          # not grown
+    fits = hostplans.beside_queued(hostplans.allgather, (comm, np.zeros(nbytes // (8 * n)), None, None))
+    assert len(fits) == 1 and fits[0] is not None and t._own.nbytes == nbytes
+    return True
+
+
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.device)])
 def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
     with World(3, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
+        assert all(w.run(_prepared_beside_queued, timeout=300))
         for rank, frames in enumerate(w.run(_one_call_copies, timeout=300)):
             # the root joins its list of pieces (_joined, the cost model's lend test, numpy's
             # concatenate: a few frames; the general path's planning would be dozens), or over TCP

@@ -9,6 +9,8 @@ more than its Layout says (op="avg"'s scaling, pieces given as a list), one in t
 where the one-call path does not lend it, and arguments the spec refuses (the general path
 raises their error).
 """
+import threading
+
 import numpy as np
 
 from pyrdma._hostcalls import LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, AlltoallvPlan, HostCall
@@ -17,6 +19,33 @@ from pyrdma.collectives import specs
 from pyrdma.errors import UsageError
 
 _LENT = {None: LENT_NONE, "in": LENT_IN, "out": LENT_OUT, "both": LENT_BOTH}
+
+
+class _Grows(Exception):
+    """A call prepared beside queued ones needs the transport's own buffer grown."""
+
+
+_beside = threading.local()     # .queued: this thread prepares beside queued calls (beside_queued)
+
+
+def beside_queued(prepare, args):
+    """``(prepare(*args),)`` made while calls are queued, one of which may be running on the
+    communicator's thread meanwhile; or None where the call needs the transport's own buffer grown,
+    which would close a region in use (its general run grows it, and the next call is prepared)."""
+    _beside.queued = True
+    try:
+        return (prepare(*args),)
+    except _Grows:
+        return None
+    finally:
+        _beside.queued = False
+
+
+def _own_region(t, nbytes):
+    """The transport's own region of at least ``nbytes`` (beside queued calls only as it is)."""
+    if getattr(_beside, "queued", False) and not t.own_fits(nbytes):
+        raise _Grows
+    return t.own_region(nbytes)
 
 
 def _host_call(comm, make_spec, *args, receive=False, lends=True):
@@ -42,7 +71,7 @@ def _prepared(comm, run, tag, own):
     schedule = run.plan(t.max_message)
     return HostCall(t.engine.program(schedule), tag, run.dtype, run.op,
                     layout.in_bytes, layout.result(schedule), layout.work_bytes,
-                    None if layout.lent else t.own_region(layout.work_bytes), own=own,
+                    None if layout.lent else _own_region(t, layout.work_bytes), own=own,
                     in_offset=layout.in_offset, out_bytes=layout.out_bytes, lent=_LENT[layout.lent])
 
 
@@ -168,7 +197,7 @@ def exchange(comm, sendbuf, dst, recvbuf, src, send_tag, recv_tag):
     nbytes, capacity = layout.in_bytes, layout.work_bytes - layout.in_bytes
     copy = layout.lent is None
     return HostCall(t.engine.program(run.plan(t.max_message)), run.tag, 0, 0, nbytes, nbytes if copy else 0,
-                    layout.work_bytes, t.own_region(layout.work_bytes) if copy else None, out_bytes=capacity,
+                    layout.work_bytes, _own_region(t, layout.work_bytes) if copy else None, out_bytes=capacity,
                     lent=LENT_NONE if copy else LENT_BOTH, rdesc=run.recv_tag)
 
 

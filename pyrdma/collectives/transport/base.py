@@ -284,6 +284,11 @@ class _EngineFailures:
 class _OwnBuffer:
     """buffer() of both transports, over their own work_area()."""
 
+    def own_fits(self, nbytes):
+        """Whether own_region(nbytes) would return the buffer as it is (not grow it)."""
+        own = self._own
+        return own is not None and own.nbytes >= nbytes
+
     def buffer(self, nbytes):
         """This transport's own buffer, grown to ``nbytes``, as the work area. Memory lent by an
         earlier collective is let go: writing there would change a caller's array after its call."""
