@@ -222,6 +222,19 @@ def test_the_bench_takes_each_ratio_within_its_round_and_gives_verdicts():
     assert [v for n, v in named.items() if "Python-level" in n] == ["MET"]
     assert [v for n, v in named.items() if "ping-pong" in n] == ["MISSED"]      # 2.5x > 2.0x
     assert [v for n, v in named.items() if "stream" in n] == ["MET"]
+    assert not [n for n in named if "ib_write_bw (bytes sent" in n]        # no 256 KiB row: no such target
+    # 256 KiB per peer in 2.5 ms = 0.105 GB/s: against ib_write_bw 0.1 GB/s (round 1), 0.2 (round 2)
+    bw_plans = {2: dict(collectives=["alltoall"], pieces=[262144], iters=3)}
+    for rd, anchor in zip(rounds, (0.1, 0.2)):
+        rd["ours"][2][("alltoall", 262144)], rd["ib_write_bw_gbps"] = 2.5e-3, anchor
+        rd["mpi"][2]["rows"].append(["alltoall", 262144, 3e-3])
+    got = {n: (v, d) for n, v, d in cb.targets(cb.summarize(rounds, bw_plans), p2p, rounds, args)
+           if "ib_write_bw (bytes sent" in n}
+    (verdict, detail), = got.values()
+    assert verdict == "MISSED" and detail.startswith("0.786 (rounds 0.524-1.049")   # median of 1.049 and 0.524
+    rounds[1]["ib_write_bw_gbps"] = 0.1
+    assert [v for n, v, _ in cb.targets(cb.summarize(rounds, bw_plans), p2p, rounds, args)
+            if "ib_write_bw (bytes sent" in n] == ["MET"]
     rounds[1]["ours"][2][("alltoall", 1024)] = 9e-3                           # 1.5x MPI's in one round
     rounds[0]["ours"][2][("alltoall", 1024)] = 9e-3
     rounds[0]["extras"][2]["python_calls"] = {"8": 39, "1024": 39}         # one round's count is enough
