@@ -910,8 +910,8 @@ def _queued_messages(comm):
 
 def _prepared_beside_queued(comm):
     """Shapes first met while calls are queued are prepared then for the one-call path: an
-    iallgather behind another, an all-to-all with counts behind them, an irecv behind its isend.
-    The large allgather needs the transport's buffer grown while the small one, prepared with its
+    iallgather behind another, an all-to-all with counts behind them, an irecv behind its isend, a
+    batch of a receive and a send (one exchange) behind them. The large allgather needs the transport's buffer grown while the small one, prepared with its
     region, is queued: that call goes the general way, whose run grows the buffer, and the next
     is prepared. Blocking calls behind queued ones (barrier, allreduce, broadcast) are queued after
     them as one C call each and waited for. So each shape is planned once, the large allgather
@@ -952,6 +952,9 @@ def _prepared_beside_queued(comm):
             recv = comm.irecv(got, left, 12)
             sent = np.full(5, k + 1 if r == 1 else -1, "int32")
             assert comm.broadcast(sent, root=1) is sent and (sent == k + 1).all()
+            got2 = np.zeros(20, "int64")             # a batch of a receive and a send: one exchange
+            pair = comm.batch([("recv", got2, left, 13), ("send", piece(r, k, 17, "int64"), right, 13)])
+            assert pair.wait(60) == [17, None] and np.array_equal(got2[:17], piece(left, k, 17, "int64"))
             assert recv.wait(60) == 33 and send.wait(60) is None and before.wait(60) is None
             assert np.array_equal(got[:33], piece(left, k, 33, "float64")) and not got[33:].any()
             assert np.array_equal(a2av.wait(60), np.concatenate([piece(p, r + k, counts[p][r], "float64")
@@ -963,7 +966,7 @@ def _prepared_beside_queued(comm):
         for name, plan in originals.items():
             setattr(specs, name, plan)
     # (the large allgather is planned once more where the small one had run before it was made)
-    assert rounds[0] in ([*["allgather"] * k, "allreduce", "alltoall", "barrier", "broadcast", "p2p", "p2p"]
+    assert rounds[0] in ([*["allgather"] * k, "allreduce", "alltoall", "barrier", "broadcast", "p2p", "p2p", "p2p"]
                          for k in (1, 2)) and rounds[1] in ([], ["allgather"]) and rounds[2] == rounds[3] == [], rounds
     # what refuses the large one beside queued calls, by itself
     from pyrdma.collectives import hostplans

@@ -53,7 +53,7 @@ from pyrdma._hostcalls import communicator_recv, communicator_send
 from pyrdma.collectives import specs
 from pyrdma.collectives.bootstrap import MPIExchange, StoreExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import CostModel
-from pyrdma.collectives.executor import Done, Executor, Handle, SendHandle  # noqa: F401 - Handle: the package's name
+from pyrdma.collectives.executor import Done, Executor, Handle, PairHandle, SendHandle  # noqa: F401 - Handle: the package's name
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.schedule import consumer
 from pyrdma.collectives.transport import NO_ROOT
@@ -546,8 +546,8 @@ class Communicator:
         n, r = self.size, self.rank
         sends, recvs = {}, {}
         ops = list(ops)
-        if blocking and len(ops) == 2 and self._host is not None:
-            done = self._exchange(ops)
+        if len(ops) == 2 and self._host is not None:
+            done = self._exchange(ops, blocking)
             if done is not None:
                 return done
         for i, op in enumerate(ops):
@@ -650,10 +650,10 @@ class Communicator:
                 results[v[0]] = got[0] if s else got
         return len(pairings)
 
-    def _exchange(self, ops):
-        """The Done of a blocking batch of one send and one receive as the one-call path's
-        exchange (both at once: in a batch neither waits for the other, whichever steps the
-        general path would give them); None where the general path must run it."""
+    def _exchange(self, ops, blocking):
+        """The Done (``blocking``) or PairHandle of a batch of one send and one receive as the
+        one-call path's exchange (both at once: in a batch neither waits for the other, whichever
+        steps the general path would give them); None where the general path must run it."""
         if not all(isinstance(op, (tuple, list)) and len(op) in (3, 4) for op in ops):
             return None
         (k0, b0, p0, *t0), (k1, b1, p1, *t1) = ops
@@ -663,7 +663,11 @@ class Communicator:
             (b0, p0, t0), (b1, p1, t1) = (b1, p1, t1), (b0, p0, t0)
         if type(p0) is not int or type(p1) is not int:
             return None
-        done = self._host.exchange(b0, p0, b1, p1, t0[0] if t0 else 0, t1[0] if t1 else 0)
+        args = (b0, p0, b1, p1, t0[0] if t0 else 0, t1[0] if t1 else 0)
+        if not blocking:
+            handle = self._host.submit(self._host.exchange, *args)
+            return None if handle is None else PairHandle(handle, k0 == "send")
+        done = self._host.exchange(*args)
         if done is None:
             return None
         return Done([None, done[0]] if k0 == "send" else [done[0], None])

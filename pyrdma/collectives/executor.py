@@ -200,6 +200,20 @@ class Handle:
             raise RDMATimeoutError(f"the collective is still running after {timeout} s", call="Handle.wait") from None
 
 
+class PairHandle(Handle):
+    """The Handle of a non-blocking batch of one send and one receive run as one exchange (one C
+    call, as isendrecv): wait() gives the batch's list, None for the send and the elements
+    received for the receive, in the order of the batch's ops."""
+
+    def __init__(self, handle, send_first):
+        super().__init__(handle._job, handle._executor)
+        self._send_first = send_first
+
+    def _result(self, timeout):
+        got = super()._result(timeout)
+        return [None, got] if self._send_first else [got, None]
+
+
 class SendHandle:
     """The Handle of a call that sends point-to-point messages (isend, batch). Over RDMA a message
     of rendezvous size from the caller's memory leaves its turn once the receiver is told of it (a
