@@ -11,6 +11,9 @@ LENT_NONE: int
 LENT_IN: int
 LENT_OUT: int
 LENT_BOTH: int
+AVG_NONE: int
+AVG_SCALE: int
+AVG_DIVIDE: int
 
 @final
 class HostCall:
@@ -18,7 +21,7 @@ class HostCall:
     def __init__(self, program: Program, desc: bytes, dtype: int, op: int, nbytes: int, result_offset: int,
                  work_bytes: int, work_region: Optional[MemoryRegion] = ...,
                  own: Tuple[int, int, int] = ..., in_offset: int = ..., out_bytes: int = ..., lent: int = ...,
-                 rdesc: Optional[bytes] = ...) -> None: ...
+                 rdesc: Optional[bytes] = ..., avg: Tuple[int, int] = ...) -> None: ...
 
 @final
 class ExecLock:

@@ -45,6 +45,19 @@ cdef int64_t HOLD_GIL_BYTES = 65536
 # root receives into it) or both, the input first and the output from ``nbytes`` on (an all-to-all).
 LENT_NONE, LENT_IN, LENT_OUT, LENT_BOTH = 0, 1, 2, 3
 
+# op="avg" in the transport's buffer (as specs' Avg): floating-point inputs divided by n after the
+# copy in (float32 and float64: one IEEE division each, the bits numpy's gives), integer results
+# after the run, before the copy out (truncated, as pyrdma._reduce.divide)
+cdef enum:
+    _AVG_NONE = 0
+    _AVG_SCALE = 1
+    _AVG_DIVIDE = 2
+AVG_NONE, AVG_SCALE, AVG_DIVIDE = _AVG_NONE, _AVG_SCALE, _AVG_DIVIDE
+
+cdef extern from "pyrdma_reduce.h" nogil:
+    int pyrdma_divide(void *buf, size_t count, int dtype, int64_t n)
+    const size_t pyrdma_itemsize[8]
+
 
 @cython.final
 cdef class HostCall:
@@ -57,7 +70,8 @@ cdef class HostCall:
     ``out_bytes``. ``own``: (from, to, length) of a copy before the run (an all-to-all's,
     gather's or scatter's own block, which no message carries): within the transport's buffer, or
     from the caller's input to its output (to the input itself where the call has no output).
-    ``rdesc``: an exchange's (a send and a receive at once) description of what it receives."""
+    ``rdesc``: an exchange's (a send and a receive at once) description of what it receives.
+    ``avg``: (AVG_SCALE or AVG_DIVIDE, n) of an op="avg" through the transport's buffer."""
     cdef Program program
     cdef uint8_t desc[DESC_SIZE]
     cdef uint8_t rdesc[DESC_SIZE]                    # an exchange's receive description (has_rdesc)
@@ -66,10 +80,12 @@ cdef class HostCall:
     cdef int64_t nbytes, result_offset, work_bytes, in_offset, out_bytes
     cdef int64_t own_from, own_to, own_len
     cdef object work_region                          # a MemoryRegion (RDMA) or HostRegion (TCP)
+    cdef int avg_kind                                # AVG_
+    cdef int64_t avg_n
 
     def __init__(self, Program program not None, bytes desc not None, int dtype, int op, int64_t nbytes,
                  int64_t result_offset, int64_t work_bytes, work_region=None, own=(0, 0, 0),
-                 int64_t in_offset=0, int64_t out_bytes=-1, int lent=-1, bytes rdesc=None):
+                 int64_t in_offset=0, int64_t out_bytes=-1, int lent=-1, bytes rdesc=None, avg=(_AVG_NONE, 0)):
         cdef int64_t area
         if len(desc) != DESC_SIZE or (rdesc is not None and len(rdesc) != DESC_SIZE):
             raise UsageError(f"a description has {DESC_SIZE} bytes, got {len(desc)}")
@@ -104,6 +120,12 @@ cdef class HostCall:
         self.nbytes, self.result_offset, self.work_bytes = nbytes, result_offset, work_bytes
         self.in_offset, self.out_bytes = in_offset, out_bytes
         self.work_region = work_region
+        self.avg_kind, self.avg_n = avg
+        # (scaled in C: float32 and float64, codes 5 and 6; divided: the integers, codes 0-3)
+        if self.avg_kind != _AVG_NONE and (lent != LENT_NONE or self.avg_n <= 0 or (
+                self.avg_kind == _AVG_SCALE and dtype not in (5, 6)) or (self.avg_kind == _AVG_DIVIDE and dtype > 3)
+                or self.avg_kind not in (_AVG_SCALE, _AVG_DIVIDE)):
+            raise UsageError(f"HostCall: avg={avg!r} for dtype {dtype}, lent={lent}")
 
 
 @cython.final
@@ -737,8 +759,10 @@ cdef class HostCollectives:
             except Exception:
                 return None
             try:
-                if not _same_format(&view, &oview) or (times and oview.len != times * view.len) \
-                        or view.buf == oview.buf:
+                # (in place, as FSDP's all-gather of a shard that lies in the output, is fine
+                # through the transport's buffer: the input is copied in before the output is
+                # written; a lent call refuses any overlap below)
+                if not _same_format(&view, &oview) or (times and oview.len != times * view.len):
                     return None
                 self._check_prepared_under()
                 call = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
@@ -1317,6 +1341,8 @@ cdef inline void _copy_in(HostCall call, uint8_t *work, const uint8_t *data, uin
             memcpy(work + call.own_to, work + call.own_from, <size_t>call.own_len)
         else:
             memcpy(out_data + call.own_to, data + call.own_from, <size_t>call.own_len)
+    if call.avg_kind == _AVG_SCALE:
+        pyrdma_divide(work + call.in_offset, <size_t>call.nbytes // pyrdma_itemsize[call.dtype], call.dtype, call.avg_n)
 
 
 cdef inline int64_t _copy_out(HostCall call, Engine engine, const uint8_t *work, uint8_t *out_data,
@@ -1329,6 +1355,9 @@ cdef inline int64_t _copy_out(HostCall call, Engine engine, const uint8_t *work,
         if got and copy:
             memcpy(out_data, work + call.result_offset, <size_t>got)
     elif copy and call.out_bytes:
+        if call.avg_kind == _AVG_DIVIDE:
+            pyrdma_divide(work + call.result_offset, <size_t>call.out_bytes // pyrdma_itemsize[call.dtype],
+                          call.dtype, call.avg_n)
         memcpy(out_data, work + call.result_offset, <size_t>call.out_bytes)
     return got
 

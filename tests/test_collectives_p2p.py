@@ -979,10 +979,88 @@ def _prepared_beside_queued(comm):
     return True
 
 
+def _avg_one_call(comm):
+    """op="avg" through the transport's buffer is one C call (float32 and float64 inputs divided by
+    n after the copy in, integer results after the run), bit for bit the general path's (taken
+    with dtype= given): a warm call plans nothing. float16 stays on the general path."""
+    from pyrdma.collectives import specs
+    n, r = comm.size, comm.rank
+    rng = np.random.default_rng(r)
+    inputs = [(rng.standard_normal(301) * 1e3).astype("float32"), rng.standard_normal(301) * 1e3,
+              rng.integers(-10 ** 6, 10 ** 6, 301).astype("int32"), (rng.standard_normal(40) * 10).astype("float16")]
+    planned, originals = [], {name: getattr(specs, name) for name in ("allreduce", "reduce", "reduce_scatter")}
+
+    def counting(name):
+        def plan(*args, **kwargs):
+            planned.append(name)
+            return originals[name](*args, **kwargs)
+        return plan
+    for name in originals:
+        setattr(specs, name, counting(name))
+    rounds = []
+    try:
+        for _ in range(2):
+            planned.clear()
+            for x in inputs:
+                general = {"allreduce": comm.allreduce(x.copy(), op="avg", dtype=x.dtype),
+                           "reduce": comm.reduce(x.copy(), op="avg", root=1, dtype=x.dtype),
+                           "reduce_scatter": comm.reduce_scatter(x.copy(), op="avg", dtype=x.dtype)}
+                one = {"allreduce": comm.allreduce(x.copy(), op="avg"), "reduce": comm.reduce(x.copy(), op="avg", root=1),
+                       "reduce_scatter": comm.reduce_scatter(x.copy(), op="avg")}
+                for name, got in one.items():
+                    want = general[name]
+                    assert (got is None) == (want is None) and (got is None or got.tobytes() == want.tobytes()), \
+                        (name, x.dtype)
+            rounds.append(len(planned))
+    finally:
+        for name, plan in originals.items():
+            setattr(specs, name, plan)
+    # the 12 general calls (dtype= given) plan at every call, the float16 ones without dtype= too
+    # (3); the first round prepares the other 12 (float16's refused once)
+    assert rounds == [12 + 12 + 3, 12 + 3], rounds
+    return True
+
+
+def _in_place_one_call(comm):
+    """An allgather whose input is this rank's block of its output (FSDP's all-gather of a shard,
+    on every rank: rank 0's starts where the output does) and an all-to-all with out=buf are one
+    C call each when warm, and right."""
+    from pyrdma.collectives import specs
+    n, r = comm.size, comm.rank
+    planned, originals = [], {name: getattr(specs, name) for name in ("allgather", "alltoall")}
+
+    def counting(name):
+        def plan(*args, **kwargs):
+            planned.append(name)
+            return originals[name](*args, **kwargs)
+        return plan
+    for name in originals:
+        setattr(specs, name, counting(name))
+    rounds = []
+    try:
+        for k in range(2):
+            planned.clear()
+            out = np.zeros(n * 50, "float32")
+            out[r * 50:(r + 1) * 50] = piece(r, k, 50, "float32")
+            assert comm.allgather(out[r * 50:(r + 1) * 50], out=out) is out
+            assert np.array_equal(out, np.concatenate([piece(p, k, 50, "float32") for p in range(n)]))
+            buf = np.concatenate([piece(r, p + k, 20, "int64") for p in range(n)])
+            assert comm.alltoall(buf, out=buf) is buf
+            assert np.array_equal(buf, np.concatenate([piece(p, r + k, 20, "int64") for p in range(n)]))
+            rounds.append(len(planned))
+    finally:
+        for name, plan in originals.items():
+            setattr(specs, name, plan)
+    assert rounds[1] == 0, rounds
+    return True
+
+
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("rdma", marks=pytest.mark.device)])
 def test_warm_blocking_host_collectives_are_one_python_call_each(transport):
     with World(3, transport, timeout=TIMEOUT, start_timeout=START_TIMEOUT) as w:
         assert all(w.run(_prepared_beside_queued, timeout=300))
+        assert all(w.run(_avg_one_call, timeout=300))
+        assert all(w.run(_in_place_one_call, timeout=300))
         for rank, frames in enumerate(w.run(_one_call_copies, timeout=300)):
             # the root joins its list of pieces (_joined, the cost model's lend test, numpy's
             # concatenate: a few frames; the general path's planning would be dozens), or over TCP

@@ -5,7 +5,8 @@ per shape: its one run's schedule as the engine's Program, its description, and 
 the run copies in and out, in terms of the shape alone), so both paths run the same plan message
 for message. Each function below builds the spec from the arguments HostCollectives has and
 returns None where the general path must run the call: a spec of several runs, a run that does
-more than its Layout says (op="avg"'s scaling, pieces given as a list), one in the caller's memory
+more than its Layout says (a float16 or bfloat16 op="avg"'s scaling, pieces given as a list; an avg
+in the caller's memory), one in the caller's memory
 where the one-call path does not lend it, and arguments the spec refuses (the general path
 raises their error).
 """
@@ -13,7 +14,9 @@ import threading
 
 import numpy as np
 
-from pyrdma._hostcalls import LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, AlltoallvPlan, HostCall
+from pyrdma import _reduce
+
+from pyrdma._hostcalls import AVG_DIVIDE, AVG_NONE, AVG_SCALE, LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, AlltoallvPlan, HostCall
 from pyrdma.buffers import host_array
 from pyrdma.collectives import specs
 from pyrdma.errors import UsageError
@@ -60,19 +63,29 @@ def _host_call(comm, make_spec, *args, receive=False, lends=True):
         return None
     run = spec.runs[0]
     layout, t = run.layout, comm.transport
-    if run.avg is not None or run.fill is not None or (layout.lent and not lends):
+    if run.fill is not None or (layout.lent and not lends):
         return None
-    return _prepared(comm, run, run.recv_tag if receive else run.tag, layout.own)
+    avg = (AVG_NONE, 0)
+    if run.avg is not None:
+        # through the transport's buffer only (a lent input must not be scaled); float16 and
+        # bfloat16 scale with their own rounding (work.prescale): the general path's
+        if layout.lent or run.avg.scale and run.dtype not in _SCALED_IN_C:
+            return None
+        avg = (AVG_SCALE if run.avg.scale else AVG_DIVIDE, run.avg.n)
+    return _prepared(comm, run, run.recv_tag if receive else run.tag, layout.own, avg)
 
 
-def _prepared(comm, run, tag, own):
+_SCALED_IN_C = (_reduce.DTYPE_NAMES.index("float32"), _reduce.DTYPE_NAMES.index("float64"))
+
+
+def _prepared(comm, run, tag, own, avg=(AVG_NONE, 0)):
     """The HostCall of ``run``, its messages described by ``tag``."""
     layout, t = run.layout, comm.transport
     schedule = run.plan(t.max_message)
     return HostCall(t.engine.program(schedule), tag, run.dtype, run.op,
                     layout.in_bytes, layout.result(schedule), layout.work_bytes,
                     None if layout.lent else _own_region(t, layout.work_bytes), own=own,
-                    in_offset=layout.in_offset, out_bytes=layout.out_bytes, lent=_LENT[layout.lent])
+                    in_offset=layout.in_offset, out_bytes=layout.out_bytes, lent=_LENT[layout.lent], avg=avg)
 
 
 def _elements(buf):
