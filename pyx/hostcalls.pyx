@@ -46,8 +46,9 @@ cdef int64_t HOLD_GIL_BYTES = 65536
 LENT_NONE, LENT_IN, LENT_OUT, LENT_BOTH = 0, 1, 2, 3
 
 # op="avg" in the transport's buffer (as specs' Avg): floating-point inputs divided by n after the
-# copy in (float32 and float64: one IEEE division each, the bits numpy's gives), integer results
-# after the run, before the copy out (truncated, as pyrdma._reduce.divide)
+# copy in (float32 and float64: one IEEE division each; bfloat16 through float32, to nearest even:
+# the bits of work.prescale), integer results after the run, before the copy out (truncated, as
+# pyrdma._reduce.divide)
 cdef enum:
     _AVG_NONE = 0
     _AVG_SCALE = 1
@@ -121,9 +122,9 @@ cdef class HostCall:
         self.in_offset, self.out_bytes = in_offset, out_bytes
         self.work_region = work_region
         self.avg_kind, self.avg_n = avg
-        # (scaled in C: float32 and float64, codes 5 and 6; divided: the integers, codes 0-3)
+        # (scaled in C: float32, float64 and bfloat16, codes 5 to 7; divided: the integers, 0 to 3)
         if self.avg_kind != _AVG_NONE and (lent != LENT_NONE or self.avg_n <= 0 or (
-                self.avg_kind == _AVG_SCALE and dtype not in (5, 6)) or (self.avg_kind == _AVG_DIVIDE and dtype > 3)
+                self.avg_kind == _AVG_SCALE and dtype < 5) or (self.avg_kind == _AVG_DIVIDE and dtype > 3)
                 or self.avg_kind not in (_AVG_SCALE, _AVG_DIVIDE)):
             raise UsageError(f"HostCall: avg={avg!r} for dtype {dtype}, lent={lent}")
 

@@ -980,14 +980,21 @@ def _prepared_beside_queued(comm):
 
 
 def _avg_one_call(comm):
-    """op="avg" through the transport's buffer is one C call (float32 and float64 inputs divided by
-    n after the copy in, integer results after the run), bit for bit the general path's (taken
-    with dtype= given): a warm call plans nothing. float16 stays on the general path."""
+    """op="avg" through the transport's buffer is one C call (float32, float64 and bfloat16 inputs
+    divided by n after the copy in, integer results after the run), bit for bit the general path's
+    (taken with dtype= given, and for bfloat16 by an ml_dtypes array, which has no buffer
+    protocol): a warm call plans nothing. bfloat16 comes as uint16 bits with dtype="bfloat16", as
+    the torch backend passes its tensors. float16 stays on the general path."""
+    import ml_dtypes
     from pyrdma.collectives import specs
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(r)
-    inputs = [(rng.standard_normal(301) * 1e3).astype("float32"), rng.standard_normal(301) * 1e3,
-              rng.integers(-10 ** 6, 10 ** 6, 301).astype("int32"), (rng.standard_normal(40) * 10).astype("float16")]
+    bits = (rng.standard_normal(77) * 1e3).astype(ml_dtypes.bfloat16).view(np.uint16)
+    # (one-call input, its dtype=, the general path's input, its dtype=)
+    inputs = [(x, None, x, x.dtype) for x in (
+        (rng.standard_normal(301) * 1e3).astype("float32"), rng.standard_normal(301) * 1e3,
+        rng.integers(-10 ** 6, 10 ** 6, 301).astype("int32"), (rng.standard_normal(40) * 10).astype("float16"))]
+    inputs.append((bits, "bfloat16", bits.view(ml_dtypes.bfloat16), None))
     planned, originals = [], {name: getattr(specs, name) for name in ("allreduce", "reduce", "reduce_scatter")}
 
     def counting(name):
@@ -1001,12 +1008,13 @@ def _avg_one_call(comm):
     try:
         for _ in range(2):
             planned.clear()
-            for x in inputs:
-                general = {"allreduce": comm.allreduce(x.copy(), op="avg", dtype=x.dtype),
-                           "reduce": comm.reduce(x.copy(), op="avg", root=1, dtype=x.dtype),
-                           "reduce_scatter": comm.reduce_scatter(x.copy(), op="avg", dtype=x.dtype)}
-                one = {"allreduce": comm.allreduce(x.copy(), op="avg"), "reduce": comm.reduce(x.copy(), op="avg", root=1),
-                       "reduce_scatter": comm.reduce_scatter(x.copy(), op="avg")}
+            for x, dtype, g, gtype in inputs:
+                general = {"allreduce": comm.allreduce(g.copy(), op="avg", dtype=gtype),
+                           "reduce": comm.reduce(g.copy(), op="avg", root=1, dtype=gtype),
+                           "reduce_scatter": comm.reduce_scatter(g.copy(), op="avg", dtype=gtype)}
+                one = {"allreduce": comm.allreduce(x.copy(), op="avg", dtype=dtype),
+                       "reduce": comm.reduce(x.copy(), op="avg", root=1, dtype=dtype),
+                       "reduce_scatter": comm.reduce_scatter(x.copy(), op="avg", dtype=dtype)}
                 for name, got in one.items():
                     want = general[name]
                     assert (got is None) == (want is None) and (got is None or got.tobytes() == want.tobytes()), \
@@ -1015,9 +1023,9 @@ def _avg_one_call(comm):
     finally:
         for name, plan in originals.items():
             setattr(specs, name, plan)
-    # the 12 general calls (dtype= given) plan at every call, the float16 ones without dtype= too
-    # (3); the first round prepares the other 12 (float16's refused once)
-    assert rounds == [12 + 12 + 3, 12 + 3], rounds
+    # the 15 general calls plan at every call, the float16 ones without dtype= too (3); the first
+    # round prepares the other 15 (float16's refused once)
+    assert rounds == [15 + 15 + 3, 15 + 3], rounds
     return True
 
 

@@ -154,6 +154,13 @@ def rdma_available(device=None):
         return False
 
 
+def _host_op(op, dtype):
+    """A reduction's op, given a ``dtype``, as the one-call path keys it (hostplans.op_and_dtype):
+    (op, "bfloat16") for bfloat16 values held as uint16 bits (the torch backend's bfloat16
+    tensors); None where the general path must run the call. (Without a dtype the key is op.)"""
+    return (op, dtype) if type(dtype) is str and dtype == "bfloat16" and op is not None else None
+
+
 class Communicator:
     """A group of ``size`` processes that run collectives together.
 
@@ -339,8 +346,9 @@ class Communicator:
     def allreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks, into ``out`` (default: ``buf``, in place).
         Returns the result buffer."""
-        if out is None and dtype is None and self._host is not None:
-            done = self._host.allreduce(buf, op, algorithm)
+        key = (op if dtype is None else _host_op(op, dtype)) if out is None and self._host is not None else None
+        if key is not None:
+            done = self._host.allreduce(buf, key, algorithm)
             if done is not None:
                 return done
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=True, dtype=dtype)
@@ -356,7 +364,8 @@ class Communicator:
         """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done.
         (Each non-blocking collective of host memory that the one-call path takes runs as one C
         call on the communicator's thread: _queued.)"""
-        handle = self._queued("allreduce", buf, op, algorithm) if out is None and dtype is None else None
+        key = (op if dtype is None else _host_op(op, dtype)) if out is None else None
+        handle = self._queued("allreduce", buf, key, algorithm) if key is not None else None
         if handle is not None:
             return handle
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=False, dtype=dtype)
@@ -364,14 +373,16 @@ class Communicator:
     def reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
         """Element-wise ``op`` over all ranks, delivered to ``root`` only (into ``out``, default in
         place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
-        if out is None and dtype is None and self._host is not None:
-            done = self._host.reduce(buf, op, root, algorithm)
+        key = (op if dtype is None else _host_op(op, dtype)) if out is None and self._host is not None else None
+        if key is not None:
+            done = self._host.reduce(buf, key, root, algorithm)
             if done is not None:
                 return done[0]
         return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=True, dtype=dtype)
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
-        handle = self._queued("reduce", buf, op, root, algorithm) if out is None and dtype is None else None
+        key = (op if dtype is None else _host_op(op, dtype)) if out is None else None
+        handle = self._queued("reduce", buf, key, root, algorithm) if key is not None else None
         if handle is not None:
             return handle
         return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=False, dtype=dtype)
@@ -409,14 +420,16 @@ class Communicator:
     def reduce_scatter(self, buf, out=None, op="sum", dtype=None):
         """Element-wise ``op`` of ``buf`` over all ranks; rank i receives segment i of
         ``segment_bounds(len(buf))`` into ``out`` (default a new 1-D array). Returns ``out``."""
-        if dtype is None and self._host is not None:
-            done = self._host.reduce_scatter(buf, out, op)
+        key = (op if dtype is None else _host_op(op, dtype)) if self._host is not None else None
+        if key is not None:
+            done = self._host.reduce_scatter(buf, out, key)
             if done is not None:
                 return done
         return self._call(specs.reduce_scatter, buf, out, op, blocking=True, dtype=dtype)
 
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
-        handle = self._queued("reduce_scatter", buf, out, op) if dtype is None else None
+        key = op if dtype is None else _host_op(op, dtype)
+        handle = self._queued("reduce_scatter", buf, out, key) if key is not None else None
         if handle is not None:
             return handle
         return self._call(specs.reduce_scatter, buf, out, op, blocking=False, dtype=dtype)

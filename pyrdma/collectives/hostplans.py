@@ -5,8 +5,8 @@ per shape: its one run's schedule as the engine's Program, its description, and 
 the run copies in and out, in terms of the shape alone), so both paths run the same plan message
 for message. Each function below builds the spec from the arguments HostCollectives has and
 returns None where the general path must run the call: a spec of several runs, a run that does
-more than its Layout says (a float16 or bfloat16 op="avg"'s scaling, pieces given as a list; an avg
-in the caller's memory), one in the caller's memory
+more than its Layout says (a float16 op="avg"'s scaling, pieces given as a list; an avg in the
+caller's memory), one in the caller's memory
 where the one-call path does not lend it, and arguments the spec refuses (the general path
 raises their error).
 """
@@ -67,15 +67,15 @@ def _host_call(comm, make_spec, *args, receive=False, lends=True):
         return None
     avg = (AVG_NONE, 0)
     if run.avg is not None:
-        # through the transport's buffer only (a lent input must not be scaled); float16 and
-        # bfloat16 scale with their own rounding (work.prescale): the general path's
+        # through the transport's buffer only (a lent input must not be scaled); float16 scales
+        # with its own rounding (toward zero: work.prescale), the general path's
         if layout.lent or run.avg.scale and run.dtype not in _SCALED_IN_C:
             return None
         avg = (AVG_SCALE if run.avg.scale else AVG_DIVIDE, run.avg.n)
     return _prepared(comm, run, run.recv_tag if receive else run.tag, layout.own, avg)
 
 
-_SCALED_IN_C = (_reduce.DTYPE_NAMES.index("float32"), _reduce.DTYPE_NAMES.index("float64"))
+_SCALED_IN_C = tuple(_reduce.DTYPE_NAMES.index(name) for name in ("float32", "float64", "bfloat16"))
 
 
 def _prepared(comm, run, tag, own, avg=(AVG_NONE, 0)):
@@ -96,16 +96,24 @@ def _elements(buf):
         return False
 
 
+def op_and_dtype(op):
+    """(op, reduction dtype) of a reduction's op as HostCollectives keys it: ``op``, or
+    (op, "bfloat16") for bfloat16 values held as uint16 bits (Communicator's _host_op)."""
+    return op if type(op) is tuple else (op, None)
+
+
 def allreduce(comm, buf, op, algorithm):
     """The HostCall of a blocking ``allreduce(buf, op=op, algorithm=algorithm)`` in place, again for
     every buffer of the same format and size (HostCollectives' cache key)."""
-    return _host_call(comm, specs.allreduce, buf, None, op, algorithm, None) if _elements(buf) else None
+    op, dtype = op_and_dtype(op)
+    return _host_call(comm, specs.allreduce, buf, None, op, algorithm, dtype) if _elements(buf) else None
 
 
 def reduce(comm, buf, op, root, algorithm):
     """The HostCall of a blocking ``reduce(buf, op=op, root=root, algorithm=algorithm)`` in place
     (the result into buf on the root; the other ranks' buffers are read)."""
-    return _host_call(comm, specs.reduce, buf, None, op, root, algorithm, None) if _elements(buf) else None
+    op, dtype = op_and_dtype(op)
+    return _host_call(comm, specs.reduce, buf, None, op, root, algorithm, dtype) if _elements(buf) else None
 
 
 def broadcast(comm, buf, root, algorithm):
@@ -125,7 +133,8 @@ def reduce_scatter(comm, buf, out, op):
     """The HostCall of a blocking ``reduce_scatter(buf, op=op)``: the input copied into the
     transport's buffer, this rank's segment (segment_bounds) out of it. (``out``: its shape is
     the call's.)"""
-    return _host_call(comm, specs.reduce_scatter, buf, None, op, None) if _elements(buf) else None
+    op, dtype = op_and_dtype(op)
+    return _host_call(comm, specs.reduce_scatter, buf, None, op, dtype) if _elements(buf) else None
 
 
 def alltoall(comm, buf, out, op):
