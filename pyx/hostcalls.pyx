@@ -16,7 +16,7 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.long cimport PyLong_AsLongAndOverflow
 from cpython.pythread cimport (PyThread_get_thread_ident, PyThread_type_lock, PyThread_allocate_lock,
                                PyThread_free_lock, PyThread_release_lock, PyLockStatus, PY_LOCK_ACQUIRED)
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
+from libc.stdint cimport uint8_t, uint16_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, calloc, free
 from posix.time cimport timespec, clock_gettime, CLOCK_MONOTONIC
 from posix.types cimport clockid_t, time_t, pid_t
@@ -46,9 +46,9 @@ cdef int64_t HOLD_GIL_BYTES = 65536
 LENT_NONE, LENT_IN, LENT_OUT, LENT_BOTH = 0, 1, 2, 3
 
 # op="avg" in the transport's buffer (as specs' Avg): floating-point inputs divided by n after the
-# copy in (float32 and float64: one IEEE division each; bfloat16 through float32, to nearest even:
-# the bits of work.prescale), integer results after the run, before the copy out (truncated, as
-# pyrdma._reduce.divide)
+# copy in, with the bits of work.prescale (float32 and float64: one IEEE division each; bfloat16
+# through float32, to nearest even; float16 through float32, toward zero: _scale_half), integer
+# results after the run, before the copy out (truncated, as pyrdma._reduce.divide)
 cdef enum:
     _AVG_NONE = 0
     _AVG_SCALE = 1
@@ -58,6 +58,28 @@ AVG_NONE, AVG_SCALE, AVG_DIVIDE = _AVG_NONE, _AVG_SCALE, _AVG_DIVIDE
 cdef extern from "pyrdma_reduce.h" nogil:
     int pyrdma_divide(void *buf, size_t count, int dtype, int64_t n)
     const size_t pyrdma_itemsize[8]
+    float pyrdma_half_to_float(uint16_t h)
+    uint16_t pyrdma_float_to_half(float f)
+
+cdef extern from "<math.h>" nogil:
+    float fabsf(float x)
+
+cdef int FLOAT16_CODE = 4           # pyrdma._reduce's
+
+
+cdef void _scale_half(uint16_t *p, size_t count, int64_t n) noexcept nogil:
+    """p[i] /= n for float16 as avg.scale_down does it: through float32, rounded to nearest, then
+    one step back toward zero where that rounded away from it (so n scaled values cannot sum past
+    the largest half where their mean is finite)."""
+    cdef size_t i
+    cdef float q, d = <float>n
+    cdef uint16_t r
+    for i in range(count):
+        q = pyrdma_half_to_float(p[i]) / d
+        r = pyrdma_float_to_half(q)
+        if fabsf(pyrdma_half_to_float(r)) > fabsf(q):
+            r -= 1
+        p[i] = r
 
 
 @cython.final
@@ -122,9 +144,9 @@ cdef class HostCall:
         self.in_offset, self.out_bytes = in_offset, out_bytes
         self.work_region = work_region
         self.avg_kind, self.avg_n = avg
-        # (scaled in C: float32, float64 and bfloat16, codes 5 to 7; divided: the integers, 0 to 3)
+        # (scaled: the floating-point codes, 4 to 7; divided: the integers, 0 to 3)
         if self.avg_kind != _AVG_NONE and (lent != LENT_NONE or self.avg_n <= 0 or (
-                self.avg_kind == _AVG_SCALE and dtype < 5) or (self.avg_kind == _AVG_DIVIDE and dtype > 3)
+                self.avg_kind == _AVG_SCALE and dtype < 4) or (self.avg_kind == _AVG_DIVIDE and dtype > 3)
                 or self.avg_kind not in (_AVG_SCALE, _AVG_DIVIDE)):
             raise UsageError(f"HostCall: avg={avg!r} for dtype {dtype}, lent={lent}")
 
@@ -1343,7 +1365,11 @@ cdef inline void _copy_in(HostCall call, uint8_t *work, const uint8_t *data, uin
         else:
             memcpy(out_data + call.own_to, data + call.own_from, <size_t>call.own_len)
     if call.avg_kind == _AVG_SCALE:
-        pyrdma_divide(work + call.in_offset, <size_t>call.nbytes // pyrdma_itemsize[call.dtype], call.dtype, call.avg_n)
+        if call.dtype == FLOAT16_CODE:
+            _scale_half(<uint16_t *>(work + call.in_offset), <size_t>call.nbytes // 2, call.avg_n)
+        else:
+            pyrdma_divide(work + call.in_offset, <size_t>call.nbytes // pyrdma_itemsize[call.dtype], call.dtype,
+                          call.avg_n)
 
 
 cdef inline int64_t _copy_out(HostCall call, Engine engine, const uint8_t *work, uint8_t *out_data,

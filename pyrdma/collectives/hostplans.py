@@ -5,16 +5,13 @@ per shape: its one run's schedule as the engine's Program, its description, and 
 the run copies in and out, in terms of the shape alone), so both paths run the same plan message
 for message. Each function below builds the spec from the arguments HostCollectives has and
 returns None where the general path must run the call: a spec of several runs, a run that does
-more than its Layout says (a float16 op="avg"'s scaling, pieces given as a list; an avg in the
-caller's memory), one in the caller's memory
+more than its Layout says (pieces given as a list; an op="avg" in the caller's memory), one in the caller's memory
 where the one-call path does not lend it, and arguments the spec refuses (the general path
 raises their error).
 """
 import threading
 
 import numpy as np
-
-from pyrdma import _reduce
 
 from pyrdma._hostcalls import AVG_DIVIDE, AVG_NONE, AVG_SCALE, LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, AlltoallvPlan, HostCall
 from pyrdma.buffers import host_array
@@ -67,15 +64,11 @@ def _host_call(comm, make_spec, *args, receive=False, lends=True):
         return None
     avg = (AVG_NONE, 0)
     if run.avg is not None:
-        # through the transport's buffer only (a lent input must not be scaled); float16 scales
-        # with its own rounding (toward zero: work.prescale), the general path's
-        if layout.lent or run.avg.scale and run.dtype not in _SCALED_IN_C:
+        if layout.lent:         # through the transport's buffer only: a lent input must not be scaled
             return None
         avg = (AVG_SCALE if run.avg.scale else AVG_DIVIDE, run.avg.n)
     return _prepared(comm, run, run.recv_tag if receive else run.tag, layout.own, avg)
 
-
-_SCALED_IN_C = tuple(_reduce.DTYPE_NAMES.index(name) for name in ("float32", "float64", "bfloat16"))
 
 
 def _prepared(comm, run, tag, own, avg=(AVG_NONE, 0)):
