@@ -911,12 +911,13 @@ def _queued_messages(comm):
 def _prepared_beside_queued(comm):
     """Shapes first met while calls are queued are prepared then for the one-call path: an
     iallgather behind another, an all-to-all with counts behind them, an irecv behind its isend, a
-    batch of a receive and a send (one exchange) behind them. The large allgather needs the transport's buffer grown while the small one, prepared with its
-    region, is queued: that call goes the general way, whose run grows the buffer, and the next
-    is prepared. Blocking calls behind queued ones (barrier, allreduce, broadcast) are queued after
-    them as one C call each and waited for. So each shape is planned once, the large allgather
-    twice, and nothing after the second round. (Before, a shape first met behind a queued call,
-    and any blocking collective behind one, took the general path at every call.)"""
+    batch of a receive and a send (one exchange) behind them. The large allgather needs the
+    transport's buffer grown while the small one, prepared with its region, is queued: that call
+    goes the general way, whose run grows the buffer, and the next is prepared. Blocking calls
+    behind queued ones (barrier, allreduce, broadcast) are queued after them as one C call each and
+    waited for. So each shape is planned once (the large allgather once more where it met a
+    queued call), and nothing after the second round. (Before, a shape first met behind a queued
+    call, and any blocking collective behind one, took the general path at every call.)"""
     from pyrdma.collectives import specs
     n, r = comm.size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
@@ -995,7 +996,7 @@ def _avg_one_call(comm):
         (rng.standard_normal(301) * 1e3).astype("float32"), rng.standard_normal(301) * 1e3,
         rng.integers(-10 ** 6, 10 ** 6, 301).astype("int32"),
         # float16: the largest finite values (scaled toward zero, their mean stays finite), subnormals
-        np.concatenate([(rng.standard_normal(40) * 10), [65504, -65504, 65000, 6e-8, -3e-7, 1e-5, 0]]).astype("float16"))]
+        np.concatenate([rng.standard_normal(40) * 10, [65504, -65504, 65000, 6e-8, -3e-7, 1e-5, 0]]).astype("float16"))]
     inputs.append((bits, "bfloat16", bits.view(ml_dtypes.bfloat16), None))
     planned, originals = [], {name: getattr(specs, name) for name in ("allreduce", "reduce", "reduce_scatter")}
 

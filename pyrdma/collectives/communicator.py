@@ -53,7 +53,8 @@ from pyrdma._hostcalls import communicator_recv, communicator_send
 from pyrdma.collectives import specs
 from pyrdma.collectives.bootstrap import MPIExchange, StoreExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import CostModel
-from pyrdma.collectives.executor import Done, Executor, Handle, PairHandle, SendHandle  # noqa: F401 - Handle: the package's name
+from pyrdma.collectives.executor import (Done, Executor, Handle, PairHandle,  # noqa: F401 - Handle: the package's name
+                                         SendHandle)
 from pyrdma.collectives.pieces import segment_bounds
 from pyrdma.collectives.schedule import consumer
 from pyrdma.collectives.transport import NO_ROOT

@@ -5,15 +5,16 @@ per shape: its one run's schedule as the engine's Program, its description, and 
 the run copies in and out, in terms of the shape alone), so both paths run the same plan message
 for message. Each function below builds the spec from the arguments HostCollectives has and
 returns None where the general path must run the call: a spec of several runs, a run that does
-more than its Layout says (pieces given as a list; an op="avg" in the caller's memory), one in the caller's memory
-where the one-call path does not lend it, and arguments the spec refuses (the general path
-raises their error).
+more than its Layout says (pieces given as a list; an op="avg" in the caller's memory), one in
+the caller's memory where the one-call path does not lend it, and arguments the spec refuses (the
+general path raises their error).
 """
 import threading
 
 import numpy as np
 
-from pyrdma._hostcalls import AVG_DIVIDE, AVG_NONE, AVG_SCALE, LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, AlltoallvPlan, HostCall
+from pyrdma._hostcalls import (AVG_DIVIDE, AVG_NONE, AVG_SCALE, LENT_BOTH, LENT_IN, LENT_NONE, LENT_OUT, AlltoallvPlan,
+                               HostCall)
 from pyrdma.buffers import host_array
 from pyrdma.collectives import specs
 from pyrdma.errors import UsageError
