@@ -4,6 +4,7 @@ transports with the same bodies: TCP on the host, RDMA (marker ``device``) on rx
 Worlds (rank processes) are shared by the tests of this module; MAX_MESSAGE is small, so that even
 small arrays travel in several chunks, and ZERO_COPY small, so that the zero-copy paths run too.
 """
+import contextlib
 import time
 
 import numpy as np
@@ -794,13 +795,33 @@ def _one_call_reductions_and_rooted(comm):
     return {name: sorted(set(f)) for name, f in frames.items()}
 
 
+@contextlib.contextmanager
+def _counting_plans(names):
+    """The list of specs' planners among ``names`` called while in it (the general path plans per
+    call; the one-call path only to prepare a shape), in call order."""
+    from pyrdma.collectives import specs
+    planned, originals = [], {name: getattr(specs, name) for name in names}
+
+    def counting(name):
+        def plan(*args, **kwargs):
+            planned.append(name)
+            return originals[name](*args, **kwargs)
+        return plan
+    for name in originals:
+        setattr(specs, name, counting(name))
+    try:
+        yield planned
+    finally:
+        for name, plan in originals.items():
+            setattr(specs, name, plan)
+
+
 def _queued_one_calls(comm):
     """Non-blocking collectives of host memory that the one-call path takes are checked and looked
     up on the caller's thread and run as one C call each on the communicator's thread
     (HostCollectives.submit): once a blocking call prepared their shapes no spec is planned again,
     many are in flight at once, mixed with the general path's (out= of an allreduce), and each
     gives the blocking form's result, whichever order they are waited in."""
-    from pyrdma.collectives import specs
     n, r = comm.size, comm.rank
     count = 1000
     mine = piece(r, 0, count, "float64")
@@ -834,25 +855,12 @@ def _queued_one_calls(comm):
         if o is not None:
             o[:] = 0
     outs["ar"][:], outs["bc"][:], outs["re"][:] = mine, mine, mine
-    planned = []
-    originals = {name: getattr(specs, name) for name in ("allreduce", "reduce", "broadcast", "allgather",
-                                                         "reduce_scatter", "alltoall", "gather", "scatter", "barrier")}
-
-    def counting(name):
-        def plan(*args, **kwargs):
-            planned.append(name)
-            return originals[name](*args, **kwargs)
-        return plan
-    for name in originals:
-        setattr(specs, name, counting(name))
-    try:
+    with _counting_plans(("allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "alltoall", "gather",
+                          "scatter", "barrier")) as planned:
         handles = issue(False)
         general = comm.iallreduce(mine, out=np.zeros(count))
         results = {name: h.wait(60) for name, h in reversed(list(handles.items()))}
         assert np.array_equal(general.wait(60), total)
-    finally:
-        for name, plan in originals.items():
-            setattr(specs, name, plan)
     assert planned == ["allreduce"], planned              # the general path's allreduce only
     want = {"ar": total, "bc": piece(1, 0, count, "float64"), "ag": everyone, "rs": total[lo:hi],
             "a2a": np.concatenate([piece(p, r, 10, "float64") for p in range(n)]),
@@ -918,25 +926,14 @@ def _prepared_beside_queued(comm):
     waited for. So each shape is planned once (the large allgather once more where it met a
     queued call), and nothing after the second round. (Before, a shape first met behind a queued
     call, and any blocking collective behind one, took the general path at every call.)"""
-    from pyrdma.collectives import specs
     n, r = comm.size, comm.rank
     right, left = (r + 1) % n, (r - 1) % n
     comm.allgather(piece(r, 0, 7, "float64"))          # the small shape prepared, the buffer made
     big = comm.transport._own.nbytes // (8 * n) + 64     # float64s each: out outgrows the buffer
     assert big * 8 < comm.zero_copy_bytes, (big, comm.zero_copy_bytes)     # (copied, not lent)
     counts = [[(s + 2 * p) % 4 * 5 for p in range(n)] for s in range(n)]     # counts[sender][receiver], zeros too
-    planned, originals = [], {name: getattr(specs, name) for name in ("allgather", "alltoall", "p2p", "allreduce",
-                                                                      "broadcast", "barrier")}
-
-    def counting(name):
-        def plan(*args, **kwargs):
-            planned.append(name)
-            return originals[name](*args, **kwargs)
-        return plan
-    for name in originals:
-        setattr(specs, name, counting(name))
     rounds = []
-    try:
+    with _counting_plans(("allgather", "alltoall", "p2p", "allreduce", "broadcast", "barrier")) as planned:
         for k in range(4):
             planned.clear()
             # each blocking call behind the queued one before it (which its wait runs first)
@@ -963,9 +960,6 @@ def _prepared_beside_queued(comm):
             for h, count in ((large, big), (small, 7)):
                 assert np.array_equal(h.wait(60), np.concatenate([piece(p, k, count, "float64") for p in range(n)]))
             rounds.append(sorted(planned))
-    finally:
-        for name, plan in originals.items():
-            setattr(specs, name, plan)
     # (the large allgather is planned once more where the small one had run before it was made)
     assert rounds[0] in ([*["allgather"] * k, "allreduce", "alltoall", "barrier", "broadcast", "p2p", "p2p", "p2p"]
                          for k in (1, 2)) and rounds[1] in ([], ["allgather"]) and rounds[2] == rounds[3] == [], rounds
@@ -987,7 +981,6 @@ def _avg_one_call(comm):
     no buffer protocol): a warm call plans nothing. bfloat16 comes as uint16 bits with
     dtype="bfloat16", as the torch backend passes its tensors."""
     import ml_dtypes
-    from pyrdma.collectives import specs
     n, r = comm.size, comm.rank
     rng = np.random.default_rng(r)
     bits = (rng.standard_normal(77) * 1e3).astype(ml_dtypes.bfloat16).view(np.uint16)
@@ -998,17 +991,8 @@ def _avg_one_call(comm):
         # float16: the largest finite values (scaled toward zero, their mean stays finite), subnormals
         np.concatenate([rng.standard_normal(40) * 10, [65504, -65504, 65000, 6e-8, -3e-7, 1e-5, 0]]).astype("float16"))]
     inputs.append((bits, "bfloat16", bits.view(ml_dtypes.bfloat16), None))
-    planned, originals = [], {name: getattr(specs, name) for name in ("allreduce", "reduce", "reduce_scatter")}
-
-    def counting(name):
-        def plan(*args, **kwargs):
-            planned.append(name)
-            return originals[name](*args, **kwargs)
-        return plan
-    for name in originals:
-        setattr(specs, name, counting(name))
     rounds = []
-    try:
+    with _counting_plans(("allreduce", "reduce", "reduce_scatter")) as planned:
         for _ in range(2):
             planned.clear()
             for x, dtype, g, gtype in inputs:
@@ -1023,9 +1007,6 @@ def _avg_one_call(comm):
                     assert (got is None) == (want is None) and (got is None or got.tobytes() == want.tobytes()), \
                         (name, x.dtype)
             rounds.append(len(planned))
-    finally:
-        for name, plan in originals.items():
-            setattr(specs, name, plan)
     # the 15 general calls plan at every call; the first round prepares the other 15
     assert rounds == [15 + 15, 15], rounds
     return True
@@ -1035,19 +1016,9 @@ def _in_place_one_call(comm):
     """An allgather whose input is this rank's block of its output (FSDP's all-gather of a shard,
     on every rank: rank 0's starts where the output does) and an all-to-all with out=buf are one
     C call each when warm, and right."""
-    from pyrdma.collectives import specs
     n, r = comm.size, comm.rank
-    planned, originals = [], {name: getattr(specs, name) for name in ("allgather", "alltoall")}
-
-    def counting(name):
-        def plan(*args, **kwargs):
-            planned.append(name)
-            return originals[name](*args, **kwargs)
-        return plan
-    for name in originals:
-        setattr(specs, name, counting(name))
     rounds = []
-    try:
+    with _counting_plans(("allgather", "alltoall")) as planned:
         for k in range(2):
             planned.clear()
             out = np.zeros(n * 50, "float32")
@@ -1058,9 +1029,6 @@ def _in_place_one_call(comm):
             assert comm.alltoall(buf, out=buf) is buf
             assert np.array_equal(buf, np.concatenate([piece(p, r + k, 20, "int64") for p in range(n)]))
             rounds.append(len(planned))
-    finally:
-        for name, plan in originals.items():
-            setattr(specs, name, plan)
     assert rounds[1] == 0, rounds
     return True
 
