@@ -37,17 +37,18 @@ def abort_error(reporter, culprit, reason):
     """The exception a rank raises when ``reporter`` says the group failed because of ``culprit``."""
     who = "an unknown rank" if culprit == NO_CULPRIT else f"rank {culprit}"
     if reason == MISMATCH:
-        err = UsageError(f"rank {reporter} found that {who} called a different collective (size, dtype, op, "
-                         f"root or algorithm differ across ranks); the communicator is unusable now")
+        err = UsageError(f"rank {reporter} found that {who} called a different collective or sent a different "
+                         f"message (a collective's size, dtype, op, root or algorithm, or a message's tag or "
+                         f"dtype, differ across ranks); the communicator is unusable now")
         err.peer = culprit if culprit != NO_CULPRIT else reporter
         return err
     return PeerError(f"rank {reporter} reports that {who} {_REASONS.get(reason, 'failed')}; "
                      f"the communicator is unusable now", peer=reporter if culprit == NO_CULPRIT else culprit)
 
 
-def mismatch_error(peer, what):
-    err = UsageError(f"rank {peer} sent {what}: the ranks disagree on the collective (buffer size, "
-                     f"dtype, op, root or algorithm differ across ranks)")
+def mismatch_error(peer, what, why="the ranks disagree on the collective (buffer size, dtype, op, root or "
+                                   "algorithm differ across ranks)"):
+    err = UsageError(f"rank {peer} sent {what}: {why}")
     err.peer = peer
     return err
 
@@ -137,10 +138,25 @@ def check_header(peer, rank, got_desc, got_len, want_desc, want_len):
             and got_len > want_len:        # a point-to-point message longer than the receive
         raise too_long_error(peer, rank, DESC.unpack(got_desc)[1], want_len)
     if got_desc != want_desc:
+        if KINDS[want_desc[38]] == "send" and got_desc[38] == want_desc[38] and got_desc[:8] == want_desc[:8]:
+            _raise_message_mismatch(peer, rank, got_desc, want_desc)
         raise mismatch_error(peer, f"a message of a different collective ({explain(got_desc)}) where rank {rank} "
                                    f"runs {explain(want_desc)}")
     if got_len != want_len:
         raise mismatch_error(peer, f"a {got_len}-byte message where rank {rank} expected {want_len} bytes")
+
+
+def _raise_message_mismatch(peer, rank, got_desc, want_desc):
+    """Where the point-to-point message a receive takes next (its sender's next, by number)
+    differs from the receive in its tag or dtype: say which, and that messages are taken in order."""
+    got, want = explain(got_desc).split(", "), explain(want_desc).split(", ")
+    expected = [w for g, w in zip(got, want) if g != w and w.startswith(("tag=", "dtype="))]
+    if expected:
+        raise mismatch_error(peer, f"{', '.join(got)} where rank {rank}'s receive from it expects "
+                                   f"{', '.join(expected)}",
+                             "a receive takes its sender's next message, so the sends and receives of "
+                             "two ranks must come in the same order, with the same tags and dtypes (tags "
+                             "are checked, not matched out of order)")
 
 
 def _as_desc(desc):
