@@ -43,7 +43,12 @@ cdef int64_t HOLD_GIL_BYTES = 65536
 # Where a HostCall works: through the transport's buffer (a copy in and out), or in the caller's
 # memory: its input (an allreduce in place; a scatter's root sends from it), its output (a gather's
 # root receives into it) or both, the input first and the output from ``nbytes`` on (an all-to-all).
-LENT_NONE, LENT_IN, LENT_OUT, LENT_BOTH = 0, 1, 2, 3
+cdef enum:
+    _LENT_NONE = 0
+    _LENT_IN = 1
+    _LENT_OUT = 2
+    _LENT_BOTH = 3
+LENT_NONE, LENT_IN, LENT_OUT, LENT_BOTH = _LENT_NONE, _LENT_IN, _LENT_OUT, _LENT_BOTH
 
 # op="avg" in the transport's buffer (as specs' Avg): floating-point inputs divided by n after the
 # copy in, with the bits of work.prescale (float32 and float64: one IEEE division each; bfloat16
@@ -115,22 +120,22 @@ cdef class HostCall:
         if not 0 <= dtype < 8 or not 0 <= op < 4:
             raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
         if lent < 0:
-            lent = LENT_NONE if work_region is not None else LENT_IN
-        if not LENT_NONE <= lent <= LENT_BOTH or (lent == LENT_NONE) != (work_region is not None):
+            lent = _LENT_NONE if work_region is not None else _LENT_IN
+        if not _LENT_NONE <= lent <= _LENT_BOTH or (lent == _LENT_NONE) != (work_region is not None):
             raise UsageError(f"HostCall: lent={lent} with work_region={work_region!r}")
         if out_bytes < 0:
             out_bytes = nbytes
         # the work area: the transport's buffer, or the lent memory (an all-to-all's: both)
-        area = (work_bytes if lent == LENT_NONE else nbytes if lent == LENT_IN else out_bytes if lent == LENT_OUT
+        area = (work_bytes if lent == _LENT_NONE else nbytes if lent == _LENT_IN else out_bytes if lent == _LENT_OUT
                 else nbytes + out_bytes)
         if nbytes < 0 or result_offset < 0 or in_offset < 0 or out_bytes < 0 or program.extent > area \
-                or work_bytes != area or (lent == LENT_NONE and (
+                or work_bytes != area or (lent == _LENT_NONE and (
                     result_offset + out_bytes > work_bytes or in_offset + nbytes > work_bytes)) \
-                or (lent != LENT_NONE and (result_offset or in_offset)):
+                or (lent != _LENT_NONE and (result_offset or in_offset)):
             raise UsageError("HostCall: the result or the schedule is outside the work area")
         self.own_from, self.own_to, self.own_len = own
-        if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or (lent == LENT_NONE and max(
-                self.own_from, self.own_to) + self.own_len > work_bytes) or (lent != LENT_NONE and self.own_len and (
+        if self.own_len < 0 or self.own_from < 0 or self.own_to < 0 or (lent == _LENT_NONE and max(
+                self.own_from, self.own_to) + self.own_len > work_bytes) or (lent != _LENT_NONE and self.own_len and (
                 self.own_from + self.own_len > nbytes or self.own_to + self.own_len > out_bytes)):
             raise UsageError("HostCall: the own block's copy is outside the work area")
         self.lent = lent
@@ -145,7 +150,7 @@ cdef class HostCall:
         self.work_region = work_region
         self.avg_kind, self.avg_n = avg
         # (scaled: the floating-point codes, 4 to 7; divided: the integers, 0 to 3)
-        if self.avg_kind != _AVG_NONE and (lent != LENT_NONE or self.avg_n <= 0 or (
+        if self.avg_kind != _AVG_NONE and (lent != _LENT_NONE or self.avg_n <= 0 or (
                 self.avg_kind == _AVG_SCALE and dtype < 4) or (self.avg_kind == _AVG_DIVIDE and dtype > 3)
                 or self.avg_kind not in (_AVG_SCALE, _AVG_DIVIDE)):
             raise UsageError(f"HostCall: avg={avg!r} for dtype {dtype}, lent={lent}")
@@ -546,6 +551,16 @@ cdef class _Queued:
         self._release()
 
 
+cdef class ExecState:
+    """What HostCollectives reads of the executor at every call, as C fields rather than instance
+    attributes (a dict lookup each: about a fifth of a warm gather's instructions went to
+    attribute reads). pyrdma.collectives.executor.Executor is its subclass; Python sees them as
+    attributes. ``idle``: no call is queued and the executor is neither closed nor broken; ``seq``:
+    the next collective's call number."""
+    cdef public bint idle
+    cdef public uint64_t seq
+
+
 @cython.final
 cdef class HostCollectives:
     """Blocking collectives on host memory as one C call each (both links): ``allreduce(buf, op,
@@ -560,10 +575,10 @@ cdef class HostCollectives:
     None) goes the Communicator's general way."""
     cdef Engine engine
     cdef ExecLock lock                                    # the executor's lock
-    cdef object ex, comm, transport, plans                # the executor, the communicator, hostplans
+    cdef ExecState ex                                     # the executor
+    cdef object comm, transport, plans                    # the communicator, its transport, hostplans
     cdef dict calls
     cdef HostCall barrier_call
-    cdef object model, max_work_bytes, zero_copy_bytes   # what the calls were prepared under
     cdef tuple lasts                                      # the _LastCall of each kind (K_)
     cdef object lent_in, lent_out                         # the last registrations of lent inputs, outputs
     cdef list sent, received                              # the communicator's messages per peer so far
@@ -610,8 +625,8 @@ cdef class HostCollectives:
         """Whether a call may go the one-call way now: queued (submit), run at once where nothing
         is queued, or queued behind the calls that are and waited for (_run); not in a closed or
         failed group (the general path raises its error)."""
-        ex = self.ex
-        return self._queuing() or ex.idle or (not ex.closed and ex.broken is None)
+        cdef ExecState ex = self.ex
+        return self._queuing() or ex.idle or (not (<object>ex).closed and (<object>ex).broken is None)
 
     cdef inline bint _queuing(self):
         """Whether this thread is in submit() (another thread's calls run as they would)."""
@@ -635,23 +650,19 @@ cdef class HostCollectives:
         job.out_is_view = out_view != NULL and out_view == view
         if peer < 0:
             job.seq = self.ex.seq
-            return self.ex.submit(False, job, seq=True)
+            return (<object>self.ex).submit(False, job, seq=True)
         counters = self.received if receive and src < 0 else self.sent
         job.seq = counters[peer]
         counters[peer] = job.seq + 1
         if src >= 0:
             job.rseq = self.received[src]
             self.received[src] = job.rseq + 1
-        return job if self.collecting else self.ex.submit(False, job, seq=False)
+        return job if self.collecting else (<object>self.ex).submit(False, job, seq=False)
 
-    cdef void _check_prepared_under(self):
-        """Forget the prepared calls when what they were prepared under has changed."""
-        comm = self.comm
-        if comm.cost_model is not self.model or comm.max_work_bytes != self.max_work_bytes \
-                or comm.zero_copy_bytes != self.zero_copy_bytes:
-            self._forget()
-            self.model, self.max_work_bytes = comm.cost_model, comm.max_work_bytes
-            self.zero_copy_bytes = comm.zero_copy_bytes
+    def forget(self):
+        """Drop the prepared calls: what they were prepared under (the Communicator's cost_model,
+        max_work_bytes or zero_copy_bytes) has changed."""
+        self._forget()
 
     def allreduce(self, buf, op, algorithm):
         """``buf``, reduced in place; or None where the general path must run the call: not a
@@ -666,7 +677,6 @@ cdef class HostCollectives:
         except Exception:
             return None
         try:
-            self._check_prepared_under()
             last = self._last(K_ALLREDUCE)
             call = last.call if last.matches(&view, -1, algorithm, op) else self._last_or_prepared(
                 K_ALLREDUCE, &view, -1, algorithm, op, self.plans.allreduce, (self.comm, buf, op, algorithm))
@@ -690,7 +700,6 @@ cdef class HostCollectives:
         except Exception:
             return None
         try:
-            self._check_prepared_under()
             last = self._last(K_REDUCE)
             call = last.call if last.matches(&view, <int>root, algorithm, op) else self._last_or_prepared(
                 K_REDUCE, &view, <int>root, algorithm, op, self.plans.reduce, (self.comm, buf, op, root, algorithm))
@@ -713,7 +722,6 @@ cdef class HostCollectives:
         except Exception:
             return None
         try:
-            self._check_prepared_under()
             last = self._last(K_BROADCAST)
             call = last.call if last.matches(&view, <int>root, algorithm, None) else self._last_or_prepared(
                 K_BROADCAST, &view, <int>root, algorithm, None, self.plans.broadcast, (self.comm, buf, root, algorithm))
@@ -753,7 +761,6 @@ cdef class HostCollectives:
             except Exception:
                 return None
             try:
-                self._check_prepared_under()
                 last = self._last(K_REDUCE_SCATTER)
                 found = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
                     K_REDUCE_SCATTER, &view, -1, None, op, self.plans.reduce_scatter, (self.comm, buf, None, op))
@@ -787,11 +794,10 @@ cdef class HostCollectives:
                 # written; a lent call refuses any overlap below)
                 if not _same_format(&view, &oview) or (times and oview.len != times * view.len):
                     return None
-                self._check_prepared_under()
                 call = last.call if last.matches(&view, -1, None, op) else self._last_or_prepared(
                     kind, &view, -1, None, op, prepare, (self.comm, buf, out, op))
                 if call is None or (<HostCall>call).out_bytes != oview.len or (<HostCall>call).nbytes != view.len \
-                        or ((<HostCall>call).lent != LENT_NONE and _overlap(&view, &oview)):
+                        or ((<HostCall>call).lent != _LENT_NONE and _overlap(&view, &oview)):
                     return None
                 return self._run(<HostCall>call, out, &view, &oview, buf)
             finally:
@@ -851,7 +857,6 @@ cdef class HostCollectives:
                 try:
                     if not _same_format(&view, &oview) or oview.len != total:
                         return None
-                    self._check_prepared_under()
                     plan = self._prepared(("alltoallv", _format(&view)), self.plans.alltoallv, (self.comm, buf))
                     if plan is None:
                         return None
@@ -891,7 +896,7 @@ cdef class HostCollectives:
         own = sb[r + 1] - sb[r]
         if lent:
             return HostCall(prog, plan.desc, plan.dtype, plan.op, base, 0, base + total, None,
-                            own=(sb[r], rb[r], own), out_bytes=total, lent=LENT_BOTH)
+                            own=(sb[r], rb[r], own), out_bytes=total, lent=_LENT_BOTH)
         region = plan.region
         if region is None or _region(region).closed or _region(region).length < <uint64_t>(base + total):
             if not self.ex.idle and not self.transport.own_fits(base + total):
@@ -953,7 +958,6 @@ cdef class HostCollectives:
                 held += 1
                 if views[i].len != oview.len or not _same_format(&views[i], &oview):
                     return None
-            self._check_prepared_under()
             calls = self._prepared((K_SCATTER_PARTS, _format(&oview), oview.len, root, algorithm),
                                    self.plans.scatter_parts, (self.comm, pieces, out, root, algorithm))
             if calls is None:
@@ -974,6 +978,7 @@ cdef class HostCollectives:
         cdef Program prog
         cdef int n = engine.size, i, p, rc = 0
         cdef uint64_t seq
+        cdef ExecState ex
         self.lock._take(-1.0)
         try:
             ex = self.ex
@@ -1000,7 +1005,7 @@ cdef class HostCollectives:
                 # after the sends (each part waits for its own): ``out`` may be one of the pieces
                 memmove(out_view.buf, views[root].buf, <size_t>out_view.len)
             except BaseException as exc:
-                ex.fail(exc)
+                (<object>ex).fail(exc)
                 raise
             return out
         finally:
@@ -1029,11 +1034,10 @@ cdef class HostCollectives:
             try:
                 if fp != NULL and (fview.len != self.engine.size * pview.len or not _same_format(&pview, fp)):
                     return None
-                self._check_prepared_under()
                 call = last.call if last.matches(&pview, <int>root, algorithm, None) else self._last_or_prepared(
                     kind, &pview, <int>root, algorithm, None, self.plans.rooted_copy,
                     (self.comm, KIND_NAMES[kind], piece, full, root, algorithm))
-                if call is None or ((<HostCall>call).lent != LENT_NONE and fp != NULL and _overlap(&pview, fp)):
+                if call is None or ((<HostCall>call).lent != _LENT_NONE and fp != NULL and _overlap(&pview, fp)):
                     return None
                 if piece_out:                   # scatter: from the root's full array into the piece
                     return (self._run(<HostCall>call, piece, fp, &pview, full),)
@@ -1063,11 +1067,10 @@ cdef class HostCollectives:
             except Exception:
                 return None
             try:
-                self._check_prepared_under()
                 key = (K_EXCHANGE, _format(&view), view.len, _format(&oview), oview.len, dst, src, send_tag, recv_tag)
                 call = self._prepared(key, self.plans.exchange, (self.comm, sendbuf, dst, recvbuf, src, send_tag,
                                                                  recv_tag))
-                if call is None or ((<HostCall>call).lent != LENT_NONE and _overlap(&view, &oview)):
+                if call is None or ((<HostCall>call).lent != _LENT_NONE and _overlap(&view, &oview)):
                     return None
                 return (self._run(<HostCall>call, recvbuf, &view, &oview, sendbuf, dst, True, src),)
             finally:
@@ -1188,9 +1191,10 @@ cdef class HostCollectives:
         cdef uint8_t *out_data = <uint8_t *>out_view.buf if out_view != NULL else data
         cdef uint8_t *work
         cdef uint64_t seq, rseq = 0
+        cdef ExecState ex
         cdef int64_t got = 0
         cdef int rc
-        cdef bint copy = call.lent == LENT_NONE
+        cdef bint copy = call.lent == _LENT_NONE
         cdef Py_ssize_t item = (out_view if src >= 0 else view).itemsize if receive else 1
         cdef list counters
         if queued < 0:
@@ -1230,13 +1234,13 @@ cdef class HostCollectives:
                         call.work_region = self.transport.own_region(call.work_bytes)
                         region = _region(call.work_region)
                     work = <uint8_t *><uintptr_t>region.addr
-                elif call.lent == LENT_OUT:
+                elif call.lent == _LENT_OUT:
                     region = self._lent(result, out_view, True)
                     work = out_data
                 else:
                     region = self._lent(result if source is None else source, view, False)
                     work = data
-                    if call.lent == LENT_BOTH:
+                    if call.lent == _LENT_BOTH:
                         region2 = self._lent(result, out_view, True)
                 _number(call, engine, seq)
                 if src >= 0:
@@ -1246,7 +1250,7 @@ cdef class HostCollectives:
                 engine._begin(prog, <uint64_t><uintptr_t>work, call.work_bytes, region.lkey, call.desc,
                               call.dtype, call.op, None, queued >= 0 and self.transport.background,
                               region.rkey if copy else 0)
-                if call.lent == LENT_BOTH:
+                if call.lent == _LENT_BOTH:
                     engine._second_area(call.nbytes, <uint64_t><uintptr_t>out_data, region2.lkey)
                 # from the transport's buffer the sends need not be complete when the call returns
                 # (the caller's memory is not theirs): the next run that writes there waits for them
@@ -1272,7 +1276,7 @@ cdef class HostCollectives:
                     raise UsageError(f"rank {peer if src < 0 else src} sent {got} bytes, not whole {item}-byte "
                                      f"elements")
             except BaseException as exc:
-                ex.fail(exc)
+                (<object>ex).fail(exc)
                 raise
             return got // item if receive else result
         finally:

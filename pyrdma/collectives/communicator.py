@@ -162,6 +162,20 @@ def _host_op(op, dtype):
     return (op, dtype) if type(dtype) is str and dtype == "bfloat16" and op is not None else None
 
 
+def _prepared_under(name):
+    """A Communicator setting that the one-call path's prepared calls depend on (cost_model,
+    max_work_bytes, zero_copy_bytes): setting it drops them (HostCollectives.forget), so no call
+    has to compare the settings it was prepared under."""
+    attr = "_" + name
+
+    def set_it(self, value):
+        self.__dict__[attr] = value
+        host = self.__dict__.get("_host")
+        if host is not None:
+            host.forget()
+    return property(operator.attrgetter(attr), set_it)
+
+
 class Communicator:
     """A group of ``size`` processes that run collectives together.
 
@@ -293,6 +307,10 @@ class Communicator:
                     raise UsageError(f"transport 'rdma' was asked for, but ranks {lacking} have no RDMA device")
             return chosen
         return "rdma" if all(w == "auto-rdma" for w in wants) else "tcp"
+
+    cost_model = _prepared_under("cost_model")
+    max_work_bytes = _prepared_under("max_work_bytes")
+    zero_copy_bytes = _prepared_under("zero_copy_bytes")
 
     @classmethod
     def from_env(cls, environ=None, **kwargs):

@@ -15,7 +15,7 @@ import logging
 import threading
 import weakref
 
-from pyrdma._hostcalls import Waker
+from pyrdma._hostcalls import ExecState, Waker
 from pyrdma.collectives.transport import LEFT, MISMATCH, NO_CULPRIT, PEER_FAILED, closed_error
 from pyrdma.errors import PeerError, RDMAError, RDMATimeoutError, UsageError
 
@@ -292,13 +292,13 @@ class Done:
         return self._result
 
 
-class Executor:
+class Executor(ExecState):
     """Runs a communicator's calls (see the module's docstring). ``lock`` is held while a call runs
     (reentrant: close() from inside a call's own thread, a signal handler, must not deadlock; over
     RDMA an ExecLock, which pyrdma._hostcalls.HostCollectives takes without a Python call, and which
-    reads ``idle`` and ``seq`` and calls ``fail``). ``idle``: no call is queued and the executor is
-    neither closed nor broken (the one-call path's one check, instead of three attribute reads);
-    it changes under ``_count_lock``, after the state it sums up."""
+    reads ``idle`` and ``seq`` (ExecState's C fields) and calls ``fail``). ``idle``: no call is
+    queued and the executor is neither closed nor broken (the one-call path's one check, instead of
+    three attribute reads); it changes under ``_count_lock``, after the state it sums up."""
 
     def __init__(self, rank, size, transport, lock):
         self.rank, self.size, self.transport, self.lock = rank, size, transport, lock
