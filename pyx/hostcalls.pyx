@@ -664,7 +664,7 @@ cdef class HostCollectives:
         max_work_bytes or zero_copy_bytes) has changed."""
         self._forget()
 
-    def allreduce(self, buf, op, algorithm):
+    cpdef object allreduce(self, buf, op, algorithm):
         """``buf``, reduced in place; or None where the general path must run the call: not a
         writable C-contiguous buffer, a collective still queued, a failed or closed group, or a
         call that the Communicator does not prepare (it raises the errors of bad arguments)."""
@@ -686,7 +686,7 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
-    def reduce(self, buf, op, root, algorithm):
+    cpdef object reduce(self, buf, op, root, algorithm):
         """(buf,) on root, (None,) elsewhere, of a reduce of ``buf`` into itself on ``root`` (the
         other ranks' buffers are only read); None where the general path must run it (as
         allreduce)."""
@@ -709,7 +709,7 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
-    def broadcast(self, buf, root, algorithm):
+    cpdef object broadcast(self, buf, root, algorithm):
         """``buf``, holding the root's data on every rank; None where the general path must run it
         (as allreduce; also over RDMA from the zero-copy size on, where it works in ``buf`` itself)."""
         cdef Py_buffer view
@@ -731,7 +731,7 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
-    def allgather(self, buf, out):
+    cpdef object allgather(self, buf, out):
         """``out`` (a new array when None and buf is a numpy array, as the general path makes it)
         holding every rank's ``buf`` in rank order; None where the general path must run it (as
         allreduce)."""
@@ -744,7 +744,7 @@ cdef class HostCollectives:
             out = _empty((n * buf.shape[0],) + buf.shape[1:] if buf.ndim else (n,), buf.dtype)
         return self._into(K_ALLGATHER, buf, out, None, n, self.plans.allgather)
 
-    def reduce_scatter(self, buf, out, op):
+    cpdef object reduce_scatter(self, buf, out, op):
         """``out`` (a new 1-D array when None and buf is a numpy array) holding this rank's
         segment of the reduction of ``buf``; None where the general path must run it (as
         allreduce)."""
@@ -805,7 +805,7 @@ cdef class HostCollectives:
         finally:
             PyBuffer_Release(&view)
 
-    def alltoall(self, buf, out):
+    cpdef object alltoall(self, buf, out):
         """``out`` (a new array like ``buf`` when None and buf is a numpy array) holding the equal
         pieces of every rank's all-to-all; or None where the general path must run it (as
         allreduce)."""
@@ -817,7 +817,7 @@ cdef class HostCollectives:
             out = _empty_like(buf)
         return self._into(K_ALLTOALL, buf, out, None, 1, self.plans.alltoall)
 
-    def alltoallv(self, buf, out, send_counts, recv_counts):
+    cpdef object alltoallv(self, buf, out, send_counts, recv_counts):
         """``out`` (a new array of buf's dtype when None and buf is a 1-d numpy array) holding an
         all-to-all's pieces of the given element counts (sequences of ints, one per rank); or None
         where the general path must run it (as allreduce; also a piece over max_message, and counts
@@ -905,7 +905,7 @@ cdef class HostCollectives:
         return HostCall(prog, plan.desc, plan.dtype, plan.op, base, base, base + total, region,
                         own=(sb[r], base + rb[r], own), out_bytes=total)
 
-    def gather(self, buf, out, root, algorithm):
+    cpdef object gather(self, buf, out, root, algorithm):
         """(out,) on root, (None,) elsewhere, of a gather of ``buf`` (out: a new array when None
         and buf is a numpy array); None where the general path must run it (as allreduce)."""
         cdef int n = self.engine.size
@@ -918,7 +918,7 @@ cdef class HostCollectives:
             out = _empty((n * buf.shape[0],) + buf.shape[1:], buf.dtype)
         return self._rooted(K_GATHER, buf, False, out if is_root else None, root, algorithm)
 
-    def scatter(self, buf, out, root, algorithm):
+    cpdef object scatter(self, buf, out, root, algorithm):
         """(out,) of a scatter from ``root`` (out: a new array when None and buf is a numpy
         array); None where the general path must run it (as allreduce)."""
         cdef int n = self.engine.size
@@ -1160,7 +1160,7 @@ cdef class HostCollectives:
         for last in self.lasts:
             (<_LastCall>last).call = None
 
-    def barrier(self):
+    cpdef object barrier(self):
         """True once every rank has entered the barrier; None where the general path must run it."""
         comm = self.comm
         if not self._takes():
@@ -1428,17 +1428,147 @@ def communicator_recv(self, buf, src, tag=0):
     return self._call(_p2p_spec(), buf, None, src, tag, blocking=True)
 
 
+# The Communicator's blocking collectives, taken by the class as its methods as send and recv are:
+# a warm call of host memory is its HostCollectives method's C call, without a Python frame of the
+# method's own (callgrind, 2 ranks, 8 B: the frame was about a fifth of an allreduce's or a gather's
+# instructions, and in the Soft-RoCE VM each instruction of Python is dear); anything else runs the
+# general path, Communicator._call of the collective's spec (pyrdma.collectives.specs).
+
+def communicator_allreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
+    """Element-wise ``op`` of ``buf`` over all ranks, into ``out`` (default: ``buf``, in place).
+    Returns the result buffer."""
+    host = self._host
+    if out is None and host is not None:
+        key = op if dtype is None else host_op(op, dtype)
+        if key is not None:
+            done = (<HostCollectives?>host).allreduce(buf, key, algorithm)
+            if done is not None:
+                return done
+    return self._call(_spec_module().allreduce, buf, out, op, algorithm, blocking=True, dtype=dtype)
+
+
+def communicator_reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
+    """Element-wise ``op`` over all ranks, delivered to ``root`` only (into ``out``, default in
+    place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
+    host = self._host
+    if out is None and host is not None:
+        key = op if dtype is None else host_op(op, dtype)
+        if key is not None:
+            done = (<HostCollectives?>host).reduce(buf, key, root, algorithm)
+            if done is not None:
+                return done[0]
+    return self._call(_spec_module().reduce, buf, out, op, root, algorithm, blocking=True, dtype=dtype)
+
+
+def communicator_broadcast(self, buf, root=0, algorithm="auto"):
+    """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
+    host = self._host
+    if host is not None:
+        done = (<HostCollectives?>host).broadcast(buf, root, algorithm)
+        if done is not None:
+            return done
+    return self._call(_spec_module().broadcast, buf, root, algorithm, blocking=True)
+
+
+def communicator_allgather(self, buf, out=None):
+    """Every rank's ``buf`` (the same size on all ranks), concatenated in rank order into ``out``
+    (size * buf.size elements; default a new array concatenated along the first axis, shape
+    (size * len(buf),) + buf.shape[1:], as torch's all_gather_into_tensor)."""
+    host = self._host
+    if host is not None:
+        done = (<HostCollectives?>host).allgather(buf, out)
+        if done is not None:
+            return done
+    return self._call(_spec_module().allgather, buf, out, blocking=True)
+
+
+def communicator_reduce_scatter(self, buf, out=None, op="sum", dtype=None):
+    """Element-wise ``op`` of ``buf`` over all ranks; rank i receives segment i of
+    ``segment_bounds(len(buf))`` into ``out`` (default a new 1-D array). Returns ``out``."""
+    host = self._host
+    if host is not None:
+        key = op if dtype is None else host_op(op, dtype)
+        if key is not None:
+            done = (<HostCollectives?>host).reduce_scatter(buf, out, key)
+            if done is not None:
+                return done
+    return self._call(_spec_module().reduce_scatter, buf, out, op, blocking=True, dtype=dtype)
+
+
+def communicator_barrier(self):
+    """Return once every rank has entered the barrier."""
+    host = self._host
+    if host is None or (<HostCollectives?>host).barrier() is None:
+        self._call(_spec_module().barrier, blocking=True)
+
+
+def communicator_gather(self, buf, out=None, root=0, algorithm="auto"):
+    """Every rank's ``buf`` (the same size everywhere) to ``root``, in rank order, into ``out``
+    there (default a new array of shape (size * len(buf),) + buf.shape[1:], as allgather).
+    Returns out on root, None elsewhere."""
+    host = self._host
+    if host is not None:
+        done = (<HostCollectives?>host).gather(buf, out, root, algorithm)
+        if done is not None:
+            return done[0]
+    return self._call(_spec_module().gather, buf, out, root, algorithm, blocking=True)
+
+
+def communicator_scatter(self, buf, out=None, root=0, algorithm="auto"):
+    """Root's ``buf`` holds ``size`` equal pieces in rank order; rank i receives piece i into
+    ``out`` (default a new array of shape (len(buf) // size,) + buf.shape[1:]). ``buf`` may also
+    be a list of the ``size`` pieces (as mpi4py's scatter takes one), each sent from where it
+    lies from the zero-copy size on. Elsewhere ``buf`` may be None when ``out`` is given (or an
+    array of the root's shape: its piece shape is used). Returns out."""
+    host = self._host
+    if host is not None:
+        full = self._joined(buf) if type(buf) is list and root == self.rank else buf
+        done = (<HostCollectives?>host).scatter(full, out, root, algorithm)
+        if done is not None:
+            return done[0]
+    return self._call(_spec_module().scatter, buf, out, root, algorithm, blocking=True)
+
+
+def communicator_alltoall(self, buf, out=None, send_counts=None, recv_counts=None):
+    """Rank i's piece j of ``buf`` goes to rank j, which stores it as its piece i of ``out``.
+    Without counts the pieces are equal (buf is split in ``size``; out, default a new array
+    like buf, likewise); with ``send_counts`` (element counts per rank, zeros allowed, pieces
+    contiguous in rank order, as MPI_Alltoallv and torch's input_split_sizes) they may differ,
+    and ``recv_counts`` (output_split_sizes) is exchanged first when not given. Returns out."""
+    host = self._host
+    if host is not None:
+        if send_counts is None and recv_counts is None:
+            done = (<HostCollectives?>host).alltoall(buf, out)
+        else:
+            done = (<HostCollectives?>host).alltoallv(buf, out, send_counts, recv_counts)
+        if done is not None:
+            return done
+    return self._call(_spec_module().alltoall, buf, out, send_counts, recv_counts, blocking=True)
+
+
+def host_op(op, dtype):
+    """A reduction's op, given a ``dtype``, as the one-call path keys it (hostplans.op_and_dtype):
+    (op, "bfloat16") for bfloat16 values held as uint16 bits (the torch backend's bfloat16
+    tensors); None where the general path must run the call. (Without a dtype the key is op.)"""
+    return (op, dtype) if type(dtype) is str and dtype == "bfloat16" and op is not None else None
+
+
 cdef object _specs = None
 
 
-cdef object _p2p_spec():
-    """pyrdma.collectives.specs.p2p, the general path of send and recv (imported on first use:
-    the collectives package imports this module)."""
+cdef object _spec_module():
+    """pyrdma.collectives.specs, the general path's plans (imported on first use: the collectives
+    package imports this module)."""
     global _specs
     if _specs is None:
         from pyrdma.collectives import specs
         _specs = specs
-    return _specs.p2p
+    return _specs
+
+
+cdef object _p2p_spec():
+    """specs.p2p, the general path of send and recv."""
+    return _spec_module().p2p
 
 
 cdef object _host_message(comm, buf, peer, tag, bint receive):

@@ -49,7 +49,10 @@ import threading
 
 import numpy as np
 
-from pyrdma._hostcalls import communicator_recv, communicator_send
+from pyrdma._hostcalls import (communicator_allgather, communicator_allreduce, communicator_alltoall,
+                               communicator_barrier, communicator_broadcast, communicator_gather, communicator_recv,
+                               communicator_reduce, communicator_reduce_scatter, communicator_scatter,
+                               communicator_send, host_op)
 from pyrdma.collectives import specs
 from pyrdma.collectives.bootstrap import MPIExchange, StoreExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import CostModel
@@ -153,13 +156,6 @@ def rdma_available(device=None):
             return True
     except Exception:
         return False
-
-
-def _host_op(op, dtype):
-    """A reduction's op, given a ``dtype``, as the one-call path keys it (hostplans.op_and_dtype):
-    (op, "bfloat16") for bfloat16 values held as uint16 bits (the torch backend's bfloat16
-    tensors); None where the general path must run the call. (Without a dtype the key is op.)"""
-    return (op, dtype) if type(dtype) is str and dtype == "bfloat16" and op is not None else None
 
 
 def _prepared_under(name):
@@ -361,16 +357,18 @@ class Communicator:
         return [(b[i], b[i + 1]) for i in range(self.size)]
 
     # ---- the collectives: each runs its spec (pyrdma.collectives.specs) by the one path, _call ----
-
-    def allreduce(self, buf, out=None, op="sum", algorithm="auto", dtype=None):
-        """Element-wise ``op`` of ``buf`` over all ranks, into ``out`` (default: ``buf``, in place).
-        Returns the result buffer."""
-        key = (op if dtype is None else _host_op(op, dtype)) if out is None and self._host is not None else None
-        if key is not None:
-            done = self._host.allreduce(buf, key, algorithm)
-            if done is not None:
-                return done
-        return self._call(specs.allreduce, buf, out, op, algorithm, blocking=True, dtype=dtype)
+    # The blocking ones are C functions (pyrdma._hostcalls'; their docstrings say what they do): a
+    # warm call of host memory is one C call, without a Python frame of the method's own; elsewhere
+    # they run _call(spec, ...) as the non-blocking forms below do.
+    allreduce = communicator_allreduce
+    reduce = communicator_reduce
+    broadcast = communicator_broadcast
+    allgather = communicator_allgather
+    reduce_scatter = communicator_reduce_scatter
+    barrier = communicator_barrier
+    gather = communicator_gather
+    scatter = communicator_scatter
+    alltoall = communicator_alltoall
 
     def _queued(self, name, *args):
         """The Handle of the one-call path's ``name`` (a HostCollectives method) queued with
@@ -383,36 +381,18 @@ class Communicator:
         """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done.
         (Each non-blocking collective of host memory that the one-call path takes runs as one C
         call on the communicator's thread: _queued.)"""
-        key = (op if dtype is None else _host_op(op, dtype)) if out is None else None
+        key = (op if dtype is None else host_op(op, dtype)) if out is None else None
         handle = self._queued("allreduce", buf, key, algorithm) if key is not None else None
         if handle is not None:
             return handle
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=False, dtype=dtype)
 
-    def reduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
-        """Element-wise ``op`` over all ranks, delivered to ``root`` only (into ``out``, default in
-        place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
-        key = (op if dtype is None else _host_op(op, dtype)) if out is None and self._host is not None else None
-        if key is not None:
-            done = self._host.reduce(buf, key, root, algorithm)
-            if done is not None:
-                return done[0]
-        return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=True, dtype=dtype)
-
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
-        key = (op if dtype is None else _host_op(op, dtype)) if out is None else None
+        key = (op if dtype is None else host_op(op, dtype)) if out is None else None
         handle = self._queued("reduce", buf, key, root, algorithm) if key is not None else None
         if handle is not None:
             return handle
         return self._call(specs.reduce, buf, out, op, root, algorithm, blocking=False, dtype=dtype)
-
-    def broadcast(self, buf, root=0, algorithm="auto"):
-        """Copy root's ``buf`` into ``buf`` on every rank (same size everywhere). Returns ``buf``."""
-        if self._host is not None:
-            done = self._host.broadcast(buf, root, algorithm)
-            if done is not None:
-                return done
-        return self._call(specs.broadcast, buf, root, algorithm, blocking=True)
 
     def ibroadcast(self, buf, root=0, algorithm="auto"):
         handle = self._queued("broadcast", buf, root, algorithm)
@@ -420,43 +400,18 @@ class Communicator:
             return handle
         return self._call(specs.broadcast, buf, root, algorithm, blocking=False)
 
-    def allgather(self, buf, out=None):
-        """Every rank's ``buf`` (the same size on all ranks), concatenated in rank order into ``out``
-        (size * buf.size elements; default a new array concatenated along the first axis, shape
-        (size * len(buf),) + buf.shape[1:], as torch's all_gather_into_tensor)."""
-        if self._host is not None:
-            done = self._host.allgather(buf, out)
-            if done is not None:
-                return done
-        return self._call(specs.allgather, buf, out, blocking=True)
-
     def iallgather(self, buf, out=None):
         handle = self._queued("allgather", buf, out)
         if handle is not None:
             return handle
         return self._call(specs.allgather, buf, out, blocking=False)
 
-    def reduce_scatter(self, buf, out=None, op="sum", dtype=None):
-        """Element-wise ``op`` of ``buf`` over all ranks; rank i receives segment i of
-        ``segment_bounds(len(buf))`` into ``out`` (default a new 1-D array). Returns ``out``."""
-        key = (op if dtype is None else _host_op(op, dtype)) if self._host is not None else None
-        if key is not None:
-            done = self._host.reduce_scatter(buf, out, key)
-            if done is not None:
-                return done
-        return self._call(specs.reduce_scatter, buf, out, op, blocking=True, dtype=dtype)
-
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
-        key = op if dtype is None else _host_op(op, dtype)
+        key = op if dtype is None else host_op(op, dtype)
         handle = self._queued("reduce_scatter", buf, out, key) if key is not None else None
         if handle is not None:
             return handle
         return self._call(specs.reduce_scatter, buf, out, op, blocking=False, dtype=dtype)
-
-    def barrier(self):
-        """Return once every rank has entered the barrier."""
-        if self._host is None or self._host.barrier() is None:
-            self._call(specs.barrier, blocking=True)
 
     def ibarrier(self):
         handle = self._queued("barrier")
@@ -464,54 +419,33 @@ class Communicator:
             return handle
         return self._call(specs.barrier, blocking=False)
 
-    def gather(self, buf, out=None, root=0, algorithm="auto"):
-        """Every rank's ``buf`` (the same size everywhere) to ``root``, in rank order, into ``out``
-        there (default a new array of shape (size * len(buf),) + buf.shape[1:], as allgather).
-        Returns out on root, None elsewhere."""
-        if self._host is not None:
-            done = self._host.gather(buf, out, root, algorithm)
-            if done is not None:
-                return done[0]
-        return self._call(specs.gather, buf, out, root, algorithm, blocking=True)
-
     def igather(self, buf, out=None, root=0, algorithm="auto"):
         handle = self._queued("gather", buf, out, root, algorithm)
         if handle is not None:
             return handle
         return self._call(specs.gather, buf, out, root, algorithm, blocking=False)
 
-    def scatter(self, buf, out=None, root=0, algorithm="auto"):
-        """Root's ``buf`` holds ``size`` equal pieces in rank order; rank i receives piece i into
-        ``out`` (default a new array of shape (len(buf) // size,) + buf.shape[1:]). ``buf`` may also
-        be a list of the ``size`` pieces (as mpi4py's scatter takes one), each sent from where it
-        lies from the zero-copy size on. Elsewhere ``buf`` may be None when ``out`` is given (or an
-        array of the root's shape: its piece shape is used). Returns out."""
-        if self._host is not None:
-            full = _joined(self, buf) if type(buf) is list and root == self.rank else buf
-            done = self._host.scatter(full, out, root, algorithm)
-            if done is not None:
-                return done[0]
-        return self._call(specs.scatter, buf, out, root, algorithm, blocking=True)
+    def _joined(self, pieces):
+        """A scatter root's list of pieces as one array, for the one-call path, where the general path
+        would copy them in anyway (below the size from which each is sent from where it lies); else the
+        list itself (also a list the general path refuses, whose error it names). Not from that size
+        even where another algorithm than direct copies them in: the joined array is new at every call,
+        and the one-call path would lend (register) it, where the general path copies into the
+        transport's own registered buffer."""
+        first = pieces[0] if len(pieces) == self.size else None
+        if type(first) is not np.ndarray or specs.lends_blocks(self, first.nbytes):
+            return pieces
+        for p in pieces:
+            if type(p) is not np.ndarray or p.dtype != first.dtype or p.shape != first.shape:
+                return pieces
+        return np.concatenate(pieces)
 
     def iscatter(self, buf, out=None, root=0, algorithm="auto"):
-        full = _joined(self, buf) if type(buf) is list and root == self.rank and self._host is not None else buf
+        full = self._joined(buf) if type(buf) is list and root == self.rank and self._host is not None else buf
         handle = self._queued("scatter", full, out, root, algorithm)
         if handle is not None:
             return handle
         return self._call(specs.scatter, buf, out, root, algorithm, blocking=False)
-
-    def alltoall(self, buf, out=None, send_counts=None, recv_counts=None):
-        """Rank i's piece j of ``buf`` goes to rank j, which stores it as its piece i of ``out``.
-        Without counts the pieces are equal (buf is split in ``size``; out, default a new array
-        like buf, likewise); with ``send_counts`` (element counts per rank, zeros allowed, pieces
-        contiguous in rank order, as MPI_Alltoallv and torch's input_split_sizes) they may differ,
-        and ``recv_counts`` (output_split_sizes) is exchanged first when not given. Returns out."""
-        if self._host is not None:
-            done = self._host.alltoall(buf, out) if send_counts is None and recv_counts is None else \
-                self._host.alltoallv(buf, out, send_counts, recv_counts)
-            if done is not None:
-                return done
-        return self._call(specs.alltoall, buf, out, send_counts, recv_counts, blocking=True)
 
     def ialltoall(self, buf, out=None, send_counts=None, recv_counts=None):
         handle = self._queued("alltoall", buf, out) if send_counts is None and recv_counts is None \
@@ -877,21 +811,6 @@ class Communicator:
             return result
         return job, True
 
-
-def _joined(comm, pieces):
-    """A scatter root's list of pieces as one array, for the one-call path, where the general path
-    would copy them in anyway (below the size from which each is sent from where it lies); else the
-    list itself (also a list the general path refuses, whose error it names). Not from that size
-    even where another algorithm than direct copies them in: the joined array is new at every call,
-    and the one-call path would lend (register) it, where the general path copies into the
-    transport's own registered buffer."""
-    first = pieces[0] if len(pieces) == comm.size else None
-    if type(first) is not np.ndarray or specs.lends_blocks(comm, first.nbytes):
-        return pieces
-    for p in pieces:
-        if type(p) is not np.ndarray or p.dtype != first.dtype or p.shape != first.shape:
-            return pieces
-    return np.concatenate(pieces)
 
 
 def init_from_env(**kwargs):

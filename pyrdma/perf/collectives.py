@@ -519,8 +519,8 @@ def main(argv=None):
 # ---- the side-by-side bench's pyrdma side (pyrdma.perf.collectives_bench) -----------------------
 
 def count_python_calls(fn):
-    """How many Python-level calls ``fn()`` makes below ``fn`` itself (the caller's lambda is not
-    the collective's)."""
+    """How many Python frames ``fn()`` runs below ``fn`` itself (the caller's lambda is not the
+    collective's; a method that is a C function runs none)."""
     return testing.count_python_calls(fn) - 1
 
 

@@ -14,8 +14,9 @@ t_typical, and a stream of 8 MiB messages (rank 0's bytes per second up to rank 
 acknowledgement of the last) against ib_write_bw's BW average, both perftest runs in the same
 boot; MPI's ping-pong and stream are shown beside them. A round measures all of it once; the VM
 drifts within a boot, so each ratio is taken within its round, then the median over rounds (and
-the range) is shown. The last target counts the Python-level calls of a warm blocking all-to-all
-over RDMA at the smallest and the largest size (sys.setprofile, as the allreduce test does).
+the range) is shown. The last target counts the Python frames of a warm blocking all-to-all over
+RDMA at the smallest and the largest size (sys.setprofile, as the allreduce test does): at most
+the method's own, none since the method is a C function.
 Writes collectives.json (rows, anchors, ``targets`` with verdicts).
 """
 import argparse
@@ -225,12 +226,13 @@ def targets(table, p2p, rounds, args):
     counted = [rd["extras"].get(2, {}).get("python_calls") for rd in rounds]
     counted = [c for c in counted if c]
     if counted:
-        # every round's count must be one; the detail shows the largest count per size
+        # every round's count must be at most one (the method's own frame; none where the method is
+        # a C function); the detail shows the largest count per size
         calls = {int(k): max(c[k] for c in counted) for k in counted[0]}
-        ok = all(v == 1 for v in calls.values())
+        ok = all(v <= 1 for v in calls.values())
         out.append((f"a warm blocking all-to-all of host memory over {args.transport} is one Python-level call, "
                     "whatever its size", "MET" if ok else "MISSED",
-                    ", ".join(f"{b} B per peer: {v} Python-level calls" for b, v in sorted(calls.items()))))
+                    ", ".join(f"{b} B per peer: {v} Python frames" for b, v in sorted(calls.items()))))
     return out
 
 
