@@ -641,11 +641,13 @@ cdef class HostCollectives:
         cdef list counters
         job.host, job.call, job.result, job.source = self, call, result, source
         job.peer, job.receive, job.src = peer, receive, src
+        # held, not checked again (the caller's views were): no format asked for, which numpy
+        # would build again at every call
         if view != NULL:
-            PyObject_GetBuffer(view.obj, &job.view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            PyObject_GetBuffer(view.obj, &job.view, PyBUF_C_CONTIGUOUS)
             job.has_view = True
         if out_view != NULL and out_view != view:
-            PyObject_GetBuffer(out_view.obj, &job.out_view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS)
+            PyObject_GetBuffer(out_view.obj, &job.out_view, PyBUF_C_CONTIGUOUS)
             job.has_out = True
         job.out_is_view = out_view != NULL and out_view == view
         if peer < 0:
