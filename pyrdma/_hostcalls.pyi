@@ -1,7 +1,7 @@
 # Type stubs of pyrdma._hostcalls (pyx/hostcalls.pyx), checked against the built module by mypy.stubtest.
 # The one-call path of the blocking host collectives over RDMA; not an API for applications.
 from typing import Any, Optional, Tuple
-from typing_extensions import disjoint_base, final
+from typing_extensions import final
 
 from pyrdma._engine import Engine, Program
 from pyrdma._verbs.mr import MemoryRegion
@@ -48,7 +48,7 @@ class AlltoallvPlan:
     def __init__(self, steps: Any, pieces: Any, desc: bytes, dtype: int, op: int, lend_total: int,
                  lend_each: int) -> None: ...
 
-@disjoint_base
+@final
 class ExecState:
     """The executor's state that HostCollectives reads at every call, as C fields."""
     idle: bool
@@ -57,7 +57,7 @@ class ExecState:
 @final
 class HostCollectives:
     """Blocking collectives on host memory over RDMA as one C call each."""
-    def __init__(self, engine: Engine, executor: ExecState, comm: Any, transport: Any, plans: Any) -> None: ...
+    def __init__(self, engine: Engine, executor: Any, comm: Any, transport: Any, plans: Any) -> None: ...
     def forget(self) -> None: ...
     def allreduce(self, buf: Any, op: str, algorithm: str) -> Any: ...
     def reduce(self, buf: Any, op: str, root: int, algorithm: str) -> Any: ...

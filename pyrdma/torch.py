@@ -375,7 +375,7 @@ class ProcessGroupPyrdma(_backend_base()):
         as the caller would) or it is of host memory and at most INLINE_BYTES (``staged`` None: no
         memory, a barrier)."""
         comm = self._comm()
-        if comm._exec.idle and self._coalesced is None and (not getattr(opts, "asyncOp", True) or staged is None or (
+        if comm._exec.state.idle and self._coalesced is None and (not getattr(opts, "asyncOp", True) or staged is None or (
                 isinstance(staged.array, np.ndarray) and staged.array.nbytes <= INLINE_BYTES)):
             try:
                 now()
@@ -627,7 +627,7 @@ class ProcessGroupPyrdma(_backend_base()):
             if not pending:
                 return
             comm = self.comm
-            inline = any(p[4] is waiter for p in pending) and comm._exec.idle and self._coalesced is None \
+            inline = any(p[4] is waiter for p in pending) and comm._exec.state.idle and self._coalesced is None \
                 and all(isinstance(p[1].array, np.ndarray) for p in pending)
             if not inline:
                 self._batch(pending, False)

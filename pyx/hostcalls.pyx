@@ -551,14 +551,18 @@ cdef class _Queued:
         self._release()
 
 
+@cython.final
 cdef class ExecState:
     """What HostCollectives reads of the executor at every call, as C fields rather than instance
     attributes (a dict lookup each: about a fifth of a warm gather's instructions went to
-    attribute reads). pyrdma.collectives.executor.Executor is its subclass; Python sees them as
+    attribute reads): pyrdma.collectives.executor.Executor's ``state``; Python sees them as
     attributes. ``idle``: no call is queued and the executor is neither closed nor broken; ``seq``:
     the next collective's call number."""
     cdef public bint idle
     cdef public uint64_t seq
+
+    def __cinit__(self):
+        self.idle = True                  # a new executor's: nothing queued yet
 
 
 @cython.final
@@ -575,8 +579,8 @@ cdef class HostCollectives:
     None) goes the Communicator's general way."""
     cdef Engine engine
     cdef ExecLock lock                                    # the executor's lock
-    cdef ExecState ex                                     # the executor
-    cdef object comm, transport, plans                    # the communicator, its transport, hostplans
+    cdef ExecState ex                                     # the executor's state
+    cdef object executor, comm, transport, plans          # the executor, the communicator, ..., hostplans
     cdef dict calls
     cdef HostCall barrier_call
     cdef tuple lasts                                      # the _LastCall of each kind (K_)
@@ -590,7 +594,8 @@ cdef class HostCollectives:
         their numbers, the failure state, the lock); ``comm``: the Communicator, whose calls
         ``plans`` (pyrdma.collectives.hostplans, which imports this module: handed in, not imported
         back) prepares."""
-        self.engine, self.ex, self.comm, self.transport, self.plans = engine, executor, comm, transport, plans
+        self.engine, self.executor, self.comm, self.transport, self.plans = engine, executor, comm, transport, plans
+        self.ex = executor.state
         self.lock = executor.lock
         self.calls = {}
         self.sent, self.received = executor.sent, executor.received
@@ -626,7 +631,7 @@ cdef class HostCollectives:
         is queued, or queued behind the calls that are and waited for (_run); not in a closed or
         failed group (the general path raises its error)."""
         cdef ExecState ex = self.ex
-        return self._queuing() or ex.idle or (not (<object>ex).closed and (<object>ex).broken is None)
+        return self._queuing() or ex.idle or (not self.executor.closed and self.executor.broken is None)
 
     cdef inline bint _queuing(self):
         """Whether this thread is in submit() (another thread's calls run as they would)."""
@@ -652,14 +657,14 @@ cdef class HostCollectives:
         job.out_is_view = out_view != NULL and out_view == view
         if peer < 0:
             job.seq = self.ex.seq
-            return (<object>self.ex).submit(False, job, seq=True)
+            return self.executor.submit(False, job, seq=True)
         counters = self.received if receive and src < 0 else self.sent
         job.seq = counters[peer]
         counters[peer] = job.seq + 1
         if src >= 0:
             job.rseq = self.received[src]
             self.received[src] = job.rseq + 1
-        return job if self.collecting else (<object>self.ex).submit(False, job, seq=False)
+        return job if self.collecting else self.executor.submit(False, job, seq=False)
 
     def forget(self):
         """Drop the prepared calls: what they were prepared under (the Communicator's cost_model,
@@ -1007,7 +1012,7 @@ cdef class HostCollectives:
                 # after the sends (each part waits for its own): ``out`` may be one of the pieces
                 memmove(out_view.buf, views[root].buf, <size_t>out_view.len)
             except BaseException as exc:
-                (<object>ex).fail(exc)
+                self.executor.fail(exc)
                 raise
             return out
         finally:
@@ -1278,7 +1283,7 @@ cdef class HostCollectives:
                     raise UsageError(f"rank {peer if src < 0 else src} sent {got} bytes, not whole {item}-byte "
                                      f"elements")
             except BaseException as exc:
-                (<object>ex).fail(exc)
+                self.executor.fail(exc)
                 raise
             return got // item if receive else result
         finally:

@@ -807,12 +807,12 @@ def test_a_waiter_runs_the_queue_up_to_its_call_when_the_thread_has_not_started_
         return name
     try:
         first, second, third = (ex.submit(False, job, name, seq=False) for name in "abc")
-        assert ex.pending == 3 and not ex.idle
+        assert ex.pending == 3 and not ex.state.idle
         assert second.wait() == "b"
         me = threading.get_ident()
         assert ran == [("a", me, False), ("b", me, False)] and first.test() and not third.test()
         assert first.wait() == "a" and ex.pending == 1
-        assert third.wait() == "c" and ex.idle and ran[-1] == ("c", me, False)
+        assert third.wait() == "c" and ex.state.idle and ran[-1] == ("c", me, False)
     finally:
         ex.queue._started = False
         ex.queue.stop(30)

@@ -116,7 +116,9 @@ class _Queue:
         if not self._runner.acquire(blocking=False):
             return False
         try:
-            self._run(False, job)
+            jobs = self._jobs
+            while not job._done and jobs:       # (_run's loop, written out: one Python call less per wait)
+                jobs.popleft().run(False)
             if not self._jobs:
                 # nothing left for the thread to wake up for (a job put meanwhile arms it again)
                 self._waker.disarm()
@@ -292,17 +294,19 @@ class Done:
         return self._result
 
 
-class Executor(ExecState):
+class Executor:
     """Runs a communicator's calls (see the module's docstring). ``lock`` is held while a call runs
     (reentrant: close() from inside a call's own thread, a signal handler, must not deadlock; over
     RDMA an ExecLock, which pyrdma._hostcalls.HostCollectives takes without a Python call, and which
-    reads ``idle`` and ``seq`` (ExecState's C fields) and calls ``fail``). ``idle``: no call is
-    queued and the executor is neither closed nor broken (the one-call path's one check, instead of
-    three attribute reads); it changes under ``_count_lock``, after the state it sums up."""
+    reads ``state`` and calls ``fail``). ``state`` (pyrdma._hostcalls.ExecState: C fields, which
+    the one-call path reads without a dict lookup; a plain attribute here, as a base class it would
+    slow every attribute of this class): ``idle``, no call is queued and the executor is neither
+    closed nor broken (the one-call path's one check, instead of three attribute reads), which
+    changes under ``_count_lock``, after the state it sums up; ``seq``, the next call number."""
 
     def __init__(self, rank, size, transport, lock):
         self.rank, self.size, self.transport, self.lock = rank, size, transport, lock
-        self.seq = 0
+        self.state = ExecState()       # idle, call number 0
         # point-to-point messages sent to each rank so far, and received from each: their numbers
         # (per pair of ranks, apart from the collectives' call numbers ``seq``)
         self.sent = [0] * size
@@ -310,7 +314,6 @@ class Executor(ExecState):
         self.pending = 0
         self.broken = None
         self.closed = False
-        self.idle = True
         self._count_lock = threading.Lock()
         self.queue = _Queue(f"pyrdma-comm-rank{rank}")
 
@@ -320,23 +323,21 @@ class Executor(ExecState):
         numbers per pair of ranks)."""
         if self.closed:
             raise UsageError("the communicator is closed")
-        self.raise_if_broken()
+        if self.broken is not None:
+            self.raise_if_broken()
         if seq:
-            self.seq += 1
+            self.state.seq += 1
         with self._count_lock:
             inline = blocking and self.pending == 0
             if not inline:
                 self.pending += 1
-                self.idle = False
+                self.state.idle = False
         if inline:
             with self.lock:
                 return Done(self._guarded(fn, *args))
         job = _Job(self._run_queued, (fn,) + args)
-        self._queue(job)
-        return Handle(job, self)
-
-    def _queue(self, job):
         self.queue.put(job)
+        return Handle(job, self)
 
     @contextlib.contextmanager
     def waiting(self):
@@ -354,20 +355,25 @@ class Executor(ExecState):
                 engine.waiters -= 1
 
     def _run_queued(self, background, fn, *args):
+        # (every queued call runs this: _guarded written out, a Python call less each time)
         try:
             with self.lock:
                 if self.closed:
                     raise closed_error()
-                self.raise_if_broken()
+                if self.broken is not None:
+                    self.raise_if_broken()
                 self.transport.background = background
                 try:
-                    return self._guarded(fn, *args)
+                    return fn(*args)
+                except BaseException as exc:
+                    self.fail(exc)
+                    raise
                 finally:
                     self.transport.background = False
         finally:
             with self._count_lock:
                 self.pending -= 1
-                self._update_idle()
+                self.state.idle = self.pending == 0 and not self.closed and self.broken is None
 
     def _guarded(self, fn, *args):
         try:
@@ -383,7 +389,7 @@ class Executor(ExecState):
             return
         self.broken = exc
         with self._count_lock:
-            self.idle = False
+            self.state.idle = False
         culprit = getattr(exc, "peer", None)
         if not isinstance(culprit, int) or not 0 <= culprit < self.size:
             culprit = self.rank if not isinstance(exc, RDMAError) else NO_CULPRIT
@@ -395,9 +401,6 @@ class Executor(ExecState):
             self.transport.abort(culprit, reason)
         except Exception:
             pass
-
-    def _update_idle(self):
-        self.idle = self.pending == 0 and not self.closed and self.broken is None
 
     def raise_if_broken(self):
         exc = self.broken
@@ -422,7 +425,7 @@ class Executor(ExecState):
                 self.lock.release()
         self.closed = True
         with self._count_lock:
-            self.idle = False
+            self.state.idle = False
         self.transport.interrupt()
         self.queue.stop()
         # a blocking call of another thread leaves at its next wait (CLOSE_POLL), or at its timeout

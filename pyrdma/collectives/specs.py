@@ -144,7 +144,7 @@ def describe_call(comm, kind, entry, **fields):
     registry's Algorithm ``entry`` (its wire id goes in): every rank computes the same one for the
     same call, and every message carries it (the sequence number advances in Executor.submit, once
     the call was accepted)."""
-    return describe(comm._exec.seq, kind, algorithm=entry.wire_name, **fields)
+    return describe(comm._exec.state.seq, kind, algorithm=entry.wire_name, **fields)
 
 
 def work_pieces(comm, count, itemsize, factor=1):

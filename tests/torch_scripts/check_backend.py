@@ -188,8 +188,8 @@ def waited_at_once(rank, size, checks):
     n = 4 * pyrdma.torch.INLINE_BYTES // 4 // size * size
     x, out = torch.ones(n), torch.zeros(n)
     queued = []
-    queue = ex._queue
-    ex._queue = lambda job: (queued.append(1), queue(job))[1]
+    put = ex.queue.put
+    ex.queue.put = lambda job: (queued.append(1), put(job))[1]
     try:
         dist.all_reduce(x)
         dist.broadcast(x, src=0)
@@ -203,7 +203,7 @@ def waited_at_once(rank, size, checks):
         dist.all_reduce(x, async_op=True).wait()
         checks["an async call of that size is queued"] = len(queued) == 1 or f"{len(queued)} calls were queued"
     finally:
-        ex._queue = queue
+        del ex.queue.put                     # the class's own again
 
 
 def main():
