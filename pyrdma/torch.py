@@ -203,8 +203,8 @@ class Work(_c10d.Work):
     def _start(self, handles, finish=None):
         self._handles, self._finish = list(handles), finish
         self._once = threading.Lock()
-        if not self._handles:           # (a call that ran on the caller's thread: done already)
-            self._complete()
+        if not self._handles or (len(self._handles) == 1 and type(self._handles[0]) is Done):
+            self._complete()            # (a call that ran on the caller's thread: done already)
             return
         self._remaining = len(self._handles)
         self._count_lock = threading.Lock()
@@ -241,6 +241,9 @@ class Work(_c10d.Work):
         return self._handles
 
     def wait(self, timeout=None):
+        if self._handles is not None and self._once.locked():
+            self._future.wait()         # completed (or completing): its future has the outcome or soon will
+            return True
         seconds = timeout.total_seconds() if timeout is not None else 0
         deadline = time.monotonic() + seconds if seconds > 0 else None
         for h in self._issued(waiting=True):           # RDMATimeoutError if one is still running at the deadline
@@ -374,7 +377,7 @@ class ProcessGroupPyrdma(_backend_base()):
         (``opts.asyncOp`` false: host or CUDA memory alike, whose staging then waits on this thread
         as the caller would) or it is of host memory and at most INLINE_BYTES (``staged`` None: no
         memory, a barrier)."""
-        comm = self._comm()
+        comm = self.comm                # (each caller took self._comm(), which issues pending sends)
         if comm._exec.state.idle and self._coalesced is None and (not getattr(opts, "asyncOp", True) or staged is None or (
                 isinstance(staged.array, np.ndarray) and staged.array.nbytes <= INLINE_BYTES)):
             try:
