@@ -1422,7 +1422,7 @@ def communicator_send(self, buf, dst, tag=0):
     straight from ``buf``. Returns once ``buf`` may be reused."""
     if _host_message(self, buf, dst, tag, False) is not None:
         return None
-    return self._call(_p2p_spec(), buf, dst, None, tag, blocking=True)
+    return self._call(_spec_module().p2p, buf, dst, None, tag, blocking=True)
 
 
 def communicator_recv(self, buf, src, tag=0):
@@ -1432,7 +1432,7 @@ def communicator_recv(self, buf, src, tag=0):
     done = _host_message(self, buf, src, tag, True)
     if done is not None:
         return done
-    return self._call(_p2p_spec(), buf, None, src, tag, blocking=True)
+    return self._call(_spec_module().p2p, buf, None, src, tag, blocking=True)
 
 
 # The Communicator's blocking collectives, taken by the class as its methods as send and recv are:
@@ -1446,7 +1446,7 @@ def communicator_allreduce(self, buf, out=None, op="sum", algorithm="auto", dtyp
     Returns the result buffer."""
     host = self._host
     if out is None and host is not None:
-        key = op if dtype is None else host_op(op, dtype)
+        key = host_key(op, dtype)
         if key is not None:
             done = (<HostCollectives?>host).allreduce(buf, key, algorithm)
             if done is not None:
@@ -1459,7 +1459,7 @@ def communicator_reduce(self, buf, out=None, op="sum", root=0, algorithm="auto",
     place). Returns the result on root and None elsewhere; other ranks' buffers are unchanged."""
     host = self._host
     if out is None and host is not None:
-        key = op if dtype is None else host_op(op, dtype)
+        key = host_key(op, dtype)
         if key is not None:
             done = (<HostCollectives?>host).reduce(buf, key, root, algorithm)
             if done is not None:
@@ -1494,7 +1494,7 @@ def communicator_reduce_scatter(self, buf, out=None, op="sum", dtype=None):
     ``segment_bounds(len(buf))`` into ``out`` (default a new 1-D array). Returns ``out``."""
     host = self._host
     if host is not None:
-        key = op if dtype is None else host_op(op, dtype)
+        key = host_key(op, dtype)
         if key is not None:
             done = (<HostCollectives?>host).reduce_scatter(buf, out, key)
             if done is not None:
@@ -1553,10 +1553,12 @@ def communicator_alltoall(self, buf, out=None, send_counts=None, recv_counts=Non
     return self._call(_spec_module().alltoall, buf, out, send_counts, recv_counts, blocking=True)
 
 
-def host_op(op, dtype):
-    """A reduction's op, given a ``dtype``, as the one-call path keys it (hostplans.op_and_dtype):
-    (op, "bfloat16") for bfloat16 values held as uint16 bits (the torch backend's bfloat16
-    tensors); None where the general path must run the call. (Without a dtype the key is op.)"""
+cpdef object host_key(op, dtype):
+    """A reduction's op as the one-call path keys it (hostplans.op_and_dtype): ``op`` without a
+    ``dtype``, (op, "bfloat16") for bfloat16 values held as uint16 bits (the torch backend's
+    bfloat16 tensors); None where the general path must run the call."""
+    if dtype is None:
+        return op
     return (op, dtype) if type(dtype) is str and dtype == "bfloat16" and op is not None else None
 
 
@@ -1571,11 +1573,6 @@ cdef object _spec_module():
         from pyrdma.collectives import specs
         _specs = specs
     return _specs
-
-
-cdef object _p2p_spec():
-    """specs.p2p, the general path of send and recv."""
-    return _spec_module().p2p
 
 
 cdef object _host_message(comm, buf, peer, tag, bint receive):

@@ -52,7 +52,7 @@ import numpy as np
 from pyrdma._hostcalls import (communicator_allgather, communicator_allreduce, communicator_alltoall,
                                communicator_barrier, communicator_broadcast, communicator_gather, communicator_recv,
                                communicator_reduce, communicator_reduce_scatter, communicator_scatter,
-                               communicator_send, host_op)
+                               communicator_send, host_key)
 from pyrdma.collectives import specs
 from pyrdma.collectives.bootstrap import MPIExchange, StoreExchange, TCPStore, check_rank, env_config, parse_address
 from pyrdma.collectives.costmodel import CostModel
@@ -381,14 +381,14 @@ class Communicator:
         """Non-blocking allreduce: returns a Handle; don't touch ``buf``/``out`` until it is done.
         (Each non-blocking collective of host memory that the one-call path takes runs as one C
         call on the communicator's thread: _queued.)"""
-        key = (op if dtype is None else host_op(op, dtype)) if out is None else None
+        key = host_key(op, dtype) if out is None else None
         handle = self._queued("allreduce", buf, key, algorithm) if key is not None else None
         if handle is not None:
             return handle
         return self._call(specs.allreduce, buf, out, op, algorithm, blocking=False, dtype=dtype)
 
     def ireduce(self, buf, out=None, op="sum", root=0, algorithm="auto", dtype=None):
-        key = (op if dtype is None else host_op(op, dtype)) if out is None else None
+        key = host_key(op, dtype) if out is None else None
         handle = self._queued("reduce", buf, key, root, algorithm) if key is not None else None
         if handle is not None:
             return handle
@@ -407,7 +407,7 @@ class Communicator:
         return self._call(specs.allgather, buf, out, blocking=False)
 
     def ireduce_scatter(self, buf, out=None, op="sum", dtype=None):
-        key = op if dtype is None else host_op(op, dtype)
+        key = host_key(op, dtype)
         handle = self._queued("reduce_scatter", buf, out, key) if key is not None else None
         if handle is not None:
             return handle

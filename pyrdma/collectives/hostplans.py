@@ -92,7 +92,7 @@ def _elements(buf):
 
 def op_and_dtype(op):
     """(op, reduction dtype) of a reduction's op as HostCollectives keys it: ``op``, or
-    (op, "bfloat16") for bfloat16 values held as uint16 bits (pyrdma._hostcalls.host_op)."""
+    (op, "bfloat16") for bfloat16 values held as uint16 bits (pyrdma._hostcalls.host_key)."""
     return op if type(op) is tuple else (op, None)
 
 

@@ -139,24 +139,28 @@ def check_header(peer, rank, got_desc, got_len, want_desc, want_len):
         raise too_long_error(peer, rank, DESC.unpack(got_desc)[1], want_len)
     if got_desc != want_desc:
         if KINDS[want_desc[38]] == "send" and got_desc[38] == want_desc[38] and got_desc[:8] == want_desc[:8]:
-            _raise_message_mismatch(peer, rank, got_desc, want_desc)
+            err = _message_mismatch(peer, rank, got_desc, want_desc)
+            if err is not None:
+                raise err
         raise mismatch_error(peer, f"a message of a different collective ({explain(got_desc)}) where rank {rank} "
                                    f"runs {explain(want_desc)}")
     if got_len != want_len:
         raise mismatch_error(peer, f"a {got_len}-byte message where rank {rank} expected {want_len} bytes")
 
 
-def _raise_message_mismatch(peer, rank, got_desc, want_desc):
-    """Where the point-to-point message a receive takes next (its sender's next, by number)
-    differs from the receive in its tag or dtype: say which, and that messages are taken in order."""
+def _message_mismatch(peer, rank, got_desc, want_desc):
+    """The error where the point-to-point message a receive takes next (its sender's next, by
+    number) differs from the receive in its tag or dtype, saying which and that messages are taken
+    in order; None where neither differs."""
     got, want = explain(got_desc).split(", "), explain(want_desc).split(", ")
     expected = [w for g, w in zip(got, want) if g != w and w.startswith(("tag=", "dtype="))]
-    if expected:
-        raise mismatch_error(peer, f"{', '.join(got)} where rank {rank}'s receive from it expects "
-                                   f"{', '.join(expected)}",
-                             "a receive takes its sender's next message, so the sends and receives of "
-                             "two ranks must come in the same order, with the same tags and dtypes (tags "
-                             "are checked, not matched out of order)")
+    if not expected:
+        return None
+    return mismatch_error(peer, f"{', '.join(got)} where rank {rank}'s receive from it expects "
+                                f"{', '.join(expected)}",
+                          "a receive takes its sender's next message, so the sends and receives of two "
+                          "ranks must come in the same order, with the same tags and dtypes (tags are "
+                          "checked, not matched out of order)")
 
 
 def _as_desc(desc):
