@@ -144,31 +144,38 @@ def _time(op, nbytes, group, barrier, n, device, iters, comm, async_op=False):
     return statistics.median(times)
 
 
-def _ddp(args, group, device):
-    """(median step seconds, parameters after the steps) of a DDP model over ``group``."""
+def _ddp(args, groups, device):
+    """{backend: median step seconds}, {backend: parameters after the steps}: one DDP model per
+    backend, trained in lockstep and in alternating order (a 2-core machine drifts by more than the
+    difference between two backends in a run of one after the other)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(args.layers):
-        layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).to(device)
-    ddp = DDP(model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-    gen = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
-    times = []
+    nets, opts, gens, times = {}, {}, {}, {}
+    for name, group in groups.items():
+        torch.manual_seed(0)
+        layers = []
+        for _ in range(args.layers):
+            layers += [torch.nn.Linear(args.width, args.width), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers).to(device)
+        nets[name] = DDP(model, process_group=group, device_ids=[device.index] if device.type == "cuda" else None)
+        opts[name] = torch.optim.SGD(nets[name].parameters(), lr=0.01)
+        gens[name] = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+        times[name] = []
+    names = list(groups)
     for i in range(args.ddp_steps + 1):
-        x = torch.randn(args.batch, args.width, generator=gen).to(device)
-        torch.distributed.barrier(group=group)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times), torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+        for name in (names if i % 2 == 0 else names[::-1]):
+            x = torch.randn(args.batch, args.width, generator=gens[name]).to(device)
+            torch.distributed.barrier(group=groups["gloo"])
+            t0 = time.perf_counter()
+            opts[name].zero_grad()
+            nets[name](x).square().mean().backward()
+            opts[name].step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+    return ({name: statistics.median(t) for name, t in times.items()},
+            {name: torch.cat([p.detach().reshape(-1).cpu() for p in nets[name].module.parameters()]) for name in names})
 
 
 def worker(rank, args, port, results):
@@ -203,9 +210,8 @@ def worker(rank, args, port, results):
                         t = f"{type(exc).__name__}: {exc}"[:200]
                     mine["ops"].setdefault(f"{op} {nbytes} {name}", []).append(t)
     if args.ddp_steps:
-        params = {}
-        for name in ("pyrdma", "gloo"):
-            mine["ddp"][name], params[name] = _ddp(args, groups[name], device)
+        step, params = _ddp(args, groups, device)
+        mine["ddp"].update(step)
         mine["ddp"]["params_equal"] = bool(torch.allclose(params["pyrdma"], params["gloo"], rtol=1e-5, atol=1e-6))
     results.put((rank, mine))
     dist.barrier(group=gloo)
