@@ -110,9 +110,11 @@ def _call(op, x, out, group, comm, async_op=False):
         work = dist.scatter(x, out, src=0, group=group, async_op=a)
     elif op == "batch_isend_irecv":
         rank, n = dist.get_rank(), dist.get_world_size()
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % n, group=group),
-                                            dist.P2POp(dist.irecv, out, (rank - 1) % n, group=group)]):
-            work.wait()
+        # (waited here, whatever async_op: gloo's receive Work waits for a second message when
+        # waited for twice)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, (rank + 1) % n, group=group),
+                                         dist.P2POp(dist.irecv, out, (rank - 1) % n, group=group)]):
+            w.wait()
     elif op == "send_recv":
         rank = dist.get_rank()
         if rank == 0:
