@@ -30,6 +30,7 @@ cdef enum:
     CTRL_QUERY = 0
     CTRL_REPORT = 1
     CTRL_CTS = 2                     # rendezvous: the receiver's buffer is in the sender's mailbox
+    CTRL_READ = 3                    # the socket link: this many of your address frames are read
     LEN_MASK = 0x7FFFFF
     CREDIT_SHIFT = 23                # a data message's immediate returns up to CREDIT_MASK credits
     CREDIT_MASK = 0x7F
@@ -61,6 +62,7 @@ cdef enum:
     FAIL_MALFORMED = 8
     FAIL_PYTHON = 9
     FAIL_MEMORY = 10
+    FAIL_ADDRESS = 11                # an address frame that points outside its sender's memory
 
 cdef extern from "Python.h":
     ctypedef struct PyThreadState
@@ -87,6 +89,8 @@ cdef struct txframe_t:
     uint64_t done            # bytes of head and payload written so far
     int data                 # the payload is read from the work area (data_outstanding counts it)
     uint8_t *owned           # a copy of the payload the engine owns (a failed run's frame mid-write)
+    int by_address           # an address frame: its payload is ``source``, the peer reads the data
+    uint64_t source          # (in place of the data: process_vm_readv, Engine.read_memory_of)
 
 
 cdef struct peer_t:
@@ -130,6 +134,17 @@ cdef struct peer_t:
     int rx_direct            # the payload being read goes straight into its receive's destination
     int directed             # the first arrivals (not taken yet) whose payloads went there (a
                              # receive takes its message's from its destination, not the slot)
+    # Same machine (Engine.read_memory_of): a collective's payload of at least ``by_address_bytes``
+    # goes as an address frame, whose receiver copies it out of the sender's memory itself (one
+    # copy, where a socket makes two) and says so (CTRL_READ); the send completes then.
+    int pid                  # the peer's process, whose memory its address frames point into (0: none)
+    int addresses_to         # the peer reads ours: large payloads go to it as address frames
+    int unread               # our address frames it has not said it read (data_outstanding counts them)
+    int reads_owed           # its address frames read here and not yet said (CTRL_READ)
+    int rx_by_address        # the frame being read is an address frame (rx_source its payload)
+    uint32_t rx_length       # ... of that many bytes (its header's length)
+    uint8_t *rx_header       # ... whose header is here (its slot)
+    uint64_t rx_source
 
 
 @cython.final
@@ -246,6 +261,8 @@ cdef class Engine:
     cdef const int64_t *exp_chunks
     cdef readonly unsigned long long directs    # payloads read straight into place so far
     cdef readonly unsigned long long keeps      # messages copied out of their slots (_keep) so far
+    cdef readonly unsigned long long reads      # payloads copied out of a peer's memory (address frames)
+    cdef readonly int64_t by_address_bytes
 
     cdef int _check_peer(self, int peer) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
@@ -257,6 +274,7 @@ cdef class Engine:
     cdef bint _sends_pending(self) noexcept nogil
     cdef int _drain(self) noexcept nogil
     cdef void _end(self) noexcept
+    cdef void _settle_reads(self) noexcept nogil
     cdef int _fail(self, int kind, int peer, int64_t a, int64_t b) noexcept nogil
     cdef int _execute(self, const int64_t *steps, Py_ssize_t nsteps, const int64_t *chunks) noexcept nogil
     cdef int _execute_holding_gil(self, Program prog) noexcept
@@ -297,7 +315,11 @@ cdef class Engine:
                           double timeout, double spin) except -1
     cdef int _keep_arrivals(self) noexcept nogil
     cdef int _sock_send(self, int peer, uint64_t addr, int64_t n, const uint8_t *desc) noexcept nogil
-    cdef int _sock_queue(self, int peer, uint32_t imm, const uint8_t *desc, uint64_t addr, uint32_t n) noexcept nogil
+    cdef int _sock_queue(self, int peer, uint32_t imm, const uint8_t *desc, uint64_t addr, uint32_t n,
+                         bint by_address=*) noexcept nogil
+    cdef uint8_t *_rx_place(self, int peer, const uint8_t *header, uint32_t length) noexcept nogil
+    cdef int _read_by_address(self, int peer) noexcept nogil
+    cdef int _say_read(self, int peer) noexcept nogil
     cdef int _sock_flush(self, int peer) noexcept nogil
     cdef int _sock_read(self, int peer, bint last_words) noexcept nogil
     cdef int _sock_piece(self, int peer) noexcept nogil

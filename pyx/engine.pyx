@@ -21,7 +21,7 @@ exception hierarchy. The C types are declared in engine.pxd, for the modules tha
 cimport cython
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pythread cimport PyThread_get_thread_ident
-from libc.errno cimport errno, EAGAIN, EINTR
+from libc.errno cimport errno, EAGAIN, EINTR, ESRCH
 from posix.uio cimport iovec
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t, INT64_MAX
 from libc.stdlib cimport calloc, free, malloc
@@ -64,6 +64,10 @@ cdef extern from "<sys/socket.h>" nogil:
     int shutdown(int fd, int how)
     enum: MSG_NOSIGNAL, MSG_DONTWAIT, SHUT_RDWR
 
+cdef extern from "<sys/uio.h>" nogil:
+    ssize_t process_vm_readv(int pid, const iovec *local, unsigned long nlocal, const iovec *remote,
+                             unsigned long nremote, unsigned long flags)
+
 cdef extern from "<arpa/inet.h>" nogil:
     uint32_t htonl(uint32_t x)
     uint32_t ntohl(uint32_t x)
@@ -81,7 +85,7 @@ WAITS = {WAIT_CREDIT: "credit", WAIT_ARRIVAL: "arrival", WAIT_SEND_QUEUE: "send 
          WAIT_CTS: "rendezvous", WAIT_SPREAD: "spread"}
 FAILURES = {FAIL_LINK: "link", FAIL_ABORT: "abort", FAIL_MISMATCH: "mismatch", FAIL_TIMEOUT: "timeout",
             FAIL_CLOSED: "closed", FAIL_POST: "post", FAIL_POLL: "poll", FAIL_MALFORMED: "malformed",
-            FAIL_PYTHON: "python", FAIL_MEMORY: "memory"}
+            FAIL_PYTHON: "python", FAIL_MEMORY: "memory", FAIL_ADDRESS: "address"}
 SEND_KIND = DESC_KIND_SEND          # transport.base.KINDS' index of "send" (a test compares them)
 
 cdef double CLOSE_POLL = 0.2        # the longest one sleep lasts before looking at close() and signals
@@ -101,6 +105,7 @@ cdef int CLOCK_EVERY = 32           # polls of a spin between two clock reads
 # the same where the spin does not yield (Engine.spin_yields): a poll alone is an order of magnitude
 # quicker (8 B ping-pong in the VM: 5-15 polls per round trip with the yields, 50-190 without)
 cdef int FIRST_POLLS_NO_YIELD = 1024
+cdef double SETTLE_READS = 1.0      # the longest a failed run waits for its address frames' reads
 cdef double KEEP_AFTER = 0.2        # a receive's wait this long copies full slots out (_keep_arrivals)
 # The socket link reads ahead into a buffer per peer (a read takes many small frames at once) and
 # straight into the slot a payload this long or longer (one copy less where it pays)
@@ -355,6 +360,7 @@ cdef class Engine:
         self.waiting_on = -1
         self.consume = None
         self.spin_yields = self.crowded = size > sysconf(_SC_NPROCESSORS_ONLN)
+        self.by_address_bytes = INT64_MAX
         return 0
 
     def __dealloc__(self):
@@ -406,7 +412,20 @@ cdef class Engine:
         self._check_peer(peer)
         cdef peer_t *q = &self.peers[peer]
         return dict(credits=q.credits, unreturned=q.unreturned, send_seq=q.send_seq, recv_seq=q.recv_seq,
-                    outstanding=q.outstanding, data_outstanding=q.data_outstanding, arrivals=q.arr_count)
+                    outstanding=q.outstanding, data_outstanding=q.data_outstanding, arrivals=q.arr_count,
+                    pid=q.pid, addresses_to=q.addresses_to, unread=q.unread)
+
+    def by_address(self, int peer, int pid, bint reads_ours, int64_t min_bytes):
+        """The socket link, ``peer`` on this machine (TcpTransport checks it): read its address
+        frames out of process ``pid`` (0: it sends none), and (``reads_ours``: it can read this
+        process) send it the payloads of collectives of at least ``min_bytes`` as address frames."""
+        self._check_peer(peer)
+        if not self.sockets:
+            raise UsageError("Engine.by_address: the socket link only")
+        if min_bytes < 16:
+            raise UsageError(f"Engine.by_address: min_bytes must be at least 16, got {min_bytes}")
+        self.peers[peer].pid, self.peers[peer].addresses_to = pid, reads_ours
+        self.by_address_bytes = min_bytes
 
     cdef int _check_peer(self, int peer) except -1:
         if not 0 <= peer < self.size or peer == self.rank:
@@ -634,6 +653,8 @@ cdef class Engine:
                     p.rx_dst = self._slot(p, p.recv_seq + <uint64_t>p.arr_count) + C_HEADER_ROOM
                 p.rx_direct = p.directed = 0
         if self.sockets and self.fail_kind != FAIL_NONE:
+            with nogil:
+                self._settle_reads()
             # a failed run's frames are not written: their payloads may be the caller's memory, freed
             # once it returns. One already begun is finished from a copy, so that the stream stays
             # in step for the abort behind it (without memory for the copy: no more to that peer).
@@ -642,7 +663,7 @@ cdef class Engine:
                 if i == self.rank or not p.outstanding:
                     continue
                 f = &p.txq[p.tx_head]
-                p.outstanding = p.data_outstanding = 0
+                p.outstanding = p.data_outstanding = p.unread = 0
                 if f.done:
                     if f.length and f.owned == NULL:
                         f.owned = <uint8_t *>malloc(f.length)
@@ -654,6 +675,23 @@ cdef class Engine:
                     p.outstanding, p.data_outstanding = 1, f.data
         self.consume = None
         self.runs += 1
+
+    cdef void _settle_reads(self) noexcept nogil:
+        """A failed run on the socket link: let the peers read the address frames they have (the
+        memory they point into is released once the run returns), for at most SETTLE_READS: a
+        peer that is alive reads them at its next wait; the rest (the failure's culprit, maybe) are
+        not waited for."""
+        cdef double end = monotonic_now() + SETTLE_READS
+        cdef int q
+        cdef bint unread = True
+        while unread and monotonic_now() < end:
+            unread = False
+            for q in range(self.size):
+                if q != self.rank and self.peers[q].unread and not self.peers[q].gone:
+                    unread = True
+            if unread:
+                self._sock_pass()                   # (-1 after the failure; it reads all the same)
+                sched_yield()
 
     # ---- the engine (no GIL) ----------------------------------------------------------------------
 
@@ -1552,6 +1590,12 @@ cdef class Engine:
                 p.cts += 1
                 if p.cts > 1 or self.rdv_peer != peer:    # an answer to no RTS of ours
                     return self._fail(FAIL_MALFORMED, peer, imm, 0)
+            elif sub == CTRL_READ:
+                # (at most what is unread: a failed run forgot its frames, which the peer may
+                # still read and report)
+                value = min(value, p.unread)
+                p.unread -= value
+                p.data_outstanding -= value
         return 0
 
     cdef int _keep_arrivals(self) noexcept nogil:
@@ -1585,22 +1629,29 @@ cdef class Engine:
         written as far as the socket takes it now; the rest goes out from later progress."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint32_t back
+        cdef bint by_address
         if not self._can_send(peer):
             if self._wait(WAIT_CREDIT, peer, n) < 0:
                 return -1
         back = <uint32_t>min(p.unreturned, CREDIT_MASK)
-        if self._sock_queue(peer, (KIND_DATA << 30) | (back << CREDIT_SHIFT) | <uint32_t>n, desc, addr,
-                            <uint32_t>n) < 0:
+        # (a point-to-point send completes without its receiver: never by address, whose send
+        # completes once the receiver has read it)
+        by_address = p.addresses_to and n >= self.by_address_bytes and desc[DESC_KIND_AT] != DESC_KIND_SEND \
+            and self.consume is None        # (a GPU work area's staging memory is reused at its own pace)
+        if self._sock_queue(peer, (KIND_DATA << 30) | (back << CREDIT_SHIFT) | <uint32_t>(8 if by_address else n),
+                            desc, addr, <uint32_t>n, by_address) < 0:
             return -1
         p.credits -= 1
         p.unreturned -= <int>back
         p.send_seq += 1
         return 0
 
-    cdef int _sock_queue(self, int peer, uint32_t imm, const uint8_t *desc, uint64_t addr, uint32_t n) noexcept nogil:
+    cdef int _sock_queue(self, int peer, uint32_t imm, const uint8_t *desc, uint64_t addr, uint32_t n,
+                         bint by_address=False) noexcept nogil:
         """Queue a frame (a data message when ``desc`` is given, else the immediate alone) and write
         what the socket takes now. -1 when the queue is full or the peer is gone (a frame of no data
-        to a gone peer is dropped: 0)."""
+        to a gone peer is dropped: 0). ``by_address``: its payload is ``addr`` itself (8 bytes; the
+        header says ``n``), for the peer to read the ``n`` bytes there out of this process."""
         cdef peer_t *p = &self.peers[peer]
         cdef txframe_t *f
         cdef uint32_t nimm = htonl(imm)
@@ -1618,6 +1669,10 @@ cdef class Engine:
             f.head_len = 4
         free(f.owned)                                   # (a dropped frame's copy)
         f.addr, f.length, f.done, f.owned = addr, n, 0, NULL
+        f.by_address = by_address
+        if by_address:
+            f.source = addr
+            f.addr, f.length = <uint64_t><uintptr_t>&f.source, 8
         f.data = desc != NULL
         p.outstanding += 1
         p.data_outstanding += f.data
@@ -1672,7 +1727,10 @@ cdef class Engine:
                     f.owned = NULL
                 p.tx_head = (p.tx_head + 1) % self.sq_depth
                 p.outstanding -= 1
-                p.data_outstanding -= f.data
+                if f.by_address:
+                    p.unread += 1                       # done once the peer says it read it
+                else:
+                    p.data_outstanding -= f.data
                 frames += 1
             if <size_t>n < want and p.outstanding:
                 break                                   # the socket's buffer is full
@@ -1741,9 +1799,8 @@ cdef class Engine:
         allow, or longer than max_message, is malformed: the connection is dropped, before any of
         it was written into a slot)."""
         cdef peer_t *p = &self.peers[peer]
-        cdef uint32_t imm, length
+        cdef uint32_t imm, length, said
         cdef uint8_t *dst
-        cdef const int64_t *chunk
         memcpy(&imm, p.rx_imm, 4)
         imm = ntohl(imm)
         length = imm & LEN_MASK
@@ -1757,18 +1814,17 @@ cdef class Engine:
             return 0
         if p.rx_state == RX_HEADER and length:
             p.rx_state, p.rx_need, p.rx_got = RX_PAYLOAD, length, 0
-            dst = NULL
-            if self.exp_peer == peer and self.exp_next < self.exp_count:
-                chunk = self.exp_chunks + self.exp_next * CHUNK_COLUMNS
-                if self._is_chunk(p.rx_dst, length, chunk[1]):
-                    # the exchange's next chunk: into its place, if it is the next one taken
-                    self.exp_next += 1
-                    if p.arr_count == p.directed:
-                        dst = self._dst(self.exp_ck, chunk)
-            elif self.post_peer == peer and p.arr_count == 0 and self._direct_ok(p.rx_dst, length):
-                # the message the waiting receive takes next
-                dst = self.post_dst
-                self.post_peer = -1
+            memcpy(&said, p.rx_dst + DESC_SIZE, 4)
+            if p.pid and length == 8 and said != 8:
+                # an address frame: its payload is where the data lies in the peer's process
+                if said > <uint32_t>self.max_message:
+                    shutdown(p.fd, SHUT_RDWR)
+                    p.gone = 1
+                    return self._fail(FAIL_MALFORMED, peer, imm, said)
+                p.rx_by_address, p.rx_length, p.rx_header = 1, said, p.rx_dst
+                p.rx_dst = <uint8_t *>&p.rx_source
+                return 0
+            dst = self._rx_place(peer, p.rx_dst, length)
             if dst != NULL:
                 p.rx_direct, p.rx_dst = 1, dst
                 self.directs += 1
@@ -1776,11 +1832,72 @@ cdef class Engine:
                 p.rx_dst += C_HEADER_ROOM
             return 0
         # the frame is in: handled as the verbs link handles its completion
-        if p.rx_direct:
+        if p.rx_by_address:
+            p.rx_by_address = 0
+            if self._read_by_address(peer) < 0:
+                return -1
+            imm = (imm & ~(<uint32_t>LEN_MASK)) | p.rx_length
+        elif p.rx_direct:
             p.rx_direct = 0
             p.directed += 1
         p.rx_state, p.rx_dst, p.rx_need, p.rx_got = RX_IMM, p.rx_imm, 4, 0
         return 1 if self._on_imm(peer, imm) == 0 else -1
+
+    cdef uint8_t *_rx_place(self, int peer, const uint8_t *header, uint32_t length) noexcept nogil:
+        """Where the payload of ``length`` bytes behind ``header`` (a frame from ``peer``) goes
+        straight, or NULL: into its slot."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef const int64_t *chunk
+        cdef uint8_t *dst = NULL
+        if self.exp_peer == peer and self.exp_next < self.exp_count:
+            chunk = self.exp_chunks + self.exp_next * CHUNK_COLUMNS
+            if self._is_chunk(header, length, chunk[1]):
+                # the exchange's next chunk: into its place, if it is the next one taken
+                self.exp_next += 1
+                if p.arr_count == p.directed:
+                    dst = self._dst(self.exp_ck, chunk)
+        elif self.post_peer == peer and p.arr_count == 0 and self._direct_ok(header, length):
+            # the message the waiting receive takes next
+            dst = self.post_dst
+            self.post_peer = -1
+        return dst
+
+    cdef int _read_by_address(self, int peer) noexcept nogil:
+        """An address frame from ``peer`` is in: copy its data out of the peer's process into the
+        place _rx_place gives it (or its slot), then say so (the peer's send completes then)."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint8_t *dst = self._rx_place(peer, p.rx_header, p.rx_length)
+        cdef iovec here, there
+        cdef ssize_t n
+        if dst != NULL:
+            p.directed += 1
+            self.directs += 1
+        else:
+            dst = p.rx_header + C_HEADER_ROOM
+        here.iov_base, here.iov_len = dst, p.rx_length
+        there.iov_base, there.iov_len = <void *><uintptr_t>p.rx_source, p.rx_length
+        n = process_vm_readv(p.pid, &here, 1, &there, 1, 0)
+        if n != <ssize_t>p.rx_length:
+            shutdown(p.fd, SHUT_RDWR)
+            p.gone = 1
+            if n < 0 and errno == ESRCH:            # its process ended (it died after sending)
+                return self._fail(FAIL_LINK, peer, 0, 0)
+            return self._fail(FAIL_ADDRESS, peer, errno if n < 0 else 0, p.rx_length)
+        self.reads += 1
+        p.reads_owed += 1
+        return self._say_read(peer)
+
+    cdef int _say_read(self, int peer) noexcept nogil:
+        """Tell ``peer`` how many of its address frames were read here since the last time, if its
+        queue has room (else at a later pass: _sock_pass)."""
+        cdef peer_t *p = &self.peers[peer]
+        if p.outstanding >= self.sq_depth:
+            return 0
+        if self._sock_queue(peer, (KIND_CONTROL << 30) | (CTRL_READ << 28) | <uint32_t>p.reads_owed,
+                            NULL, 0, 0) < 0:
+            return -1
+        p.reads_owed = 0
+        return 0
 
     cdef bint _is_chunk(self, const uint8_t *header, uint32_t length, int64_t n) noexcept nogil:
         """Whether a message of ``length`` payload bytes whose header is ``header`` is a chunk of
@@ -1815,6 +1932,8 @@ cdef class Engine:
         for q in range(self.size):
             if q == self.rank or self.peers[q].gone:
                 continue
+            if self.peers[q].reads_owed and self._say_read(q) < 0:
+                return -1
             if self.peers[q].outstanding:
                 n = self._sock_flush(q)
                 if n < 0:
@@ -1837,6 +1956,21 @@ cdef class Engine:
             else:
                 self.spin_adaptive = max(self.spin_adaptive / 2, self.spin)
             self.spin_now = self.spin_adaptive
+
+
+def read_memory_of(int pid, uint64_t addr, Py_ssize_t n):
+    """``n`` bytes at ``addr`` in process ``pid`` (process_vm_readv), or None where this process
+    may not read it (another machine's or namespace's, no permission, a seccomp filter)."""
+    cdef bytearray out = bytearray(n)
+    cdef iovec here, there
+    cdef ssize_t got
+    if n <= 0 or pid <= 0:
+        return None
+    here.iov_base, here.iov_len = <char *>out, n
+    there.iov_base, there.iov_len = <void *><uintptr_t>addr, n
+    with nogil:
+        got = process_vm_readv(pid, &here, 1, &there, 1, 0)
+    return bytes(out) if got == n else None
 
 
 @cython.final

@@ -6,6 +6,8 @@ what only the engine can show: one Python call path whatever the size, and a mal
 refused before anything is posted. (Ctrl-C and close() during a collective blocked in the engine:
 tests/test_collectives_hardening.py.)"""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -622,6 +624,69 @@ def test_the_socket_link_reads_payloads_straight_into_place():
     # (before, one chunk per step: those that came between two steps went to the slots)
     assert results[1][6] == 8, f"chunks of the broadcast read into place: {results[1][6]} of 8"
 
+
+
+def _by_address(rank, size, port, cma="1", victim=None):
+    """Over TCP on one machine, the large messages of collectives go by address (the receiver
+    copies them out of the sender's process): every result exact, the reads counted, and a
+    point-to-point message never so (its send completes without its receiver). ``victim``: that
+    rank exits (no goodbye) before a large allreduce; the others' error names it."""
+    import pyrdma
+    os.environ["PYRDMA_SOCKET_CMA"] = cma           # (the ranks' server keeps the environment it began with)
+    n = 1 << 20                                     # 4 MiB of float32: 1 MiB messages
+    with _comm(rank, size, port, "tcp", timeout=30) as comm:
+        engine = comm.transport.engine
+        if victim is not None:
+            comm.barrier()
+            if rank == victim:
+                os._exit(3)
+            try:
+                comm.allreduce(np.ones(n, np.float32))
+            except pyrdma.PeerError as exc:
+                return exc.peer, str(exc)
+            return None, "no error"
+        ok = []
+        x = np.full(n, rank + 1.0, np.float32)
+        comm.allreduce(x)
+        ok.append(bool((x == size * (size + 1) / 2).all()))
+        a2a = comm.alltoall(np.arange(size * n, dtype=np.float32) + rank * 10)
+        ok.append(np.array_equal(a2a.reshape(size, n), (np.arange(size * n, dtype=np.float32)
+                                                        .reshape(size, n)[rank] + 10 * np.arange(size)[:, None])))
+        ok.append(np.array_equal(comm.allgather(np.full(n, rank, np.int32)).reshape(size, n),
+                                 np.repeat(np.arange(size, dtype=np.int32)[:, None], n, 1)))
+        b = np.arange(n, dtype=np.float32) if rank == 1 else np.zeros(n, np.float32)
+        comm.broadcast(b, root=1)
+        ok.append(np.array_equal(b, np.arange(n, dtype=np.float32)))
+        rs = comm.reduce_scatter(np.arange(size * n, dtype=np.float64))
+        ok.append(np.array_equal(rs, size * np.arange(rank * n, (rank + 1) * n, dtype=np.float64)))
+        g = comm.gather(np.full(n // 4, rank, np.int64), root=0)
+        ok.append(rank != 0 or np.array_equal(g.reshape(size, -1), np.repeat(np.arange(size)[:, None], n // 4, 1)))
+        sc = np.zeros(n, np.float32)
+        comm.scatter(np.arange(size * n, dtype=np.float32) if rank == 2 else None, out=sc, root=2)
+        ok.append(np.array_equal(sc, np.arange(rank * n, (rank + 1) * n, dtype=np.float32)))
+        reads = engine.reads
+        comm.barrier()
+        if rank < 2:                                # point-to-point: 4 MiB each way, by the socket
+            got = np.zeros(n, np.float32)
+            comm.sendrecv(np.full(n, rank + 5.0, np.float32), 1 - rank, got, 1 - rank)
+            ok.append(bool((got == 6 - rank).all()))
+        return ok, reads, engine.reads - reads
+
+
+def test_the_socket_link_sends_large_messages_of_collectives_by_address():
+    for setting in ("1", "0"):
+        results = run_ranks(_by_address, 3, free_port(), setting, timeout=120)
+        for rank, (ok, reads, p2p_reads) in enumerate(results):
+            assert all(ok), (setting, rank, ok)
+            assert p2p_reads == 0, f"rank {rank} read {p2p_reads} point-to-point messages by address"
+            if setting == "1":
+                assert reads > 0, f"rank {rank}: nothing went by address"
+            else:
+                assert reads == 0, f"rank {rank}: {reads} messages by address with PYRDMA_SOCKET_CMA=0"
+    results = run_ranks(_by_address, 3, free_port(), "1", 2, timeout=120, expect_errors=True)
+    for rank in (0, 1):
+        status, (peer, text) = results[rank]
+        assert status == "ok" and peer == 2 and "rank 2" in text, (rank, results[rank])
 
 
 def _deferred_sends(rank, size, port):

@@ -422,6 +422,68 @@ def test_socket_link_valid_frames_and_a_silent_peer():
         assert 0.3 < time.monotonic() - start < 3.0
 
 
+def _address_frame(desc, source, nbytes):
+    """A socket-link address frame: an 8-byte payload (where ``nbytes`` bytes lie in the sender's
+    process) behind a header that says ``nbytes``."""
+    return struct.pack("!I", (_DATA << 30) | 8) + desc + struct.pack("<I", nbytes) + struct.pack("<Q", source)
+
+
+def test_socket_link_reads_address_frames_and_drops_forged_ones():
+    """From a peer proven to be this machine's process ``pid`` (here: this very process), an
+    address frame's data is copied out of that process into place and the read is reported back
+    (CTRL_READ); one that points outside its memory, or says more than max_message, is the named
+    malformed frame and the connection is dropped; a peer not proven sends no address frames
+    (the same frame is then a plain 8-byte message, which the receive of 4096 bytes refuses)."""
+    from pyrdma._engine import FAILURES
+    from pyrdma.collectives import transport as tr
+    desc = tr.describe(7, "allgather", count=MAX_MESSAGE, dtype=np.uint8)
+    source = np.frombuffer(bytes(range(256)) * (MAX_MESSAGE // 256), np.uint8).copy()
+    work = np.zeros(MAX_MESSAGE, np.uint8)
+    a, b = socket.socketpair()
+    with a, b:
+        engine, _ = _socket_engine(a, timeout=2.0)
+        engine.by_address(1, os.getpid(), False, 1024)
+        b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE))
+        assert engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0) == 0
+        assert np.array_equal(work, source) and engine.reads == 1
+        b.settimeout(5)
+        assert struct.unpack("!I", b.recv(4))[0] == (_CONTROL << 30) | (3 << 28) | 1      # "1 read"
+    for forged in (_address_frame(desc, 8, MAX_MESSAGE), _address_frame(desc, source.ctypes.data, MAX_MESSAGE + 1)):
+        a, b = socket.socketpair()
+        with a, b:
+            engine, _ = _socket_engine(a, timeout=2.0)
+            engine.by_address(1, os.getpid(), False, 1024)
+            b.sendall(forged)
+            failed = engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
+            assert FAILURES[failed] in ("address", "malformed") and engine.failure()[1] == 1, engine.failure()
+            b.settimeout(5)
+            assert b.recv(64) == b""                    # dropped: its connection shut
+    a, b = socket.socketpair()
+    with a, b:
+        engine, _ = _socket_engine(a, timeout=2.0)       # no by_address: the frame is 8 bytes of data
+        b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE))
+        failed = engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
+        assert FAILURES[failed] == "mismatch" and engine.reads == 0
+
+
+def test_a_member_that_lies_about_its_process_is_not_read():
+    """The proof of _readable_peers: a rank 1 on this machine that names another process (this
+    test's parent) is not read from, and sends it nothing by address; one that tells the truth
+    (the test's own thread: this process) is."""
+    from pyrdma.collectives import transport as tr
+    from pyrdma.collectives.transport import tcp
+    for pid in (os.getppid(), os.getpid()):
+        ex = _impostor_exchange(tr, machine=tcp._machine(), prove=lambda: pid)
+        t = tr.TcpTransport(0, 2, ex, timeout=TIMEOUT, max_message=MAX_MESSAGE)
+        try:
+            state = t.engine.state(1)
+            assert (state["pid"], state["addresses_to"]) == ((pid, 1) if pid == os.getpid() else (0, 1)), state
+            assert ex.said.wait(5)
+        finally:
+            t.close()
+            ex.sock.close()
+
+
 def test_socket_link_names_a_peers_abort_before_its_broken_connection():
     """A peer that failed says why (an abort) and closes: a send to it that finds the connection
     broken fails with that abort, still unread, not with the broken pipe (a rank of a mismatch test
@@ -443,24 +505,36 @@ def test_socket_link_names_a_peers_abort_before_its_broken_connection():
         assert FAILURES[failed] == "abort", engine.failure()
 
 
-def _impostor_exchange(tr, frames=b""):
+def _impostor_exchange(tr, frames=b"", machine="-", prove=None):
     """An exchange for rank 0 of two whose rank 1 is the test: it says hello with the listener's
-    token, then sends ``frames``."""
+    token, then sends ``frames``. ``machine``: the machine it says it is on; where that is rank
+    0's, it answers the proof of _readable_peers with the pid ``prove()`` gives, holding rank 0's
+    bytes in this process."""
 
     class Exchange:
         advertise_host = "127.0.0.1"
+        said = threading.Event()        # all of it
 
         def allgather(self, record):
             fields = record.decode().split(" ")
             self.address, self.token = fields[1], fields[2]
             threading.Thread(target=self.impostor, daemon=True).start()
-            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()} {fields[3]}".encode()]
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()} {fields[3]} {machine}".encode()]
 
         def impostor(self):
             host, _, port = self.address.rpartition(":")
             self.sock = socket.create_connection((host, int(port)), timeout=5)
             self.sock.sendall(tr._HELLO.pack(tr._HELLO_MAGIC, tr._HELLO_VERSION, 1, 2, bytes.fromhex(self.token)))
+            if prove is not None:
+                self.sock.sendall(bytes(16))                          # its bytes for rank 0
+                from pyrdma.collectives.transport import tcp
+                self.held = np.frombuffer(tcp._recv_exact(self.sock, 16), np.uint8).copy()
+                self.sock.sendall(tcp._PROOF.pack(prove(), self.held.ctypes.data))
+                tcp._recv_exact(self.sock, tcp._PROOF.size)
+                self.sock.sendall(b"\1")                             # "I can read yours"
+                tcp._recv_exact(self.sock, 1)
             self.sock.sendall(frames)
+            self.said.set()
 
     return Exchange()
 
@@ -498,7 +572,7 @@ def test_tcp_transport_skips_a_stranger_at_connect():
             fields = record.decode().split(" ")
             self.address, self.token = fields[1], fields[2]
             threading.Thread(target=self.peers, daemon=True).start()
-            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()} {fields[3]}".encode()]
+            return [record, f"{MAX_MESSAGE} 127.0.0.1:1 {bytes(16).hex()} {fields[3]} -".encode()]
 
         def peers(self):
             host, _, port = self.address.rpartition(":")

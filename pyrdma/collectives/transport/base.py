@@ -1,5 +1,6 @@
 """What both transports share: the description every message carries, the abort reasons, the
 errors, and the waits with their wait-for diagnosis (_Waits)."""
+import os
 import struct
 
 import numpy as np
@@ -292,6 +293,9 @@ class _EngineFailures:
         if name == "malformed":
             return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
                                     f"(immediate {a:#x})")
+        if name == "address":
+            why = os.strerror(a) if a else "a short read"
+            return _malformed(peer, f"a {b}-byte message by address that its process does not hold ({why})")
         if name == "memory":
             return RDMAError(f"out of memory keeping a {a}-byte message for its receive", call="malloc")
         if name == "post":

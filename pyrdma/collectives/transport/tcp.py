@@ -5,7 +5,8 @@ listener's token, the job secret through the exchange); then the connected socke
 engine (pyrdma._engine.Engine.over_sockets), which runs every schedule over them as it runs them
 over queue pairs: the same slots, credits, headers and wait-for diagnosis, non-blocking sockets
 polled without the GIL, header and payload written by one gathering sendmsg() and large payloads
-read straight into their slot."""
+read straight into their slot. Between ranks of one machine a collective's large payloads go as
+their address, copied by the receiver out of the sender's process (_readable_peers, BY_ADDRESS_BYTES)."""
 import fcntl
 import hmac
 import os
@@ -32,6 +33,11 @@ MAX_TCP_MESSAGE = MAX_RDMA_MESSAGE            # a frame's immediate carries the 
 HELLO_TIMEOUT = 10.0                          # the longest an accepted connection may take to say hello
 HEADER_ROOM = 64                              # a slot: the header, then the payload (as over RDMA)
 DEFAULT_SPIN = 200e-6
+# Ranks on one machine: a collective's message of at least this many bytes goes as its address, and
+# its receiver copies it out of the sender's memory (process_vm_readv: one copy, where a socket makes
+# two, and none of them the sender's CPU). PYRDMA_SOCKET_CMA=0 turns it off (UCX_TLS=^cma).
+BY_ADDRESS_BYTES = 64 * 1024
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
@@ -73,14 +79,17 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
         self._token = secrets.token_bytes(_TOKEN_SIZE)
         try:
             listener.settimeout(self.timeout)
-            records = exchange.allgather(
-                f"{self.max_message} {host}:{listener.getsockname()[1]} {self._token.hex()} {self.slots}".encode())
-            addresses, tokens = [], []
+            machine = _machine()
+            records = exchange.allgather(f"{self.max_message} {host}:{listener.getsockname()[1]} "
+                                         f"{self._token.hex()} {self.slots} {machine}".encode())
+            addresses, tokens, same_machine = [], [], []
             for p, rec in enumerate(records):
                 fields = rec.decode(errors="replace").split(" ")
-                if len(fields) != 4 or len(fields[2]) != 2 * _TOKEN_SIZE:
+                if len(fields) != 5 or len(fields[2]) != 2 * _TOKEN_SIZE:
                     raise WireFormatError(f"rank {p}'s TCP transport record is malformed: {bytes(rec)[:80]!r}")
-                message, address, token, slots = fields
+                message, address, token, slots, theirs = fields
+                if p != self.rank and machine != "-" and theirs == machine:
+                    same_machine.append(p)
                 if p != self.rank and (message, slots) != (str(self.max_message), str(self.slots)):
                     raise UsageError(f"rank {p} uses max_message={message} and slots={slots}, rank {self.rank} "
                                      f"{self.max_message} and {self.slots}: all ranks must be given the same")
@@ -92,6 +101,8 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
             self._connect_all(listener, addresses, tokens)
             for s in self.socks.values():
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            readable = self._readable_peers(same_machine)
+            for s in self.socks.values():
                 s.setblocking(False)
             from pyrdma._engine import Engine
             self.slot_stride = (HEADER_ROOM + self.max_message + 63) & ~63
@@ -99,6 +110,9 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
             fds = [-1 if p == rank else self.socks[p].fileno() for p in range(size)]
             self.engine = Engine.over_sockets(fds, self.slot_array, rank, size, self.slots, self.slot_stride,
                                               self.max_message, self.timeout, spin)
+            for p, (pid, reads_ours) in readable.items():
+                if pid or reads_ours:
+                    self.engine.by_address(p, pid, reads_ours, BY_ADDRESS_BYTES)
         except BaseException:
             for s in self.socks.values():
                 s.close()
@@ -106,6 +120,48 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
         finally:
             listener.close()
         self.buffer(0)
+
+    def _readable_peers(self, peers):
+        """{peer: (its pid if this process can read its memory else 0, whether it can read ours)}
+        for ``peers`` (said to be on this machine): each proves its pid by holding the random bytes
+        this rank sent it where this rank then reads them out of that process, so that a member
+        cannot point us at another process's memory. Where process_vm_readv is not allowed (a
+        seccomp filter, Yama's ptrace scope, another pid namespace) the proof fails and the
+        socket carries the data."""
+        if not peers:
+            return {}
+        from pyrdma._engine import read_memory_of
+        mine = {p: secrets.token_bytes(16) for p in peers}
+        held = np.zeros((self.size, 16), np.uint8)          # theirs, where they read them
+        for p in peers:
+            self.socks[p].settimeout(self.timeout)
+        self._say(peers, lambda p: mine[p])
+        for p, got in self._hear(peers, 16).items():
+            held[p] = np.frombuffer(got, np.uint8)
+        self._say(peers, lambda p: _PROOF.pack(os.getpid(), held[p].ctypes.data))
+        pids = {}
+        for p, got in self._hear(peers, _PROOF.size).items():
+            pid, addr = _PROOF.unpack(got)
+            pids[p] = pid if pid > 0 and read_memory_of(pid, addr, 16) == mine[p] else 0
+        self._say(peers, lambda p: b"\1" if pids[p] else b"\0")
+        return {p: (pids[p], got == b"\1") for p, got in self._hear(peers, 1).items()}
+
+    def _say(self, peers, message):
+        for p in peers:
+            try:
+                self.socks[p].sendall(message(p))
+            except OSError as exc:
+                raise PeerError(f"rank {self.rank} cannot reach rank {p}: {exc}", peer=p) from None
+
+    def _hear(self, peers, n):
+        heard = {}
+        for p in peers:
+            try:
+                heard[p] = _recv_exact(self.socks[p], n)
+            except (OSError, EOFError) as exc:
+                raise PeerError(f"rank {p} did not finish setting up the connection to rank {self.rank}: "
+                                f"{exc or 'it closed'}", peer=p) from None
+        return heard
 
     def _connect_all(self, listener, addresses, tokens):
         end = time.monotonic() + self.timeout
@@ -244,6 +300,20 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
     def _link_error(self, peer, err, _):
         why = "the connection closed" if not err else f"the connection broke ({os.strerror(err)})"
         return PeerError(f"rank {peer} is gone: {why} (it died, or closed its communicator)", peer=peer)
+
+
+_PROOF = struct.Struct("!iQ")          # a pid, and where its memory holds the bytes it was sent
+
+
+def _machine():
+    """What names this machine's running kernel (its boot id), or "-": PYRDMA_SOCKET_CMA=0, or none."""
+    if os.environ.get("PYRDMA_SOCKET_CMA", "1") == "0":
+        return "-"
+    try:
+        with open(_BOOT_ID) as f:
+            return f.read().strip().replace(" ", "") or "-"
+    except OSError:
+        return "-"
 
 
 def _unacknowledged(sock):
