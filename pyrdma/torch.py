@@ -137,7 +137,7 @@ def _flat_like(tensors, numel=None):
     their concatenation, or (``numel``) uninitialised room for that many elements of their dtype."""
     first = tensors[0]
     if numel is None:
-        flat = _scratch.take(first.dtype, first.device, sum(t.numel() for t in tensors))
+        flat = _scratch.take(first.dtype, first.device, sum([t.numel() for t in tensors]))
         pieces = [t.detach().reshape(-1) for t in tensors]
         if flat.device.type == "cpu" and flat.dtype in _NUMPY_COPIES:
             # numpy's copy: torch.cat took 11-16 ms for 32 MiB on a 2-core machine, numpy 8 ms
@@ -437,7 +437,7 @@ class ProcessGroupPyrdma(_backend_base()):
     def _allgather_list(self, outs, input, call, opts=None):
         src = _Staged(input, "the input")
         n = src.tensor.numel()
-        if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
+        if len(outs) != self.size() or any([o.numel() != n or o.dtype != src.tensor.dtype for o in outs]):
             raise UsageError(f"pyrdma backend: {call} needs {self.size()} output tensors of {n} "
                              f"{src.tensor.dtype} elements each")
         flat = _flat_like([input], self.size() * n)
@@ -470,7 +470,7 @@ class ProcessGroupPyrdma(_backend_base()):
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
         n = out.numel()
-        if len(ins) != self.size() or any(t.numel() != n or t.dtype != out.dtype for t in ins):
+        if len(ins) != self.size() or any([t.numel() != n or t.dtype != out.dtype for t in ins]):
             raise UsageError(f"pyrdma backend: reduce_scatter needs {self.size()} input tensors of {n} "
                              f"{out.dtype} elements each (the output's)")
         flat = _flat_like(ins)
@@ -519,7 +519,7 @@ class ProcessGroupPyrdma(_backend_base()):
             return self._work(self._start(src, opts, lambda: comm.gather(src.flat(), root=root),
                                           lambda: comm.igather(src.flat(), root=root)), output_tensors)
         outs = _one(output_tensors, "gather")
-        if len(outs) != self.size() or any(o.numel() != n or o.dtype != src.tensor.dtype for o in outs):
+        if len(outs) != self.size() or any([o.numel() != n or o.dtype != src.tensor.dtype for o in outs]):
             raise UsageError(f"pyrdma backend: gather needs {self.size()} output tensors of {n} "
                              f"{src.tensor.dtype} elements each on the root")
         flat = _flat_like(outs, self.size() * n)
@@ -534,10 +534,10 @@ class ProcessGroupPyrdma(_backend_base()):
         pieces = flat = None
         if self.rank() == root:
             ins = _one(input_tensors, "scatter")
-            if len(ins) != self.size() or any(t.numel() != n or t.dtype != out.tensor.dtype for t in ins):
+            if len(ins) != self.size() or any([t.numel() != n or t.dtype != out.tensor.dtype for t in ins]):
                 raise UsageError(f"pyrdma backend: scatter needs {self.size()} input tensors of {n} "
                                  f"{out.tensor.dtype} elements each (the output's) on the root")
-            if all(t.device.type == "cpu" for t in ins):     # each piece sent from where it lies
+            if all([t.device.type == "cpu" for t in ins]):     # each piece sent from where it lies
                 pieces = [_Staged(t, "the inputs").flat() for t in ins]
             else:
                 flat = _flat_like(ins)
@@ -553,13 +553,13 @@ class ProcessGroupPyrdma(_backend_base()):
             raise UsageError(f"pyrdma backend: all_to_all needs {self.size()} input and output tensors, got "
                              f"{len(input_tensors)} and {len(output_tensors)}")
         dtype = input_tensors[0].dtype
-        if any(t.dtype != dtype for t in list(input_tensors) + list(output_tensors)):
+        if any([t.dtype != dtype for t in input_tensors]) or any([o.dtype != dtype for o in output_tensors]):
             raise UsageError("pyrdma backend: all_to_all needs tensors of one dtype")
+        send, recv = [t.numel() for t in input_tensors], [o.numel() for o in output_tensors]
         flat_in = _flat_like(input_tensors)
         src = _Staged(flat_in, "the inputs")
-        flat = _flat_like(output_tensors, sum(o.numel() for o in output_tensors))
+        flat = _flat_like(output_tensors, sum(recv))
         gathered = _Staged(flat, "the outputs", copy_in=False)
-        send, recv = [t.numel() for t in input_tensors], [o.numel() for o in output_tensors]
         # equal pieces: the Communicator's equal form (its one-call path), as all_to_all_single's
         counts = {} if len(set(send + recv)) == 1 and send[0] else dict(send_counts=send, recv_counts=recv)
         comm = self._comm()
@@ -630,8 +630,8 @@ class ProcessGroupPyrdma(_backend_base()):
             if not pending:
                 return
             comm = self.comm
-            inline = any(p[4] is waiter for p in pending) and comm._exec.state.idle and self._coalesced is None \
-                and all(isinstance(p[1].array, np.ndarray) for p in pending)
+            inline = any([p[4] is waiter for p in pending]) and comm._exec.state.idle and self._coalesced is None \
+                and all([isinstance(p[1].array, np.ndarray) for p in pending])
             if not inline:
                 self._batch(pending, False)
                 return
