@@ -4,7 +4,8 @@
 the rdma-core libraries and pyrdma's extension; the kernel's RDMA devices and /dev/infiniband; for
 each device and port its state, link layer, MTU, speed and GID table (types, addresses, and the
 entry pyrdma would pick); whether rdma_cm binds the port's IPv4 address to that device;
-RLIMIT_MEMLOCK against a 1 GiB registration; with CuPy, GPUDirect RDMA (dma-buf, nvidia-peermem).
+RLIMIT_MEMLOCK against a 1 GiB registration; with CuPy, GPUDirect RDMA (dma-buf, nvidia-peermem);
+whether ranks of this machine over TCP may copy straight out of each other's memory.
 Exit status 0 when it found no problem, 1 otherwise. It runs where rdma-core or the extension
 cannot be loaded, and says so.
 """
@@ -291,6 +292,45 @@ def check_memlock(report):
                        f"registering 1 GiB would fail with ENOMEM (Cannot allocate memory)", advice.MEMLOCK_FIX)
 
 
+YAMA_PTRACE_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
+
+
+def check_same_machine(report):
+    """Whether TCP between ranks of this machine copies large messages straight out of the
+    sender's memory (process_vm_readv), as the TCP transport tries: a child's memory read here
+    (a seccomp filter, as Docker's default, forbids it), and Yama's ptrace scope (1 or more keeps
+    ranks that are siblings from reading each other)."""
+    import ctypes
+    state = {"process_vm_readv": False, "ptrace_scope": None, "enabled": os.environ.get("PYRDMA_SOCKET_CMA", "1") != "0"}
+    try:
+        with open(YAMA_PTRACE_SCOPE) as f:
+            state["ptrace_scope"] = int(f.read().strip())
+    except (OSError, ValueError):
+        pass
+    try:
+        from pyrdma._engine import read_memory_of
+    except ImportError as exc:
+        state["note"] = f"pyrdma's extension is not loaded ({exc})"
+        report.sections["same_machine"] = state
+        return
+    held = ctypes.create_string_buffer(os.urandom(16), 16)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                             # the child holds the same bytes at the same address
+        try:
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    try:
+        state["process_vm_readv"] = read_memory_of(pid, ctypes.addressof(held), 16) == held.raw
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+    report.sections["same_machine"] = state
+
+
 def check_gpus(rd, report, devices):
     try:
         import cupy
@@ -340,6 +380,7 @@ def diagnose():
         devices = check_devices(rd, report)
     report.sections["devices"] = devices
     check_memlock(report)
+    check_same_machine(report)
     if rd is not None:
         check_gpus(rd, report, devices)
     else:
@@ -410,6 +451,20 @@ def render(report):
                 + ("fits" if m["fits"] else "does NOT fit")]
     if m["cap_ipc_lock"] and m["soft"] is not None and m["locked"] + m["nbytes"] > m["soft"]:
         out.append(f"  (only through CAP_IPC_LOCK: a process without it, not root say, is held to {m['soft_text']})")
+    sm = s["same_machine"]
+    if "note" in sm:
+        why = sm["note"]
+    elif not sm["enabled"]:
+        why = "no: PYRDMA_SOCKET_CMA=0"
+    elif not sm["process_vm_readv"]:
+        why = "no: process_vm_readv is refused here (a seccomp filter? Docker: --cap-add SYS_PTRACE)"
+    elif sm["ptrace_scope"]:
+        why = (f"only where a rank is another's parent: Yama's ptrace_scope is {sm['ptrace_scope']} "
+               f"(`sysctl kernel.yama.ptrace_scope=0` lets sibling ranks read each other)")
+    else:
+        why = "yes"
+    out.append("TCP between ranks of this machine, large messages copied out of the sender's memory "
+               f"(process_vm_readv): {why}")
     g = s["gpus"]
     out.append("GPUs: " + (g.get("note") or f"{g['count']} (CuPy)"))
     for gpu in g.get("gpus", []):
