@@ -1001,7 +1001,10 @@ cdef class HostCollectives:
                     _number(call, engine, seq)
                     engine._begin(prog, <uint64_t><uintptr_t>views[p].buf, call.work_bytes, 0, call.desc,
                                   call.dtype, call.op, None, False, 0)
-                    engine.defer_sends = False
+                    # the last part's wait covers every part's sends (their pieces live until the
+                    # call returns): a part sent by address is not waited for before the next
+                    # part goes out (one read after another: 4 ranks, 64 KiB, 1.3x the time)
+                    engine.defer_sends = engine.sockets and i < n - 2
                     try:
                         with nogil:
                             rc = engine._execute(prog.steps, prog.nsteps, prog.chunks)
@@ -1009,7 +1012,7 @@ cdef class HostCollectives:
                         engine._end()
                     if rc < 0:
                         raise self.transport.engine_failed()
-                # after the sends (each part waits for its own): ``out`` may be one of the pieces
+                # after the sends (the last part waits for them all): ``out`` may be one of the pieces
                 memmove(out_view.buf, views[root].buf, <size_t>out_view.len)
             except BaseException as exc:
                 self.executor.fail(exc)
