@@ -371,15 +371,22 @@ def _receive_program(engine, nbytes, count):
 
 def test_socket_link_frame_fuzz():
     """Random and mutated frames from a peer: the engine's run returns (0, or a failure it names:
-    malformed, mismatch, abort, the link gone), never crashes, never waits past the stream's end."""
+    malformed, mismatch, abort, the link gone, an address outside the peer's memory), never
+    crashes, never waits past the stream's end. Every other case the peer is one whose address
+    frames are read (this process), and those (and reports of reads) are among the frames."""
     from pyrdma._engine import FAILURES
     from pyrdma.collectives import transport as tr
     rng = random.Random(16)
     desc = tr.describe(7, "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
     work = np.zeros(8 * 64, np.uint8)
-    seen = set()
+    source = np.arange(64, dtype=np.uint8)
+    seen, reads = set(), 0
     for case in range(1500):
         frames = _valid_frames(rng, desc)
+        by_address = case % 2 == 1
+        if by_address:
+            frames += [_address_frame(desc, source.ctypes.data, rng.choice([16, 63])),
+                       _frame(_CONTROL, (3 << 28) | 1)]                     # "1 of yours read"
         if case % 3 == 0:
             blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
         else:
@@ -388,18 +395,22 @@ def test_socket_link_frame_fuzz():
         a, b = socket.socketpair()
         try:
             engine, _ = _socket_engine(a)
+            if by_address:
+                engine.by_address(1, os.getpid(), True, 16)
             b.sendall(blob)
             b.shutdown(socket.SHUT_WR)     # the engine sees the end, so no wait lasts
             start = time.monotonic()
             failed = engine.run(_receive_program(engine, rng.choice([0, 16, 63]), 2), work.ctypes.data,
                                 work.nbytes, 0, desc, 5, 0)
             assert time.monotonic() - start < 2.0
-            assert failed == 0 or FAILURES[failed] in ("malformed", "mismatch", "abort", "link"), failed
+            assert failed == 0 or FAILURES[failed] in ("malformed", "mismatch", "abort", "link", "address"), failed
             seen.add(FAILURES.get(failed, "ok"))
+            reads += engine.reads
         finally:
             a.close()
             b.close()
     assert {"malformed", "mismatch", "link"} <= seen, seen
+    assert reads > 0, "no address frame was read"
 
 
 def test_socket_link_valid_frames_and_a_silent_peer():
