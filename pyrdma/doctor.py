@@ -301,7 +301,7 @@ def check_same_machine(report):
     (a seccomp filter, as Docker's default, forbids it), and Yama's ptrace scope (1 or more keeps
     ranks that are siblings from reading each other)."""
     import ctypes
-    state = {"process_vm_readv": False, "ptrace_scope": None, "enabled": os.environ.get("PYRDMA_SOCKET_CMA", "1") != "0"}
+    state = {"process_vm_readv": False, "ptrace_scope": None, "enabled": None}
     try:
         with open(YAMA_PTRACE_SCOPE) as f:
             state["ptrace_scope"] = int(f.read().strip())
@@ -309,10 +309,12 @@ def check_same_machine(report):
         pass
     try:
         from pyrdma._engine import read_memory_of
+        from pyrdma.collectives.transport.tcp import by_address_allowed
     except ImportError as exc:
         state["note"] = f"pyrdma's extension is not loaded ({exc})"
         report.sections["same_machine"] = state
         return
+    state["enabled"] = by_address_allowed()
     held = ctypes.create_string_buffer(os.urandom(16), 16)
     r, w = os.pipe()
     pid = os.fork()

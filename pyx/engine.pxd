@@ -134,7 +134,7 @@ cdef struct peer_t:
     int rx_direct            # the payload being read goes straight into its receive's destination
     int directed             # the first arrivals (not taken yet) whose payloads went there (a
                              # receive takes its message's from its destination, not the slot)
-    # Same machine (Engine.read_memory_of): a collective's payload of at least ``by_address_bytes``
+    # Same machine (Engine.read_memory_of): a payload of at least ``by_address_bytes``
     # goes as an address frame, whose receiver copies it out of the sender's memory itself (one
     # copy, where a socket makes two) and says so (CTRL_READ); the send completes then.
     int pid                  # the peer's process, whose memory its address frames point into (0: none)
@@ -262,7 +262,7 @@ cdef class Engine:
     cdef readonly unsigned long long directs    # payloads read straight into place so far
     cdef readonly unsigned long long keeps      # messages copied out of their slots (_keep) so far
     cdef readonly unsigned long long reads      # payloads copied out of a peer's memory (address frames)
-    cdef readonly int64_t by_address_bytes
+    cdef int64_t _by_address_bytes
 
     cdef int _check_peer(self, int peer) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,

@@ -360,7 +360,7 @@ cdef class Engine:
         self.waiting_on = -1
         self.consume = None
         self.spin_yields = self.crowded = size > sysconf(_SC_NPROCESSORS_ONLN)
-        self.by_address_bytes = INT64_MAX
+        self._by_address_bytes = INT64_MAX
         return 0
 
     def __dealloc__(self):
@@ -415,17 +415,27 @@ cdef class Engine:
                     outstanding=q.outstanding, data_outstanding=q.data_outstanding, arrivals=q.arr_count,
                     pid=q.pid, addresses_to=q.addresses_to, unread=q.unread)
 
-    def by_address(self, int peer, int pid, bint reads_ours, int64_t min_bytes):
+    def by_address(self, int peer, int pid, bint reads_ours):
         """The socket link, ``peer`` on this machine (TcpTransport checks it): read its address
         frames out of process ``pid`` (0: it sends none), and (``reads_ours``: it can read this
-        process) send it the payloads of collectives of at least ``min_bytes`` as address frames."""
+        process) send it payloads of at least ``by_address_bytes`` as address frames."""
         self._check_peer(peer)
         if not self.sockets:
             raise UsageError("Engine.by_address: the socket link only")
-        if min_bytes < 16:
-            raise UsageError(f"Engine.by_address: min_bytes must be at least 16, got {min_bytes}")
         self.peers[peer].pid, self.peers[peer].addresses_to = pid, reads_ours
-        self.by_address_bytes = min_bytes
+
+    @property
+    def by_address_bytes(self):
+        """The least payload sent as an address frame to a peer that by_address() allows (none
+        until set)."""
+        return self._by_address_bytes
+
+    @by_address_bytes.setter
+    def by_address_bytes(self, int64_t nbytes):
+        # (an 8-byte frame whose header says 8 bytes is plain data: an address frame is never that)
+        if nbytes < 16:
+            raise UsageError(f"Engine.by_address_bytes must be at least 16, got {nbytes}")
+        self._by_address_bytes = nbytes
 
     cdef int _check_peer(self, int peer) except -1:
         if not 0 <= peer < self.size or peer == self.rank:
@@ -1634,9 +1644,7 @@ cdef class Engine:
             if self._wait(WAIT_CREDIT, peer, n) < 0:
                 return -1
         back = <uint32_t>min(p.unreturned, CREDIT_MASK)
-        # (a point-to-point send completes without its receiver: never by address, whose send
-        # completes once the receiver has read it)
-        by_address = p.addresses_to and n >= self.by_address_bytes and desc[DESC_KIND_AT] != DESC_KIND_SEND \
+        by_address = p.addresses_to and n >= self._by_address_bytes \
             and self.consume is None        # (a GPU work area's staging memory is reused at its own pace)
         if self._sock_queue(peer, (KIND_DATA << 30) | (back << CREDIT_SHIFT) | <uint32_t>(8 if by_address else n),
                             desc, addr, <uint32_t>n, by_address) < 0:
@@ -1867,16 +1875,13 @@ cdef class Engine:
         place _rx_place gives it (or its slot), then say so (the peer's send completes then)."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint8_t *dst = self._rx_place(peer, p.rx_header, p.rx_length)
-        cdef iovec here, there
         cdef ssize_t n
         if dst != NULL:
             p.directed += 1
             self.directs += 1
         else:
             dst = p.rx_header + C_HEADER_ROOM
-        here.iov_base, here.iov_len = dst, p.rx_length
-        there.iov_base, there.iov_len = <void *><uintptr_t>p.rx_source, p.rx_length
-        n = process_vm_readv(p.pid, &here, 1, &there, 1, 0)
+        n = _read_from(p.pid, dst, p.rx_source, p.rx_length)
         if n != <ssize_t>p.rx_length:
             shutdown(p.fd, SHUT_RDWR)
             p.gone = 1
@@ -1962,15 +1967,21 @@ def read_memory_of(int pid, uint64_t addr, Py_ssize_t n):
     """``n`` bytes at ``addr`` in process ``pid`` (process_vm_readv), or None where this process
     may not read it (another machine's or namespace's, no permission, a seccomp filter)."""
     cdef bytearray out = bytearray(n)
-    cdef iovec here, there
+    cdef char *dst = out
     cdef ssize_t got
     if n <= 0 or pid <= 0:
         return None
-    here.iov_base, here.iov_len = <char *>out, n
-    there.iov_base, there.iov_len = <void *><uintptr_t>addr, n
     with nogil:
-        got = process_vm_readv(pid, &here, 1, &there, 1, 0)
+        got = _read_from(pid, dst, addr, n)
     return bytes(out) if got == n else None
+
+
+cdef inline ssize_t _read_from(int pid, void *dst, uint64_t src, size_t n) noexcept nogil:
+    """Copy ``n`` bytes at ``src`` in process ``pid`` to ``dst`` here: the bytes copied, or -1 (errno)."""
+    cdef iovec here, there
+    here.iov_base, here.iov_len = dst, n
+    there.iov_base, there.iov_len = <void *><uintptr_t>src, n
+    return process_vm_readv(pid, &here, 1, &there, 1, 0)
 
 
 @cython.final

@@ -628,8 +628,8 @@ def test_the_socket_link_reads_payloads_straight_into_place():
 
 def _by_address(rank, size, port, cma="1", victim=None):
     """Over TCP on one machine, the large messages of collectives go by address (the receiver
-    copies them out of the sender's process): every result exact, the reads counted, and a
-    point-to-point message never so (its send completes without its receiver). ``victim``: that
+    copies them out of the sender's process): every result exact, the reads counted, a
+    point-to-point exchange's messages too. ``victim``: that
     rank exits (no goodbye) before a large allreduce; the others' error names it."""
     import pyrdma
     os.environ["PYRDMA_SOCKET_CMA"] = cma           # (the ranks' server keeps the environment it began with)
@@ -664,21 +664,35 @@ def _by_address(rank, size, port, cma="1", victim=None):
         sc = np.zeros(n, np.float32)
         comm.scatter(np.arange(size * n, dtype=np.float32) if rank == 2 else None, out=sc, root=2)
         ok.append(np.array_equal(sc, np.arange(rank * n, (rank + 1) * n, dtype=np.float32)))
-        reads = engine.reads
+        collectives = reads = engine.reads
         comm.barrier()
-        if rank < 2:                                # point-to-point: 4 MiB each way, by the socket
+        if rank < 2:                                # point-to-point: 4 MiB each way, 1 MiB messages
             got = np.zeros(n, np.float32)
             comm.sendrecv(np.full(n, rank + 5.0, np.float32), 1 - rank, got, 1 - rank)
             ok.append(bool((got == 6 - rank).all()))
-        return ok, reads, engine.reads - reads
+        exchanged = engine.reads - reads
+        reads = engine.reads
+        comm.barrier()                              # (rank 2's isend is not read during the exchange)
+        # an isend by address, a collective, then its receive (MPI's progress rule): the receiver
+        # reads it during the collective (its send completes then), kept for the receive
+        right, left = (rank + 1) % size, (rank - 1) % size
+        sent = comm.isend(np.full(n, rank + 7.0, np.float32), right, tag=3)
+        y = np.ones(2, np.float32)                  # (small: the socket carries it)
+        comm.allreduce(y)
+        got = np.zeros(n, np.float32)
+        comm.recv(got, left, tag=3)
+        ok.extend([bool((y == size).all()), bool((got == left + 7).all()), sent.wait(timeout=30) is None])
+        return ok, collectives, exchanged, engine.reads - reads
 
 
 def test_the_socket_link_sends_large_messages_of_collectives_by_address():
     for setting in ("1", "0"):
         results = run_ranks(_by_address, 3, free_port(), setting, timeout=120)
-        for rank, (ok, reads, p2p_reads) in enumerate(results):
+        for rank, (ok, reads, exchanged, isent) in enumerate(results):
             assert all(ok), (setting, rank, ok)
-            assert p2p_reads == 0, f"rank {rank} read {p2p_reads} point-to-point messages by address"
+            expected = 4 if setting == "1" else 0
+            assert (exchanged, isent) == (expected if rank < 2 else 0, expected), \
+                f"rank {rank}: point-to-point messages read by address: {exchanged} exchanged, {isent} isent"
             if setting == "1":
                 assert reads > 0, f"rank {rank}: nothing went by address"
             else:

@@ -25,6 +25,7 @@ import zlib
 import numpy as np
 import pytest
 
+from pyrdma.errors import UsageError
 from pyrdma.testing import free_port
 
 TIMEOUT = 10.0
@@ -396,7 +397,8 @@ def test_socket_link_frame_fuzz():
         try:
             engine, _ = _socket_engine(a)
             if by_address:
-                engine.by_address(1, os.getpid(), True, 16)
+                engine.by_address_bytes = 16
+                engine.by_address(1, os.getpid(), True)
             b.sendall(blob)
             b.shutdown(socket.SHUT_WR)     # the engine sees the end, so no wait lasts
             start = time.monotonic()
@@ -453,7 +455,9 @@ def test_socket_link_reads_address_frames_and_drops_forged_ones():
     a, b = socket.socketpair()
     with a, b:
         engine, _ = _socket_engine(a, timeout=2.0)
-        engine.by_address(1, os.getpid(), False, 1024)
+        with pytest.raises(UsageError, match="at least 16"):
+            engine.by_address_bytes = 8     # (an 8-byte frame saying 8 bytes is plain data)
+        engine.by_address(1, os.getpid(), False)
         b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE))
         assert engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0) == 0
         assert np.array_equal(work, source) and engine.reads == 1
@@ -463,7 +467,7 @@ def test_socket_link_reads_address_frames_and_drops_forged_ones():
         a, b = socket.socketpair()
         with a, b:
             engine, _ = _socket_engine(a, timeout=2.0)
-            engine.by_address(1, os.getpid(), False, 1024)
+            engine.by_address(1, os.getpid(), False)
             b.sendall(forged)
             failed = engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
             assert FAILURES[failed] in ("address", "malformed") and engine.failure()[1] == 1, engine.failure()

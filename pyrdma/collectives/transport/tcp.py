@@ -33,9 +33,10 @@ MAX_TCP_MESSAGE = MAX_RDMA_MESSAGE            # a frame's immediate carries the 
 HELLO_TIMEOUT = 10.0                          # the longest an accepted connection may take to say hello
 HEADER_ROOM = 64                              # a slot: the header, then the payload (as over RDMA)
 DEFAULT_SPIN = 200e-6
-# Ranks on one machine: a collective's message of at least this many bytes goes as its address, and
-# its receiver copies it out of the sender's memory (process_vm_readv: one copy, where a socket makes
-# two, and none of them the sender's CPU). PYRDMA_SOCKET_CMA=0 turns it off (UCX_TLS=^cma).
+# Ranks on one machine: a message (a collective's or point-to-point) of at least this many bytes goes
+# as its address, and its receiver copies it out of the sender's memory (process_vm_readv: one copy,
+# where a socket makes two, and none of them the sender's CPU). PYRDMA_SOCKET_CMA=0 turns it off
+# (UCX_TLS=^cma).
 BY_ADDRESS_BYTES = 64 * 1024
 # Where the ranks outnumber the CPUs a send by address waits for its reader to be scheduled, which
 # can cost more than the copy it saves below this (4 ranks on 2 cores, torch scatter of 64 KiB
@@ -114,10 +115,10 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
             fds = [-1 if p == rank else self.socks[p].fileno() for p in range(size)]
             self.engine = Engine.over_sockets(fds, self.slot_array, rank, size, self.slots, self.slot_stride,
                                               self.max_message, self.timeout, spin)
-            least = BY_ADDRESS_BYTES_CROWDED if self.engine.crowded else BY_ADDRESS_BYTES
+            self.engine.by_address_bytes = BY_ADDRESS_BYTES_CROWDED if self.engine.crowded else BY_ADDRESS_BYTES
             for p, (pid, reads_ours) in readable.items():
                 if pid or reads_ours:
-                    self.engine.by_address(p, pid, reads_ours, least)
+                    self.engine.by_address(p, pid, reads_ours)
         except BaseException:
             for s in self.socks.values():
                 s.close()
@@ -310,9 +311,15 @@ class TcpTransport(_OwnBuffer, _Waits, _EngineFailures):
 _PROOF = struct.Struct("!iQ")          # a pid, and where its memory holds the bytes it was sent
 
 
+def by_address_allowed():
+    """Whether the environment lets ranks of one machine copy out of each other's memory
+    (PYRDMA_SOCKET_CMA=0 forbids it)."""
+    return os.environ.get("PYRDMA_SOCKET_CMA", "1") != "0"
+
+
 def _machine():
     """What names this machine's running kernel (its boot id), or "-": PYRDMA_SOCKET_CMA=0, or none."""
-    if os.environ.get("PYRDMA_SOCKET_CMA", "1") == "0":
+    if not by_address_allowed():
         return "-"
     try:
         with open(_BOOT_ID) as f:
