@@ -1644,6 +1644,8 @@ cdef class Engine:
             if self._wait(WAIT_CREDIT, peer, n) < 0:
                 return -1
         back = <uint32_t>min(p.unreturned, CREDIT_MASK)
+        # (a point-to-point send too: it completes once the receiver has read it, which it does at
+        # any call of its own, keeping it for its receive as an early eager message is kept)
         by_address = p.addresses_to and n >= self._by_address_bytes \
             and self.consume is None        # (a GPU work area's staging memory is reused at its own pace)
         if self._sock_queue(peer, (KIND_DATA << 30) | (back << CREDIT_SHIFT) | <uint32_t>(8 if by_address else n),
