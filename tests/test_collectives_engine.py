@@ -703,6 +703,39 @@ def test_the_socket_link_sends_large_messages_of_collectives_by_address():
         assert status == "ok" and peer == 2 and "rank 2" in text, (rank, results[rank])
 
 
+def _late_receiver(rank, size, port):
+    """A send by address that times out (its receiver makes no call for longer than the timeout)
+    leaves its frame unread, pointing into memory that is the caller's again: the receiver that
+    comes later must fail, not take what that memory holds by then."""
+    import time
+    import pyrdma
+    os.environ["PYRDMA_SOCKET_CMA"] = "1"
+    with _comm(rank, size, port, "tcp", timeout=1.5) as comm:
+        data = np.arange(1 << 18, dtype=np.float32)       # 1 MiB: by address
+        if rank == 0:
+            try:
+                comm.send(data, 1)
+            except pyrdma.PeerError as exc:
+                data[:] = -1                                # reused by its caller
+                time.sleep(4)                               # alive while rank 1 receives
+                return "failed", str(exc)
+            return "sent", ""
+        time.sleep(3)
+        got = np.zeros_like(data)
+        try:
+            comm.recv(got, 0)
+        except pyrdma.PeerError as exc:
+            return "failed", str(exc)
+        return "received", "exact" if np.array_equal(got, np.arange(1 << 18, dtype=np.float32)) else "changed"
+
+
+def test_a_late_receiver_of_a_timed_out_send_by_address_fails():
+    results = run_ranks(_late_receiver, 2, free_port(), timeout=60, expect_errors=True)
+    (s0, (how0, text0)), (s1, (how1, text1)) = results
+    assert s0 == "ok" and how0 == "failed" and "rank 1" in text0, results[0]
+    assert s1 == "ok" and how1 == "failed" and "rank 0 gave up on this rank" in text1, results[1]
+
+
 def _deferred_sends(rank, size, port):
     """Over RDMA a blocking call through the transport's buffer returns without waiting for its
     sends (the next writer of that buffer waits for them): a root that only sends, then calls that

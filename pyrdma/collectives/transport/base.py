@@ -34,8 +34,11 @@ _REASONS = {PEER_FAILED: "failed", MISMATCH: "called a collective that does not 
 NO_CULPRIT = 0xFFFFFF
 
 
-def abort_error(reporter, culprit, reason):
-    """The exception a rank raises when ``reporter`` says the group failed because of ``culprit``."""
+def abort_error(reporter, culprit, reason, me=None):
+    """The exception a rank (``me``) raises when ``reporter`` says the group failed because of ``culprit``."""
+    if culprit == me and reason == PEER_FAILED:
+        return PeerError(f"rank {reporter} gave up on this rank (rank {me}): it waited for it longer than its "
+                         f"timeout; the communicator is unusable now", peer=reporter)
     who = "an unknown rank" if culprit == NO_CULPRIT else f"rank {culprit}"
     if reason == MISMATCH:
         err = UsageError(f"rank {reporter} found that {who} called a different collective or sent a different "
@@ -251,12 +254,12 @@ class _EngineFailures:
 
     def abort(self, culprit, reason):
         """Tell every peer (best effort: a full queue drops it) that this group failed because of
-        ``culprit``."""
+        ``culprit``: the culprit too, which may only be late. On the socket link it may still hold
+        address frames of ours unread, pointing into memory that is the caller's again: it reads
+        the abort right behind them, so its receive fails rather than returning what is there now."""
         if self._closed:
             return
         for p in self.peers:
-            if p == culprit and reason == PEER_FAILED:
-                continue
             self.engine.post_control(p, _imm_abort(culprit, reason))
 
     def engine_failed(self):
@@ -275,7 +278,7 @@ class _EngineFailures:
         if name == "closed":
             return closed_error()
         if name == "abort":
-            return abort_error(peer, a, b)
+            return abort_error(peer, a, b, self.rank)
         if name == "mismatch":
             try:
                 check_header(peer, self.rank, desc, a, self.engine.description(), b)
