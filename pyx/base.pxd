@@ -1,3 +1,5 @@
+from libc.stdint cimport uint64_t
+
 cdef extern from "<poll.h>" nogil:
     cdef struct pollfd:
         int fd
@@ -9,6 +11,7 @@ cdef extern from "<poll.h>" nogil:
 cdef extern from "pyrdma_guard.h" nogil:
     int pyrdma_load_flag(const int *p)
     void pyrdma_store_flag(int *p, int v)
+    void pyrdma_bump_word(uint64_t *p)
 
 cdef class VerbsObject:
     cdef object __weakref__

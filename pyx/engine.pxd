@@ -40,6 +40,7 @@ cdef enum:
     NWC = 64
     RDV_MAX_WRITE = 1 << 30          # the longest RDMA WRITE of a rendezvous (larger ones are split)
     SOCK_HEAD = 56                   # the socket link's frame head: the immediate (4), the header (48)
+    ADDRESS_FRAME = 24               # an address frame's payload (txframe_t.where)
     DESC_KIND_AT = 38                # the byte of a description that says its kind
     DESC_KIND_SEND = 13              # ... for a point-to-point message (transport.base.KINDS)
 
@@ -62,7 +63,8 @@ cdef enum:
     FAIL_MALFORMED = 8
     FAIL_PYTHON = 9
     FAIL_MEMORY = 10
-    FAIL_ADDRESS = 11                # an address frame that points outside its sender's memory
+    FAIL_ADDRESS = 11                # an address frame that points outside its sender's memory, or (a = -1)
+                                     # whose sender gave up on it before it was read (Engine.live)
 
 cdef extern from "Python.h":
     ctypedef struct PyThreadState
@@ -89,8 +91,9 @@ cdef struct txframe_t:
     uint64_t done            # bytes of head and payload written so far
     int data                 # the payload is read from the work area (data_outstanding counts it)
     uint8_t *owned           # a copy of the payload the engine owns (a failed run's frame mid-write)
-    int by_address           # an address frame: its payload is ``source``, the peer reads the data
-    uint64_t source          # (in place of the data: process_vm_readv, Engine.read_memory_of)
+    int by_address           # an address frame: its payload is ``where``, the peer reads the data
+    uint64_t where[3]        # (in place of the data: process_vm_readv): the data's address, then
+                             # the address and value of the word that says it is still there (live)
 
 
 cdef struct peer_t:
@@ -141,10 +144,10 @@ cdef struct peer_t:
     int addresses_to         # the peer reads ours: large payloads go to it as address frames
     int unread               # our address frames it has not said it read (data_outstanding counts them)
     int reads_owed           # its address frames read here and not yet said (CTRL_READ)
-    int rx_by_address        # the frame being read is an address frame (rx_source its payload)
+    int rx_by_address        # the frame being read is an address frame (rx_where its payload)
     uint32_t rx_length       # ... of that many bytes (its header's length)
     uint8_t *rx_header       # ... whose header is here (its slot)
-    uint64_t rx_source
+    uint64_t rx_where[3]
 
 
 @cython.final
@@ -263,6 +266,10 @@ cdef class Engine:
     cdef readonly unsigned long long keeps      # messages copied out of their slots (_keep) so far
     cdef readonly unsigned long long reads      # payloads copied out of a peer's memory (address frames)
     cdef int64_t _by_address_bytes
+    # what this process's address frames point to is theirs while this word holds the value they
+    # carry: a failed run changes it before the caller has its memory back, so a reader that comes
+    # later (its abort not yet read) finds the word changed and fails instead of taking the bytes
+    cdef uint64_t live
 
     cdef int _check_peer(self, int peer) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,

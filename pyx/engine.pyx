@@ -28,7 +28,7 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memcmp, memset
 from pyrdma._verbs.libibverbs cimport *
 from pyrdma._verbs.base cimport (VerbsObject, use, unuse, monotonic_now, pyrdma_load_flag, pyrdma_store_flag,
-                                  pollfd, poll, POLLIN)
+                                  pyrdma_bump_word, pollfd, poll, POLLIN)
 from pyrdma._verbs.cq cimport CompletionQueue
 from pyrdma._verbs.qp cimport QueuePair
 from pyrdma._verbs.mr cimport MemoryRegion
@@ -361,6 +361,7 @@ cdef class Engine:
         self.consume = None
         self.spin_yields = self.crowded = size > sysconf(_SC_NPROCESSORS_ONLN)
         self._by_address_bytes = INT64_MAX
+        self.live = 1
         return 0
 
     def __dealloc__(self):
@@ -432,9 +433,10 @@ cdef class Engine:
 
     @by_address_bytes.setter
     def by_address_bytes(self, int64_t nbytes):
-        # (an 8-byte frame whose header says 8 bytes is plain data: an address frame is never that)
-        if nbytes < 16:
-            raise UsageError(f"Engine.by_address_bytes must be at least 16, got {nbytes}")
+        # (a frame whose payload is as long as an address frame's and says so is plain data: an
+        # address frame is never that)
+        if nbytes < 32:
+            raise UsageError(f"Engine.by_address_bytes must be at least 32, got {nbytes}")
         self._by_address_bytes = nbytes
 
     cdef int _check_peer(self, int peer) except -1:
@@ -665,6 +667,8 @@ cdef class Engine:
         if self.sockets and self.fail_kind != FAIL_NONE:
             with nogil:
                 self._settle_reads()
+            # what our unread frames point to is the caller's again from here on
+            pyrdma_bump_word(&self.live)
             # a failed run's frames are not written: their payloads may be the caller's memory, freed
             # once it returns. One already begun is finished from a copy, so that the stream stays
             # in step for the abort behind it (without memory for the copy: no more to that peer).
@@ -1648,7 +1652,8 @@ cdef class Engine:
         # any call of its own, keeping it for its receive as an early eager message is kept)
         by_address = p.addresses_to and n >= self._by_address_bytes \
             and self.consume is None        # (a GPU work area's staging memory is reused at its own pace)
-        if self._sock_queue(peer, (KIND_DATA << 30) | (back << CREDIT_SHIFT) | <uint32_t>(8 if by_address else n),
+        if self._sock_queue(peer, (KIND_DATA << 30) | (back << CREDIT_SHIFT)
+                            | <uint32_t>(ADDRESS_FRAME if by_address else n),
                             desc, addr, <uint32_t>n, by_address) < 0:
             return -1
         p.credits -= 1
@@ -1660,8 +1665,9 @@ cdef class Engine:
                          bint by_address=False) noexcept nogil:
         """Queue a frame (a data message when ``desc`` is given, else the immediate alone) and write
         what the socket takes now. -1 when the queue is full or the peer is gone (a frame of no data
-        to a gone peer is dropped: 0). ``by_address``: its payload is ``addr`` itself (8 bytes; the
-        header says ``n``), for the peer to read the ``n`` bytes there out of this process."""
+        to a gone peer is dropped: 0). ``by_address``: its payload is ``addr`` and where the word
+        ``live`` lies, with its value (24 bytes; the header says ``n``), for the peer to read the
+        ``n`` bytes there out of this process, and then that word."""
         cdef peer_t *p = &self.peers[peer]
         cdef txframe_t *f
         cdef uint32_t nimm = htonl(imm)
@@ -1681,8 +1687,8 @@ cdef class Engine:
         f.addr, f.length, f.done, f.owned = addr, n, 0, NULL
         f.by_address = by_address
         if by_address:
-            f.source = addr
-            f.addr, f.length = <uint64_t><uintptr_t>&f.source, 8
+            f.where[0], f.where[1], f.where[2] = addr, <uint64_t><uintptr_t>&self.live, self.live
+            f.addr, f.length = <uint64_t><uintptr_t>f.where, ADDRESS_FRAME
         f.data = desc != NULL
         p.outstanding += 1
         p.data_outstanding += f.data
@@ -1825,14 +1831,14 @@ cdef class Engine:
         if p.rx_state == RX_HEADER and length:
             p.rx_state, p.rx_need, p.rx_got = RX_PAYLOAD, length, 0
             memcpy(&said, p.rx_dst + DESC_SIZE, 4)
-            if p.pid and length == 8 and said != 8:
+            if p.pid and length == ADDRESS_FRAME and said != ADDRESS_FRAME:
                 # an address frame: its payload is where the data lies in the peer's process
                 if said > <uint32_t>self.max_message:
                     shutdown(p.fd, SHUT_RDWR)
                     p.gone = 1
                     return self._fail(FAIL_MALFORMED, peer, imm, said)
                 p.rx_by_address, p.rx_length, p.rx_header = 1, said, p.rx_dst
-                p.rx_dst = <uint8_t *>&p.rx_source
+                p.rx_dst = <uint8_t *>p.rx_where
                 return 0
             dst = self._rx_place(peer, p.rx_dst, length)
             if dst != NULL:
@@ -1878,18 +1884,23 @@ cdef class Engine:
         cdef peer_t *p = &self.peers[peer]
         cdef uint8_t *dst = self._rx_place(peer, p.rx_header, p.rx_length)
         cdef ssize_t n
+        cdef uint64_t live = 0
         if dst != NULL:
             p.directed += 1
             self.directs += 1
         else:
             dst = p.rx_header + C_HEADER_ROOM
-        n = _read_from(p.pid, dst, p.rx_source, p.rx_length)
-        if n != <ssize_t>p.rx_length:
+        # the data, then the sender's word that says it is still the message (one call, in order)
+        n = _read_from(p.pid, dst, p.rx_where[0], p.rx_length, p.rx_where[1], &live)
+        if n != <ssize_t>p.rx_length + 8:
             shutdown(p.fd, SHUT_RDWR)
             p.gone = 1
             if n < 0 and errno == ESRCH:            # its process ended (it died after sending)
                 return self._fail(FAIL_LINK, peer, 0, 0)
             return self._fail(FAIL_ADDRESS, peer, errno if n < 0 else 0, p.rx_length)
+        if live != p.rx_where[2]:
+            # its call failed before we read it (its abort is behind): those bytes are not the message
+            return self._fail(FAIL_ADDRESS, peer, -1, p.rx_length)
         self.reads += 1
         p.reads_owed += 1
         return self._say_read(peer)
@@ -1974,16 +1985,21 @@ def read_memory_of(int pid, uint64_t addr, Py_ssize_t n):
     if n <= 0 or pid <= 0:
         return None
     with nogil:
-        got = _read_from(pid, dst, addr, n)
+        got = _read_from(pid, dst, addr, n, 0, NULL)
     return bytes(out) if got == n else None
 
 
-cdef inline ssize_t _read_from(int pid, void *dst, uint64_t src, size_t n) noexcept nogil:
-    """Copy ``n`` bytes at ``src`` in process ``pid`` to ``dst`` here: the bytes copied, or -1 (errno)."""
-    cdef iovec here, there
-    here.iov_base, here.iov_len = dst, n
-    there.iov_base, there.iov_len = <void *><uintptr_t>src, n
-    return process_vm_readv(pid, &here, 1, &there, 1, 0)
+cdef inline ssize_t _read_from(int pid, void *dst, uint64_t src, size_t n, uint64_t word,
+                               uint64_t *word_dst) noexcept nogil:
+    """Copy ``n`` bytes at ``src`` in process ``pid`` to ``dst`` here, then (``word`` not 0) the 8
+    bytes at ``word`` there to ``word_dst``: the bytes copied, or -1 (errno)."""
+    cdef iovec here[2]
+    cdef iovec there[2]
+    here[0].iov_base, here[0].iov_len = dst, n
+    there[0].iov_base, there[0].iov_len = <void *><uintptr_t>src, n
+    here[1].iov_base, here[1].iov_len = word_dst, 8
+    there[1].iov_base, there[1].iov_len = <void *><uintptr_t>word, 8
+    return process_vm_readv(pid, here, 2 if word else 1, there, 2 if word else 1, 0)
 
 
 @cython.final

@@ -381,12 +381,13 @@ def test_socket_link_frame_fuzz():
     desc = tr.describe(7, "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
     work = np.zeros(8 * 64, np.uint8)
     source = np.arange(64, dtype=np.uint8)
+    live = np.array([3], np.uint64)             # the word that says this process's frames still hold
     seen, reads = set(), 0
     for case in range(1500):
         frames = _valid_frames(rng, desc)
         by_address = case % 2 == 1
         if by_address:
-            frames += [_address_frame(desc, source.ctypes.data, rng.choice([16, 63])),
+            frames += [_address_frame(desc, source.ctypes.data, rng.choice([16, 63]), live),
                        _frame(_CONTROL, (3 << 28) | 1)]                     # "1 of yours read"
         if case % 3 == 0:
             blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
@@ -397,7 +398,7 @@ def test_socket_link_frame_fuzz():
         try:
             engine, _ = _socket_engine(a)
             if by_address:
-                engine.by_address_bytes = 16
+                engine.by_address_bytes = 32
                 engine.by_address(1, os.getpid(), True)
             b.sendall(blob)
             b.shutdown(socket.SHUT_WR)     # the engine sees the end, so no wait lasts
@@ -435,35 +436,58 @@ def test_socket_link_valid_frames_and_a_silent_peer():
         assert 0.3 < time.monotonic() - start < 3.0
 
 
-def _address_frame(desc, source, nbytes):
-    """A socket-link address frame: an 8-byte payload (where ``nbytes`` bytes lie in the sender's
-    process) behind a header that says ``nbytes``."""
-    return struct.pack("!I", (_DATA << 30) | 8) + desc + struct.pack("<I", nbytes) + struct.pack("<Q", source)
+def _address_frame(desc, source, nbytes, live, value=None):
+    """A socket-link address frame: a 24-byte payload (where ``nbytes`` bytes lie in the sender's
+    process, then the address of the sender's word ``live`` (a uint64 array) and the value it holds
+    while they are the message: ``value``, else what it holds now) behind a header that says ``nbytes``."""
+    value = int(live[0]) if value is None else value
+    return (struct.pack("!I", (_DATA << 30) | 24) + desc + struct.pack("<I", nbytes)
+            + struct.pack("<QQQ", source, live.ctypes.data, value))
 
 
 def test_socket_link_reads_address_frames_and_drops_forged_ones():
     """From a peer proven to be this machine's process ``pid`` (here: this very process), an
     address frame's data is copied out of that process into place and the read is reported back
-    (CTRL_READ); one that points outside its memory, or says more than max_message, is the named
-    malformed frame and the connection is dropped; a peer not proven sends no address frames
-    (the same frame is then a plain 8-byte message, which the receive of 4096 bytes refuses)."""
+    (CTRL_READ); one that points outside its memory (the data or the sender's word), or says more
+    than max_message, is the named malformed frame and the connection is dropped; one whose
+    sender's word has changed since (its call failed: the memory is the caller's again) fails the
+    run, naming the sender, and is not reported read; a peer not proven sends no address frames
+    (the same frame is then a plain 24-byte message, which the receive of 4096 bytes refuses)."""
+    import types
     from pyrdma._engine import FAILURES
     from pyrdma.collectives import transport as tr
+    from pyrdma.collectives.transport.base import _EngineFailures
     desc = tr.describe(7, "allgather", count=MAX_MESSAGE, dtype=np.uint8)
     source = np.frombuffer(bytes(range(256)) * (MAX_MESSAGE // 256), np.uint8).copy()
+    live = np.array([41], np.uint64)
     work = np.zeros(MAX_MESSAGE, np.uint8)
     a, b = socket.socketpair()
     with a, b:
         engine, _ = _socket_engine(a, timeout=2.0)
-        with pytest.raises(UsageError, match="at least 16"):
-            engine.by_address_bytes = 8     # (an 8-byte frame saying 8 bytes is plain data)
+        with pytest.raises(UsageError, match="at least 32"):
+            engine.by_address_bytes = 24    # (a 24-byte frame saying 24 bytes is plain data)
         engine.by_address(1, os.getpid(), False)
-        b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE))
+        b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE, live))
         assert engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0) == 0
         assert np.array_equal(work, source) and engine.reads == 1
         b.settimeout(5)
         assert struct.unpack("!I", b.recv(4))[0] == (_CONTROL << 30) | (3 << 28) | 1      # "1 read"
-    for forged in (_address_frame(desc, 8, MAX_MESSAGE), _address_frame(desc, source.ctypes.data, MAX_MESSAGE + 1)):
+    a, b = socket.socketpair()
+    with a, b:
+        engine, _ = _socket_engine(a, timeout=2.0)
+        engine.by_address(1, os.getpid(), False)
+        b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE, live, value=40))     # the word moved on
+        work[:] = 0
+        failed = engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
+        assert FAILURES[failed] == "address" and engine.failure()[1] == 1 and engine.failure()[3] == -1
+        error = _EngineFailures._engine_error(types.SimpleNamespace(engine=engine))
+        assert "rank 1 gave up on the 4096-byte message" in str(error) and error.peer == 1, error
+        b.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            b.recv(4)                                   # not said read: the sender learns nothing new
+    for forged in (_address_frame(desc, 8, MAX_MESSAGE, live),
+                   _address_frame(desc, source.ctypes.data, MAX_MESSAGE, types.SimpleNamespace(ctypes=types.SimpleNamespace(data=8)), 41),
+                   _address_frame(desc, source.ctypes.data, MAX_MESSAGE + 1, live)):
         a, b = socket.socketpair()
         with a, b:
             engine, _ = _socket_engine(a, timeout=2.0)
@@ -471,12 +495,13 @@ def test_socket_link_reads_address_frames_and_drops_forged_ones():
             b.sendall(forged)
             failed = engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
             assert FAILURES[failed] in ("address", "malformed") and engine.failure()[1] == 1, engine.failure()
+            assert engine.failure()[3] != -1
             b.settimeout(5)
             assert b.recv(64) == b""                    # dropped: its connection shut
     a, b = socket.socketpair()
     with a, b:
-        engine, _ = _socket_engine(a, timeout=2.0)       # no by_address: the frame is 8 bytes of data
-        b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE))
+        engine, _ = _socket_engine(a, timeout=2.0)       # no by_address: the frame is 24 bytes of data
+        b.sendall(_address_frame(desc, source.ctypes.data, MAX_MESSAGE, live))
         failed = engine.run(_receive_program(engine, MAX_MESSAGE, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
         assert FAILURES[failed] == "mismatch" and engine.reads == 0
 

@@ -256,7 +256,8 @@ class _EngineFailures:
         """Tell every peer (best effort: a full queue drops it) that this group failed because of
         ``culprit``: the culprit too, which may only be late. On the socket link it may still hold
         address frames of ours unread, pointing into memory that is the caller's again: it reads
-        the abort right behind them, so its receive fails rather than returning what is there now."""
+        the abort right behind them, and where the abort is dropped the word each frame names
+        (Engine.live, changed by the failed run) fails its read all the same."""
         if self._closed:
             return
         for p in self.peers:
@@ -297,6 +298,10 @@ class _EngineFailures:
             return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
                                     f"(immediate {a:#x})")
         if name == "address":
+            if a < 0:       # read, but the sender's word says its call failed before: not the message
+                return PeerError(f"rank {peer} gave up on the {b}-byte message it sent this rank by address "
+                                 f"before this rank read it (its call failed; its abort follows); the "
+                                 f"communicator is unusable now", peer=peer)
             why = os.strerror(a) if a else "a short read"
             return _malformed(peer, f"a {b}-byte message by address that its process does not hold ({why})")
         if name == "memory":
