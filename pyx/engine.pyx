@@ -1437,7 +1437,8 @@ cdef class Engine:
             now = monotonic_now()
             if now >= deadline:
                 self.fail_what = what
-                self._fail(FAIL_TIMEOUT, peer, n, 0)
+                # (b: our messages by address it has not read, where we waited for our sends)
+                self._fail(FAIL_TIMEOUT, peer, n, self.peers[peer].unread if what == WAIT_SENDS_DONE else 0)
                 break
             if self.signals and now >= next_signals:
                 next_signals = now + SIGNAL_CHECK

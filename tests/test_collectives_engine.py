@@ -737,6 +737,7 @@ def test_a_late_receiver_of_a_timed_out_send_by_address_fails(abort):
     results = run_ranks(_late_receiver, 2, free_port(), abort, timeout=60, expect_errors=True)
     (s0, (how0, text0)), (s1, (how1, text1)) = results
     assert s0 == "ok" and how0 == "failed" and "rank 1" in text0, results[0]
+    assert "its read of 1 message sent by address" in text0, text0        # why the send waited
     # (the frame is ahead of the abort in the stream: its read fails first, by the sender's word)
     assert s1 == "ok" and how1 == "failed" and "rank 0 gave up on the 1048576-byte message" in text1, results[1]
 

@@ -293,7 +293,12 @@ class _EngineFailures:
                      "send queue": "send queue space", "sends": "the completion of its sends",
                      "rendezvous": "the receiver's buffer address (a rendezvous send waits for its receive)",
                      "spread": "a message or a credit of its all-to-all"}
-            return self._stall_error(peer, waits.get(_engine.WAITS.get(what), "progress"))
+            waited = waits.get(_engine.WAITS.get(what), "progress")
+            if b > 0:       # sends by address: each completes once its receiver reads it
+                waited = (f"its read of {b} message{'s' if b > 1 else ''} sent by address (such a send completes "
+                          f"once the receiver copies it, at any call of its own; PYRDMA_SOCKET_CMA=0 sends "
+                          f"through the socket instead)")
+            return self._stall_error(peer, waited)
         if name == "malformed":
             return _malformed(peer, f"a message its credits did not allow, or longer than max_message "
                                     f"(immediate {a:#x})")
