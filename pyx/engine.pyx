@@ -1900,7 +1900,7 @@ cdef class Engine:
                 return self._fail(FAIL_LINK, peer, 0, 0)
             return self._fail(FAIL_ADDRESS, peer, errno if n < 0 else 0, p.rx_length)
         if live != p.rx_where[2]:
-            # its call failed before we read it (its abort is behind): those bytes are not the message
+            # its call failed before we read it (its abort may be behind, or lost): not the message
             return self._fail(FAIL_ADDRESS, peer, -1, p.rx_length)
         self.reads += 1
         p.reads_owed += 1

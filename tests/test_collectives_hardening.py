@@ -485,8 +485,9 @@ def test_socket_link_reads_address_frames_and_drops_forged_ones():
         b.settimeout(0.5)
         with pytest.raises(socket.timeout):
             b.recv(4)                                   # not said read: the sender learns nothing new
+    unmapped = types.SimpleNamespace(ctypes=types.SimpleNamespace(data=8))       # a word at address 8
     for forged in (_address_frame(desc, 8, MAX_MESSAGE, live),
-                   _address_frame(desc, source.ctypes.data, MAX_MESSAGE, types.SimpleNamespace(ctypes=types.SimpleNamespace(data=8)), 41),
+                   _address_frame(desc, source.ctypes.data, MAX_MESSAGE, unmapped, 41),
                    _address_frame(desc, source.ctypes.data, MAX_MESSAGE + 1, live)):
         a, b = socket.socketpair()
         with a, b:

@@ -305,7 +305,7 @@ class _EngineFailures:
         if name == "address":
             if a < 0:       # read, but the sender's word says its call failed before: not the message
                 return PeerError(f"rank {peer} gave up on the {b}-byte message it sent this rank by address "
-                                 f"before this rank read it (its call failed; its abort follows); the "
+                                 f"before this rank read it (its call failed); the "
                                  f"communicator is unusable now", peer=peer)
             why = os.strerror(a) if a else "a short read"
             return _malformed(peer, f"a {b}-byte message by address that its process does not hold ({why})")
