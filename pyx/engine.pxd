@@ -14,6 +14,9 @@ cdef enum:
     OFFER = 2                        # tell a peer where its chunks lie here, for it to read them
     FETCH = 3                        # RDMA READ the chunks a peer offers
     SPREAD = 4                       # EXCHANGE, run together with the SPREAD steps next to it
+    ASK = 5                          # tell a peer where the chunks it sends here go, for it to write them
+    PUT = 6                          # RDMA WRITE chunks where the peer asked, then a header behind them
+    LANDED = 7                       # that header (a peer's PUT): its chunks are in place
     CONSUME_NONE = 0
     CONSUME_COPY = 1
     CONSUME_REDUCE = 2
@@ -205,6 +208,7 @@ cdef class Engine:
     cdef uint8_t *work2
     cdef int64_t split
     cdef uint32_t work2_lkey
+    cdef uint32_t work2_rkey
     cdef int dtype, op, itemsize
     cdef object consume              # None, or the Python callback of GPU work areas
     cdef object py_error             # an exception raised in a callback or a signal handler
@@ -277,7 +281,7 @@ cdef class Engine:
                     uint32_t work_rkey=*) except -1
     cdef int _hold(self, bint background) except -1
     cdef void _let_go(self) noexcept
-    cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey) noexcept
+    cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey, uint32_t rkey) noexcept
     cdef bint _sends_pending(self) noexcept nogil
     cdef int _drain(self) noexcept nogil
     cdef void _end(self) noexcept
@@ -300,6 +304,12 @@ cdef class Engine:
     cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n, const uint8_t *desc) noexcept nogil
     cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil
+    cdef int _ask(self, int peer, const int64_t *ch, int n) noexcept nogil
+    cdef int _tell_place(self, int peer, uint64_t addr, uint32_t rkey, uint32_t length) noexcept nogil
+    cdef int _take_place(self, int peer, int64_t total, uint64_t *addr, uint32_t *rkey) noexcept nogil
+    cdef int _post_rdma(self, int peer, int opcode, uint64_t local, uint32_t lkey, uint64_t addr, uint32_t rkey,
+                        int64_t n) noexcept nogil
+    cdef int _put(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
     cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*, uint8_t *dst=*) noexcept nogil
     cdef int _keep(self, peer_t *p, const uint8_t *start, uint32_t got) noexcept nogil

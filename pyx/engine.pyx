@@ -77,7 +77,7 @@ cdef extern from "pyrdma_reduce.h" nogil:
     const size_t pyrdma_itemsize[8]
 
 LAYOUT = dict(STEP_COLUMNS=STEP_COLUMNS, CHUNK_COLUMNS=CHUNK_COLUMNS, EXCHANGE=EXCHANGE, WAIT_SENDS=WAIT_SENDS,
-              OFFER=OFFER, FETCH=FETCH, SPREAD=SPREAD,
+              OFFER=OFFER, FETCH=FETCH, SPREAD=SPREAD, ASK=ASK, PUT=PUT, LANDED=LANDED,
               CONSUME_NONE=CONSUME_NONE, CONSUME_COPY=CONSUME_COPY, CONSUME_REDUCE=CONSUME_REDUCE,
               CONSUME_REDUCE_LOWER=CONSUME_REDUCE_LOWER, CONSUME_REDUCE_UPPER=CONSUME_REDUCE_UPPER,
               CONSUME_COPY_UPTO=CONSUME_COPY_UPTO, HEADER_ROOM=C_HEADER_ROOM)
@@ -174,11 +174,14 @@ cdef class Program:
                 if sp != -1:
                     self._peer(sp, s)
                 continue
-            if not EXCHANGE <= kind <= SPREAD or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
+            if not EXCHANGE <= kind <= LANDED or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
                     or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks \
                     or (kind == SPREAD and (ck == CONSUME_COPY_UPTO or s - spread_at >= size - 1)) \
                     or (kind == OFFER and (nr or ns < 1 or not _contiguous(chunks, s0, ns))) \
-                    or (kind == FETCH and (ns or nr < 1 or ck != CONSUME_COPY or not _contiguous(chunks, r0, nr))):
+                    or (kind == FETCH and (ns or nr < 1 or ck != CONSUME_COPY or not _contiguous(chunks, r0, nr))) \
+                    or (kind == ASK and (ns or nr < 1 or not _contiguous(chunks, r0, nr))) \
+                    or (kind == PUT and (nr or ns < 1 or not _contiguous(chunks, s0, ns))) \
+                    or (kind == LANDED and (ns or nr < 1 or ck != CONSUME_COPY)):
                 raise UsageError(f"schedule step {s} is malformed")
             if ns:
                 self._peer(sp, s)
@@ -478,6 +481,9 @@ cdef class Engine:
             return prog
         prog = Program.__new__(Program)
         prog._check(self.rank, self.size, self.max_message, schedule.steps, schedule.chunks)
+        if self.sockets and prog.nsteps and (schedule.steps[:, 0] >= ASK).any():
+            raise UsageError("the schedule writes into a peer's memory (ASK, PUT): the socket link has no "
+                             "remote writes; an RDMA transport runs it")
         try:
             schedule.program = prog
         except AttributeError:
@@ -536,7 +542,8 @@ cdef class Engine:
 
     def run(self, Program program not None, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
             bytes desc not None, int dtype, int op, consume=None, bint background=False, bytes recv_desc=None,
-            uint32_t work_rkey=0, bint park=False, uint64_t out_addr=0, int64_t out_len=-1, uint32_t out_lkey=0):
+            uint32_t work_rkey=0, bint park=False, uint64_t out_addr=0, int64_t out_len=-1, uint32_t out_lkey=0,
+            uint32_t out_rkey=0):
         """Execute a Program (see program()) on the work area [work_addr, + work_len) (registered
         with work_lkey). ``dtype``/``op``: pyrdma._reduce codes of the reductions. ``consume``: None
         (host memory: reductions and copies in C), or ``consume(kind, offset, nbytes, aux,
@@ -550,8 +557,9 @@ cdef class Engine:
         pending when the run ends (an isend, whose memory stays the caller's until its wait: later
         runs write it once the receiver answers, settle() finishes it; ``parks`` counts them).
         ``out_addr``/``out_len``/``out_lkey``: a second work area (out_len >= 0; host memory, no
-        rendezvous or RDMA READ into it), where the offsets from work_len on lie: an all-to-all
-        sends from the caller's buffer and receives into its output in place.
+        rendezvous or RDMA READ into it; ``out_rkey``: its remote key where a peer's PUT writes
+        there, else 0), where the offsets from work_len on lie: an all-to-all sends from the
+        caller's buffer and receives into its output in place.
         Returns 0; on failure returns the failure kind (see failure() and python_error()), leaving
         the error to the caller."""
         cdef int rc
@@ -567,7 +575,7 @@ cdef class Engine:
         self._begin(program, work_addr, work_len + max(out_len, 0), work_lkey, <const uint8_t *><char *>desc, dtype,
                     op, consume, background, work_rkey)
         if out_len >= 0:
-            self._second_area(work_len, out_addr, out_lkey)
+            self._second_area(work_len, out_addr, out_lkey, out_rkey)
         self.park = park
         try:
             with nogil:
@@ -592,7 +600,7 @@ cdef class Engine:
         self.dtype, self.op, self.itemsize = dtype, op, <int>pyrdma_itemsize[dtype]
         memcpy(self.desc, desc, DESC_SIZE)
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
-        self.work2, self.split, self.work2_lkey = NULL, INT64_MAX, 0
+        self.work2, self.split, self.work2_lkey, self.work2_rkey = NULL, INT64_MAX, 0, 0
         self.work_rkey = work_rkey
         self.park = self.defer_sends = False
         self.consume = consume
@@ -628,11 +636,12 @@ cdef class Engine:
         for i in range(len(self.keep)):
             unuse(<VerbsObject>self.keep[i])
 
-    cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey) noexcept:
+    cdef void _second_area(self, int64_t split, uint64_t addr, uint32_t lkey, uint32_t rkey) noexcept:
         """After _begin (whose work_len counted both): the offsets from ``split`` on lie in a second
-        work area at ``addr`` (host memory, registered with ``lkey``)."""
+        work area at ``addr`` (host memory, registered with ``lkey``; ``rkey``: its remote key for
+        a peer's PUT, 0: none)."""
         self.work_len, self.split = split, split
-        self.work2, self.work2_lkey = <uint8_t *><uintptr_t>addr, lkey
+        self.work2, self.work2_lkey, self.work2_rkey = <uint8_t *><uintptr_t>addr, lkey, rkey
 
     cdef bint _sends_pending(self) noexcept nogil:
         cdef int p
@@ -744,8 +753,22 @@ cdef class Engine:
                                   CONSUME_COPY) < 0:
                     return -1
                 continue
+            if self.sockets and st[0] >= ASK:       # (never: Engine.program refuses them on sockets)
+                return self._fail(FAIL_MALFORMED, self.rank, 0, 4)
             if st[0] == OFFER:
                 if self._offer(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4]) < 0:
+                    return -1
+                continue
+            if st[0] == ASK:
+                if self._ask(<int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6]) < 0:
+                    return -1
+                continue
+            if st[0] == PUT:
+                if self._put(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4]) < 0:
+                    return -1
+                continue
+            if st[0] == LANDED:                     # the PUT's header: its chunks are in place
+                if self._recv(<int>st[2], 0) == NULL or self._release(<int>st[2]) < 0:
                     return -1
                 continue
             if st[0] == FETCH:
@@ -1041,9 +1064,6 @@ cdef class Engine:
         cdef uint32_t rkey
         cdef int64_t done = 0, n
         cdef int nwr = <int>((self.rdv_len + RDV_MAX_WRITE - 1) // RDV_MAX_WRITE)
-        cdef ibv_sge sge
-        cdef ibv_send_wr wr
-        cdef ibv_send_wr *bad = NULL
         if not p.cts or not self._can_send(peer) or p.outstanding + nwr + 1 > self.sq_depth:
             return 0
         memcpy(&addr, p.mailbox, 8)
@@ -1051,18 +1071,9 @@ cdef class Engine:
         p.cts = 0
         while done < self.rdv_len:
             n = min(<int64_t>RDV_MAX_WRITE, self.rdv_len - done)
-            memset(&wr, 0, sizeof(wr))
-            sge.addr = self.rdv_addr + <uint64_t>done
-            sge.length, sge.lkey = <uint32_t>n, self.rdv_lkey
-            wr.sg_list, wr.num_sge = &sge, 1
-            wr.wr_id = (<uint64_t>peer << 2) | 1          # a payload read from the work area
-            wr.opcode = IBV_WR_RDMA_WRITE
-            wr.send_flags = IBV_SEND_SIGNALED
-            wr.wr.rdma.remote_addr, wr.wr.rdma.rkey = addr + <uint64_t>done, rkey
-            if ibv_post_send(p.qp, &wr, &bad):
-                return self._fail(FAIL_POST, peer, errno, 0)
-            p.outstanding += 1
-            p.data_outstanding += 1
+            if self._post_rdma(peer, IBV_WR_RDMA_WRITE, self.rdv_addr + <uint64_t>done, self.rdv_lkey,
+                               addr + <uint64_t>done, rkey, n) < 0:
+                return -1
             done += n
         self.rdv_peer = -1
         # the FIN, behind the writes (RC keeps order), with the send's own description
@@ -1082,10 +1093,55 @@ cdef class Engine:
             return self._fail(FAIL_MALFORMED, peer, length, 2)     # no remote access here
         # (the staging room is free: the last answer or offer from it was read before the peer's
         # message that let this call begin)
+        return self._tell_place(peer, addr, self.work_rkey, length)
+
+    cdef int _tell_place(self, int peer, uint64_t addr, uint32_t rkey, uint32_t length) noexcept nogil:
+        """An OFFER's or ASK's message: 16 bytes (address, remote key, length) from the peer's
+        staging room, through the slots."""
+        cdef peer_t *p = &self.peers[peer]
         memcpy(p.cts_staging, &addr, 8)
-        memcpy(p.cts_staging + 8, &self.work_rkey, 4)
+        memcpy(p.cts_staging + 8, &rkey, 4)
         memcpy(p.cts_staging + 12, &length, 4)
         return self._send_from(peer, <uint64_t><uintptr_t>p.cts_staging, self.header_lkey, 16, self.desc)
+
+    cdef int _take_place(self, int peer, int64_t total, uint64_t *addr, uint32_t *rkey) noexcept nogil:
+        """The OFFER or ASK from ``peer`` of the ``total`` bytes we move: its address and key; a
+        length that is not ours is a disagreement (FAIL_MISMATCH), found before any READ or WRITE."""
+        cdef uint32_t length
+        cdef uint8_t *data = self._recv(peer, 16)
+        if data == NULL:
+            return -1
+        memcpy(addr, data, 8)
+        memcpy(rkey, data + 8, 4)
+        memcpy(&length, data + 12, 4)
+        if self._release(peer) < 0:
+            return -1
+        if <int64_t>length != total:
+            memcpy(self.fail_desc, self.rdesc, DESC_SIZE)
+            return self._fail(FAIL_MISMATCH, peer, length, total)
+        return 0
+
+    cdef int _post_rdma(self, int peer, int opcode, uint64_t local, uint32_t lkey, uint64_t addr, uint32_t rkey,
+                        int64_t n) noexcept nogil:
+        """One signaled RDMA WRITE or READ (``opcode``) of ``n`` bytes (at most RDV_MAX_WRITE)
+        between our ``local`` and the peer's ``addr``, counted with the payloads (WAIT_SENDS_DONE
+        waits for it); the send queue has room for it."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef ibv_sge sge
+        cdef ibv_send_wr wr
+        cdef ibv_send_wr *bad = NULL
+        memset(&wr, 0, sizeof(wr))
+        sge.addr, sge.length, sge.lkey = local, <uint32_t>n, lkey
+        wr.sg_list, wr.num_sge = &sge, 1
+        wr.wr_id = (<uint64_t>peer << 2) | 1          # a payload moved from or into the work area
+        wr.opcode = opcode
+        wr.send_flags = IBV_SEND_SIGNALED
+        wr.wr.rdma.remote_addr, wr.wr.rdma.rkey = addr, rkey
+        if ibv_post_send(p.qp, &wr, &bad):
+            return self._fail(FAIL_POST, peer, errno, 0)
+        p.outstanding += 1
+        p.data_outstanding += 1
+        return 0
 
     cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil:
         """FETCH: take ``peer``'s offer of our chunks and RDMA READ them into the work area; returns
@@ -1093,40 +1149,58 @@ cdef class Engine:
         cdef peer_t *p = &self.peers[peer]
         cdef int64_t total = _span(ch, n)
         cdef uint64_t addr
-        cdef uint32_t rkey, length
-        cdef uint8_t *data
-        cdef ibv_sge sge
-        cdef ibv_send_wr wr
-        cdef ibv_send_wr *bad = NULL
+        cdef uint32_t rkey
         if self.consume is not None or ch[0] + total > self.work_len or self.sockets:
             return self._fail(FAIL_MALFORMED, peer, total, 3)      # a GPU work area is not read into
-        data = self._recv(peer, 16)
-        if data == NULL:
+        if self._take_place(peer, total, &addr, &rkey) < 0:
             return -1
-        memcpy(&addr, data, 8)
-        memcpy(&rkey, data + 8, 4)
-        memcpy(&length, data + 12, 4)
-        if self._release(peer) < 0:
-            return -1
-        if <int64_t>length != total:
-            memcpy(self.fail_desc, self.rdesc, DESC_SIZE)
-            return self._fail(FAIL_MISMATCH, peer, length, total)
         if total == 0:
             return 0
         if p.outstanding >= self.sq_depth and self._wait(WAIT_SEND_QUEUE, peer, 0) < 0:
             return -1
-        memset(&wr, 0, sizeof(wr))
-        sge.addr, sge.length, sge.lkey = <uint64_t><uintptr_t>(self.work + ch[0]), length, self.work_lkey
-        wr.sg_list, wr.num_sge = &sge, 1
-        wr.wr_id = (<uint64_t>peer << 2) | 1          # counted with the payloads: WAIT_SENDS_DONE sees it
-        wr.opcode = IBV_WR_RDMA_READ
-        wr.send_flags = IBV_SEND_SIGNALED
-        wr.wr.rdma.remote_addr, wr.wr.rdma.rkey = addr, rkey
-        if ibv_post_send(p.qp, &wr, &bad):
-            return self._fail(FAIL_POST, peer, errno, 0)
-        p.outstanding += 1
-        p.data_outstanding += 1
+        if self._post_rdma(peer, IBV_WR_RDMA_READ, <uint64_t><uintptr_t>(self.work + ch[0]), self.work_lkey, addr,
+                           rkey, total) < 0:
+            return -1
         return self._wait(WAIT_SENDS_DONE, peer, total)
+
+    cdef int _ask(self, int peer, const int64_t *ch, int n) noexcept nogil:
+        """ASK: a 16-byte message to ``peer`` saying where the chunks it sends us go (address, remote
+        key, length) for it to WRITE them there (PUT): they pass through no slot, so nothing is
+        copied out of one (on Soft-RoCE that copy costs as much as the transfer). Through the slots,
+        as an OFFER, its header checked against the writer's call."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef uint32_t length = <uint32_t>_span(ch, n)
+        cdef bint second = ch[0] >= self.split
+        cdef uint32_t rkey = self.work2_rkey if second else self.work_rkey
+        cdef uint64_t addr = <uint64_t><uintptr_t>self._at(ch[0])
+        # (a span in the second area lies within it: _begin checked the program's extent)
+        if rkey == 0 or self.consume is not None or (not second and ch[0] + <int64_t>length > self.work_len) \
+                or p.cts_staging == NULL:
+            return self._fail(FAIL_MALFORMED, peer, length, 4)     # no remote access here
+        # (the staging room is free: this peer read our last message from it before its FIN)
+        return self._tell_place(peer, addr, rkey, length)
+
+    cdef int _put(self, int peer, const int64_t *ch, int n) noexcept nogil:
+        """PUT: take ``peer``'s ASK for our chunks, RDMA WRITE them there, and send a header behind
+        them (FIN, the peer's LANDED: RC keeps the order, so the chunks are in place when it
+        arrives). The writes complete as sends do (WAIT_SENDS). A forged address or key fails our
+        WRITE's completion, which names the peer."""
+        cdef peer_t *p = &self.peers[peer]
+        cdef int64_t total = _span(ch, n), done = 0, k
+        cdef uint64_t addr, src = <uint64_t><uintptr_t>self._at(ch[0])
+        cdef uint32_t rkey, lkey = self.work_lkey if ch[0] < self.split else self.work2_lkey
+        if self.consume is not None or (ch[0] < self.split and ch[0] + total > self.work_len):
+            return self._fail(FAIL_MALFORMED, peer, total, 5)      # a GPU work area is not written from
+        if self._take_place(peer, total, &addr, &rkey) < 0:
+            return -1
+        while done < total:
+            k = min(<int64_t>RDV_MAX_WRITE, total - done)
+            if p.outstanding >= self.sq_depth and self._wait(WAIT_SEND_QUEUE, peer, 0) < 0:
+                return -1
+            if self._post_rdma(peer, IBV_WR_RDMA_WRITE, src + <uint64_t>done, lkey, addr + <uint64_t>done, rkey, k) < 0:
+                return -1
+            done += k
+        return self._send_from(peer, src, lkey, 0, self.desc)
 
     cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil:
         """Send the chunks after sent[0], up to k + slots, while sp takes them without a credit wait."""

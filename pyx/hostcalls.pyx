@@ -1261,7 +1261,7 @@ cdef class HostCollectives:
                               call.dtype, call.op, None, queued >= 0 and self.transport.background,
                               region.rkey if copy else 0)
                 if call.lent == _LENT_BOTH:
-                    engine._second_area(call.nbytes, <uint64_t><uintptr_t>out_data, region2.lkey)
+                    engine._second_area(call.nbytes, <uint64_t><uintptr_t>out_data, region2.lkey, region2.rkey)
                 # from the transport's buffer the sends need not be complete when the call returns
                 # (the caller's memory is not theirs): the next run that writes there waits for them
                 engine.defer_sends = copy and not engine.sockets

@@ -3,7 +3,8 @@ for the flow-control tests: the same steps, posted in the same order, over an in
 transport whose credits are counted exactly like the engine's. A credit cycle in a planner shows
 here as a timeout, in seconds and without a VM. The model runs EXCHANGE, SPREAD (one by one, in
 the pairwise order), OFFER/FETCH (a send and a receive, as on sockets) and WAIT_SENDS; it has no
-COPY_UPTO (point-to-point messages), which the engine's tests cover.
+COPY_UPTO (point-to-point messages) nor ASK/PUT/LANDED (RDMA WRITEs), which the engine's tests
+cover.
 
 The transport contract the model runs on:
 
@@ -16,7 +17,7 @@ The transport contract the model runs on:
     t.release(peer)                      that view has been consumed (its slot may be reused)
     t.wait_sends(peer=None)              every posted send has left local memory (work may change)
 """
-from pyrdma.collectives.schedule import COPY_UPTO, WAIT_SENDS
+from pyrdma.collectives.schedule import ASK, COPY_UPTO, WAIT_SENDS
 
 
 def execute(t, schedule, consume):
@@ -27,6 +28,7 @@ def execute(t, schedule, consume):
             t.wait_sends(None if sp < 0 else sp)
             continue
         assert ck != COPY_UPTO, "the flow model has no point-to-point messages"
+        assert kind < ASK, "the flow model has no RDMA WRITEs (ASK, PUT, LANDED)"
         pipelined_step(t, sp, chunks[s0:s0 + ns], rp, chunks[r0:r0 + nr],
                        lambda chunk, data, ck=ck: consume(ck, chunk, data))
 

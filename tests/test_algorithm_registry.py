@@ -10,7 +10,7 @@ import pytest
 from pyrdma.collectives import algorithms, specs
 from pyrdma.collectives.costmodel import CostModel
 from pyrdma.collectives.pieces import segment_bounds
-from pyrdma.collectives.schedule import EXCHANGE, FETCH, OFFER, SPREAD, WAIT_SENDS
+from pyrdma.collectives.schedule import ASK, EXCHANGE, FETCH, LANDED, OFFER, PUT, SPREAD, WAIT_SENDS
 from pyrdma.collectives.transport import describe, explain
 from pyrdma.errors import UsageError
 
@@ -60,10 +60,28 @@ def _plans(collective, entry, n, count, itemsize, max_message):
     raise AssertionError(f"no test calls {collective}'s planners: add how the specs call them to _plans")
 
 
+def _messages(step, chunks):
+    """(send peer, [sizes sent], receive peer, [sizes received], receive first?) of a step that is
+    not WAIT_SENDS: an offer stands for its chunks (as on sockets), an ask is a message of the span
+    it asks for, which the put takes (it must be of its own span) before its header (0 bytes), and a
+    landing takes that header."""
+    kind, sp, rp, s0, ns, r0, nr, _ = (int(v) for v in step)
+    sizes = [int(n) for n in chunks[s0:s0 + ns, 1]], [int(n) for n in chunks[r0:r0 + nr, 1]]
+    if kind == ASK:
+        return rp, [sum(sizes[1])], -1, [], False
+    if kind == PUT:
+        return sp, [0], sp, [sum(sizes[0])], True
+    if kind == LANDED:
+        return -1, [], rp, [0], False
+    assert kind in (EXCHANGE, OFFER, FETCH, SPREAD), kind   # (a spread step by step: the strictest order)
+    return sp, sizes[0], rp, sizes[1], False
+
+
 def _run(schedules):
-    """Run one schedule per rank against each other, sends eager, a wait for sends done only once
-    their receivers took them (the strictest the engine may be); a receive takes the next message
-    from its peer, which must be of its size. Returns None, or why the ranks got stuck."""
+    """Run one schedule per rank against each other, sends eager (a put's once it has the ask), a
+    wait for sends done only once their receivers took them (the strictest the engine may be); a
+    receive takes the next message from its peer, which must be of its size. Returns None, or why
+    the ranks got stuck."""
     n = len(schedules)
     queues = {}                                  # (sender, receiver): [sizes in flight]
     taken = {}                                   # (sender, receiver): messages received so far
@@ -79,25 +97,27 @@ def _run(schedules):
                     if any(taken.get((r, p), 0) < sent.get((r, p), 0) for p in peers):
                         break
                 else:
-                    assert kind in (EXCHANGE, OFFER, FETCH, SPREAD), kind   # (a spread step by step: the strictest order)
-                    if not posted[r] and sp >= 0:
-                        q = queues.setdefault((r, sp), [])
-                        q += [int(b) for b in s.chunks[s0:s0 + ns, 1]]
-                        sent[(r, sp)] = sent.get((r, sp), 0) + ns
+                    sp, out, rp, wanted, recv_first = _messages(s.steps[pos[r]], s.chunks)
+                    if not posted[r] and sp >= 0 and not recv_first:
+                        queues.setdefault((r, sp), []).extend(out)
+                        sent[(r, sp)] = sent.get((r, sp), 0) + len(out)
                         moved = True
                     posted[r] = True
                     if rp >= 0:
                         q = queues.get((rp, r), [])
-                        while got[r] < nr and q:
-                            want = int(s.chunks[r0 + got[r], 1])
+                        while got[r] < len(wanted) and q:
+                            want = wanted[got[r]]
                             if q[0] != want:
                                 return f"rank {r} receives {want} bytes from rank {rp}, which sent {q[0]}"
                             q.pop(0)
                             taken[(rp, r)] = taken.get((rp, r), 0) + 1
                             got[r] += 1
                             moved = True
-                        if got[r] < nr:
+                        if got[r] < len(wanted):
                             break
+                    if recv_first:
+                        queues.setdefault((r, sp), []).extend(out)
+                        sent[(r, sp)] = sent.get((r, sp), 0) + len(out)
                 pos[r] += 1
                 posted[r], got[r] = False, 0
                 moved = True

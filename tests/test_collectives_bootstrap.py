@@ -506,6 +506,38 @@ _CHOICES = {
 }
 
 
+# All-to-all came after, and its write algorithm after that (p pairwise, s spread, w write): pairwise
+# on 2 ranks and where the CPU moves the bytes (TCP, Soft-RoCE), else from 3 ranks on its exchanges
+# together (spread); over RDMA from the size where a block's two more messages cost less than its
+# copy out of a slot, the write (Soft-RoCE: 32 KiB, where the A/B on rxe put it), never over TCP.
+_ALLTOALL_CHOICES = {
+    ("rdma", 65536):
+        "ppppppppppppppp pppppppppwwwwww ssssssssswwwwww ssssssssswwwwww sssssssssswwwww sssssssssswwwww "
+        "sssssssssswwwww sssssssssswwwww sssssssssswwwww sssssssssswwwww sssssssssswwwww sssssssssswwwww",
+    ("rdma", 1048576):
+        "ppppppppppppppp pppppppppwwwwww ssssssssswwwwww sssssssssswwwww sssssssssswwwww sssssssssswwwww "
+        "sssssssssswwwww sssssssssswwwww sssssssssswwwww sssssssssswwwww sssssssssswwwww sssssssssswwwww",
+    ("tcp", 65536):
+        "ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp "
+        "ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp",
+    ("tcp", 1048576):
+        "ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp "
+        "ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp ppppppppppppppp",
+    ("soft", 65536):
+        "ppppppppppppppp pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww "
+        "pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww",
+    ("soft", 1048576):
+        "ppppppppppppppp pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww "
+        "pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww pppppppwwwwwwww",
+    ("custom", 65536):
+        "ppppppppppppppp ppppppppwwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww "
+        "sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww",
+    ("custom", 1048576):
+        "ppppppppppppppp ppppppppwwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww "
+        "sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww sssssssswwwwwww",
+}
+
+
 def test_cost_model_choices_are_the_ones_before_the_registry():
     for (model, max_message, what), words in _CHOICES.items():
         m = CostModel(**_CHOICE_MODELS[model])
@@ -515,17 +547,17 @@ def test_cost_model_choices_are_the_ones_before_the_registry():
         for n, word in zip(_CHOICE_RANKS, words.split(), strict=True):
             got = [choose(nbytes, n, max_message) for nbytes in _CHOICE_SIZES]
             assert got == [_CHOICE_LETTERS[c] for c in word], (model, max_message, what, n)
-            # all-to-all came after: pairwise on 2 ranks and where the CPU moves the bytes (TCP,
-            # Soft-RoCE), else from 3 ranks on its exchanges together (spread)
-            spread = n > 2 and model in ("rdma", "custom")
-            assert {m.choose_copy("alltoall", nbytes, n, max_message) for nbytes in _CHOICE_SIZES} == \
-                {"spread" if spread else "pairwise"}, (model, n)
+    for (model, max_message), words in _ALLTOALL_CHOICES.items():
+        m = CostModel(**_CHOICE_MODELS[model])
+        for n, word in zip(_CHOICE_RANKS, words.split(), strict=True):
+            got = [m.choose_copy("alltoall", nbytes, n, max_message) for nbytes in _CHOICE_SIZES]
+            assert got == [{"p": "pairwise", "s": "spread", "w": "write"}[c] for c in word], (model, max_message, n)
 
 
 def test_registry_entries_and_wire_ids():
     # the ids every message's description carries: any change here changes the wire
     assert algorithms.WIRE_NAMES == ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial",
-                                     "dissemination", "direct", "pairwise", "read", "spread")
+                                     "dissemination", "direct", "pairwise", "read", "spread", "write")
     from pyrdma.collectives import transport
     assert transport.DESC_ALGORITHMS is algorithms.WIRE_NAMES
     for collective, entries in algorithms.ALGORITHMS.items():
@@ -534,7 +566,7 @@ def test_registry_entries_and_wire_ids():
             assert entry.wire_name in algorithms.WIRE_NAMES
     assert {c: algorithms.only(c).wire_id for c in ("allgather", "reduce_scatter", "barrier")} == \
         {"allgather": 0, "reduce_scatter": 0, "barrier": 6}
-    assert {a.name: a.wire_id for a in algorithms.entries("alltoall")} == {"pairwise": 8, "spread": 10}
+    assert {a.name: a.wire_id for a in algorithms.entries("alltoall")} == {"pairwise": 8, "spread": 10, "write": 11}
     assert algorithms.aliases("allreduce") == {"tree": "halving_doubling", "hd": "halving_doubling",
                                                "rd": "recursive_doubling"}
     assert algorithms.canonical("allreduce", "rd") == "recursive_doubling"

@@ -14,6 +14,7 @@ import pytest
 from mp import run_ranks
 from pyrdma.testing import count_python_calls, free_port
 from pyrdma.collectives import schedule
+from pyrdma.collectives.costmodel import CostModel
 from pyrdma.collectives.algorithms import ring, tree
 
 ROOTED = [ring.chain_broadcast, ring.chain_reduce, tree.binomial_broadcast, tree.binomial_reduce]
@@ -24,7 +25,8 @@ def test_schedule_layout_matches_the_engine():
     from pyrdma import _engine
     ours = dict(STEP_COLUMNS=schedule.STEP_COLUMNS, CHUNK_COLUMNS=schedule.CHUNK_COLUMNS,
                 EXCHANGE=schedule.EXCHANGE, WAIT_SENDS=schedule.WAIT_SENDS, OFFER=schedule.OFFER,
-                FETCH=schedule.FETCH, SPREAD=schedule.SPREAD, CONSUME_NONE=schedule.NONE,
+                FETCH=schedule.FETCH, SPREAD=schedule.SPREAD, ASK=schedule.ASK, PUT=schedule.PUT,
+                LANDED=schedule.LANDED, CONSUME_NONE=schedule.NONE,
                 CONSUME_COPY=schedule.COPY, CONSUME_REDUCE=schedule.REDUCE,
                 CONSUME_REDUCE_LOWER=schedule.REDUCE_LOWER, CONSUME_REDUCE_UPPER=schedule.REDUCE_UPPER,
                 CONSUME_COPY_UPTO=schedule.COPY_UPTO)
@@ -273,11 +275,16 @@ def _malformed(rank, size, port, transport):
                               [(0, 64, 0), (1 << 40, 64, 0)]),                        # outside the work area
             schedule.Schedule([(schedule.EXCHANGE, rank, -1, 0, 1, 0, 0, schedule.NONE)], [(0, 8, 0)]),  # to itself
             schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 5, 0, 0, schedule.NONE)], [(0, 8, 0)]),  # past chunks
-            schedule.Schedule([(7, peer, -1, 0, 0, 0, 0, 0)], []),                          # unknown step
+            schedule.Schedule([(8, peer, -1, 0, 0, 0, 0, 0)], []),                          # unknown step
             schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 1, 0, 0, 0)], [(0, t.max_message + 1, 0)]),
             # an offer that also receives; a fetch of chunks with a gap (one READ moves one span)
             schedule.Schedule([(schedule.OFFER, peer, peer, 0, 1, 1, 1, schedule.COPY)], [(0, 8, 0), (8, 8, 0)]),
             schedule.Schedule([(schedule.FETCH, -1, peer, 0, 0, 0, 2, schedule.COPY)], [(0, 8, 0), (16, 8, 0)]),
+            # an ask that also sends; a put of chunks with a gap (one WRITE moves one span); a landing
+            # that reduces
+            schedule.Schedule([(schedule.ASK, peer, peer, 0, 1, 1, 1, schedule.COPY)], [(0, 8, 0), (8, 8, 0)]),
+            schedule.Schedule([(schedule.PUT, peer, -1, 0, 2, 0, 0, schedule.NONE)], [(0, 8, 0), (16, 8, 0)]),
+            schedule.Schedule([(schedule.LANDED, -1, peer, 0, 0, 0, 1, schedule.REDUCE)], [(0, 8, 0)]),
             # a spread of more exchanges than there are peers; one whose receive is a message's
             schedule.Schedule([(schedule.SPREAD, peer, peer, 0, 1, 1, 1, schedule.COPY)] * 2, [(0, 8, 0), (8, 8, 0)]),
             schedule.Schedule([(schedule.SPREAD, peer, peer, 0, 1, 1, 1, schedule.COPY_UPTO)], [(0, 8, 0), (8, 8, 0)]),
@@ -431,10 +438,13 @@ def test_garbage_from_a_peer_fails_the_collective_and_names_it(case):
         assert culprit == 1, (case, outcome)
 
 
-# A root that forges the offer of a read scatter (rooted.read_scatter: the root's 16-byte OFFER of
-# address, key and length, the reader's FETCH, an RDMA READ): an authenticated member that lies about
-# its memory. The reader must fail the call naming rank 0, promptly, never read more than its block,
-# and leave its memory outside the block alone. (mr: the root's registered work area; block: bytes.)
+# A rank that forges the 16-byte message (address, key, length) by which a peer moves a block
+# straight between their memories: the offer of a read scatter (rooted.read_scatter: the root's
+# OFFER, the reader's FETCH, an RDMA READ), or the ask of a write all-to-all (exchange.write_alltoall:
+# rank 0's ASK for rank 1's block, rank 1's PUT, an RDMA WRITE). An authenticated member that lies
+# about its memory: rank 1 must fail the call naming rank 0, promptly, never move more than its
+# block, and leave its memory alone (out, and its work area past the block). (mr: rank 0's
+# registered work area; block: bytes.)
 _FORGED_COUNT = 1024                                       # float32: a 4 KiB block per rank
 _FORGED_BLOCK = _FORGED_COUNT * 4
 _FORGED_LENGTHS = {"a longer length": _FORGED_BLOCK + 4096, "the longest length": 0xFFFFFFFF,
@@ -448,7 +458,14 @@ _FORGED = {
 }
 
 
-def _forged_offer(rank, size, port, case):
+class _WriteAlltoall(CostModel):
+    """An all-to-all of any size by its write algorithm (ASK, PUT)."""
+
+    def choose_copy(self, kind, block, n, max_message):
+        return "write" if kind == "alltoall" else super().choose_copy(kind, block, n, max_message)
+
+
+def _forged_offer(rank, size, port, case, what):
     import os
     import struct
     import time
@@ -457,15 +474,17 @@ def _forged_offer(rank, size, port, case):
     from pyrdma.collectives import specs
     flag = f"/tmp/pyrdma-forged-{port}"
     block = _FORGED_BLOCK
-    comm = _comm(rank, size, port, timeout=8)
+    comm = _comm(rank, size, port, timeout=8, cost_model=_WriteAlltoall())
     t = comm.transport
+    data = np.arange(size * _FORGED_COUNT, dtype=np.float32)
     if rank == 0:
         with comm:
             # the honest call's spec (its description, its copies), run with a hand-built schedule:
-            # a plain 16-byte message where the OFFER would be, its bytes written by the fill
-            spec = specs.scatter(comm, np.arange(size * _FORGED_COUNT, dtype=np.float32), None, 0, "read")
+            # a plain 16-byte message where the OFFER or ASK would be, its bytes written by the fill
+            spec = specs.scatter(comm, data, None, 0, "read") if what == "scatter" else \
+                specs.alltoall(comm, data, None, None, None)
             run = spec.runs[0]
-            at = size * block
+            at = run.layout.work_bytes
 
             def forge(work):
                 work[:] = 0x5A                  # what a read past a block would bring back
@@ -482,18 +501,23 @@ def _forged_offer(rank, size, port, case):
                 time.sleep(0.05)
         return None
     try:
-        out = np.empty(_FORGED_COUNT, np.float32)
+        n_out = _FORGED_COUNT * (1 if what == "scatter" else size)
+        out = np.empty(n_out, np.float32)
         out.view(np.uint8)[:] = 0xA5
         own = t.work_area(block)              # the transport's own buffer: the scatter's work area
         own[:] = 0xA5
         start = time.monotonic()
         try:
-            comm.scatter(None, out=out, root=0, algorithm="read")
+            if what == "scatter":
+                comm.scatter(None, out=out, root=0, algorithm="read")
+            else:
+                comm.alltoall(data, out=out)
             outcome = ("no error", "", None)
         except rd.RDMAError as exc:
             outcome = (type(exc).__name__, str(exc), getattr(exc, "peer", None))
         seconds = time.monotonic() - start
-        untouched = bool((t.work_area(block) is own) and (own[block:] == 0xA5).all()), \
+        # (an all-to-all's work area holds its input and output: only out is its caller's)
+        untouched = bool(what != "scatter" or (t.work_area(block) is own) and (own[block:] == 0xA5).all()), \
             bool((out.view(np.uint8) == 0xA5).all())
     finally:
         open(flag, "w").close()
@@ -507,13 +531,16 @@ def _forged_offer(rank, size, port, case):
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("case", list(_FORGED))
-def test_a_forged_read_scatter_offer_fails_the_reader_and_names_the_root(case):
+@pytest.mark.parametrize("what, case", [("scatter", case) for case in _FORGED] +
+                         [("alltoall", case) for case in ("a key it never registered",
+                                                          "an address across the end of its registration",
+                                                          "a longer length")])
+def test_a_forged_offer_or_ask_fails_the_peer_and_names_the_forger(what, case):
     import os
     port = free_port()
     try:
         _, ((kind, message, peer), seconds, (outside, out), closed, close_seconds) = \
-            run_ranks(_forged_offer, 2, port, case, timeout=120)
+            run_ranks(_forged_offer, 2, port, case, what, timeout=120)
     finally:
         if os.path.exists(f"/tmp/pyrdma-forged-{port}"):
             os.unlink(f"/tmp/pyrdma-forged-{port}")
@@ -521,15 +548,15 @@ def test_a_forged_read_scatter_offer_fails_the_reader_and_names_the_root(case):
     assert peer == 0 and "rank 0" in message, (case, message)
     assert seconds < 8, (case, seconds, message)        # at once, not at the collective's timeout (8 s)
     if case in _FORGED_LENGTHS:
-        # refused before any READ: named a disagreement on the block's length (the offer's length)
+        # refused before any READ or WRITE: named a disagreement on the block's length (the message's)
         assert kind == "UsageError" and f"a {_FORGED_LENGTHS[case]}-byte message" in message and \
             f"expected {_FORGED_BLOCK} bytes" in message, (case, message)
     else:
-        # the root's side refuses the READ: the reader's completion says so, and blames the offer
+        # rank 0's side refuses the READ or WRITE: rank 1's completion says so, and blames the message
         assert kind == "PeerError" and "REM_ACCESS_ERR" in message and "rank 0 sent is outside" in message, \
             (case, message)
     assert outside, f"{case}: the reader's work area past its block was written"
-    assert out, f"{case}: out was written by a failed scatter"
+    assert out, f"{case}: out was written by a failed {what}"
     assert closed is None and close_seconds < 5, (case, closed, close_seconds)
 
 
@@ -740,6 +767,46 @@ def test_a_late_receiver_of_a_timed_out_send_by_address_fails(abort):
     assert "its read of 1 message sent by address" in text0, text0        # why the send waited
     # (the frame is ahead of the abort in the stream: its read fails first, by the sender's word)
     assert s1 == "ok" and how1 == "failed" and "rank 0 gave up on the 1048576-byte message" in text1, results[1]
+
+
+def _late_writer(rank, size, port, abort):
+    """A rank whose write all-to-all times out has asked its peer to write into its output, which
+    is its caller's again once the call fails: a peer that comes later must not land there, but
+    fail; by the abort (``abort``), or where it is lost, by the failed rank's deregistration of its
+    lent memory, which fails the late RDMA WRITE at its writer."""
+    import time
+    import pyrdma
+    with _comm(rank, size, port, "rdma", timeout=1.5, zero_copy_bytes=4096, cost_model=_WriteAlltoall()) as comm:
+        data = np.arange(2 * 8192, dtype=np.float32) + rank     # 32 KiB per peer, lent (zero-copy)
+        out = np.zeros_like(data)
+        if rank == 1:
+            if not abort:
+                comm.transport.abort = lambda culprit, reason: None
+            try:
+                comm.alltoall(data, out=out)
+            except pyrdma.RDMAError as exc:
+                out[:] = -1                                     # the caller's again
+                time.sleep(4)                                   # alive while rank 0 writes
+                return "failed", str(exc), bool((out == -1).all())
+            return "done", "", None
+        time.sleep(3)
+        try:
+            comm.alltoall(data, out=out)
+        except pyrdma.RDMAError as exc:
+            return "failed", str(exc), None
+        return "done", "", None
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("abort", [True, False], ids=["abort", "abort lost"])
+def test_a_late_writer_into_a_failed_alltoalls_output_fails(abort):
+    results = run_ranks(_late_writer, 2, free_port(), abort, timeout=60, expect_errors=True)
+    (s0, (how0, text0, _)), (s1, (how1, text1, kept)) = results
+    assert s1 == "ok" and how1 == "failed" and "rank 0" in text1, results[1]
+    assert kept, "a late RDMA WRITE landed in the output of a failed all-to-all"
+    assert s0 == "ok" and how0 == "failed" and "rank 1" in text0, results[0]
+    if not abort:        # the WRITE itself was refused: the memory was no longer registered
+        assert "REM_ACCESS_ERR" in text0, text0
 
 
 def _deferred_sends(rank, size, port):

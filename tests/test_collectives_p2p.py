@@ -115,6 +115,9 @@ def _alltoall(comm, dtypes):
     chosen = model.choose_copy("alltoall", 8, comm.size, comm.transport.max_message)
     try:
         for name in algorithms.names("alltoall"):
+            if algorithms.ALGORITHMS["alltoall"][name].rdma_only and comm.transport_name == "tcp":
+                assert model.choose_copy("alltoall", 1 << 20, comm.size, 1 << 20) != name
+                continue                 # (refused there: test_an_rdma_only_alltoall_is_refused_over_tcp)
             if name != chosen:
                 comm.cost_model = _Forced(model, name)
                 n, r = comm.size, comm.rank
@@ -499,11 +502,21 @@ def _dead(comm, victim, kind):
     import os
     import pyrdma
     n, r = comm.size, comm.rank
+    if kind == "alltoall write":
+        comm.cost_model = _Forced(comm.cost_model, "write")
     if r == victim:
+        if kind == "alltoall write":         # dies once it has asked every peer for its block
+            from pyrdma.collectives import schedule, specs
+            spec = specs.alltoall(comm, np.zeros(n * 100), None, None, None)
+            run, plan = spec.runs[0], spec.runs[0].plan
+            run.plan = lambda max_message: schedule.Schedule(
+                [s for s in plan(max_message).steps if s[0] == schedule.ASK] + [(schedule.WAIT_SENDS,) + (0,) * 7],
+                plan(max_message).chunks)
+            comm._exec.submit(True, comm._run_spec, spec).wait()
         os._exit(3)
     start = time.monotonic()
     try:
-        if kind == "alltoall":
+        if kind in ("alltoall", "alltoall write"):    # the writers wait for the dead rank's landing
             comm.alltoall(np.zeros(n * 100))
         elif kind == "gather":
             comm.gather(np.zeros(100), root=0)
@@ -526,11 +539,31 @@ def _dead(comm, victim, kind):
     return ("no error", None, None)
 
 
-@pytest.mark.parametrize("kind", ["alltoall", "gather", "scatter", "scatter read", "recv", "sendrecv", "alltoallv",
-                                  "iallreduce"])
+@pytest.mark.parametrize("kind", ["alltoall", "alltoall write", "gather", "scatter", "scatter read", "recv", "sendrecv",
+                                  "alltoallv", "iallreduce"])
 @pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
 def test_dead_rank_is_named(transport, kind):
+    if kind == "alltoall write" and transport == "tcp":
+        pytest.skip("RDMA only (RDMA WRITE into the peers' memory)")
     _check_dead_rank_is_named(transport, kind)
+
+
+def _rdma_only_alltoall(comm):
+    import pyrdma
+    comm.cost_model = _Forced(comm.cost_model, "write")
+    try:
+        comm.alltoall(np.zeros(comm.size * 10))
+    except pyrdma.UsageError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_an_rdma_only_alltoall_is_refused_over_tcp():
+    """A cost model that picks the write all-to-all (its RDMA WRITEs) over TCP gets a clear error
+    on every rank before anything is sent, never a hang."""
+    with contextlib.closing(World(2, "tcp", timeout=10, start_timeout=START_TIMEOUT)) as w:
+        for message in w.run(_rdma_only_alltoall, timeout=60):
+            assert "no remote writes" in message and "RDMA transport" in message, message
 
 
 @pytest.mark.device

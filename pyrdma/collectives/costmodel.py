@@ -88,6 +88,12 @@ class CostModel:
         """One message of ``nbytes`` to a peer: alpha for each of its pieces, beta for each byte."""
         return _msgs(nbytes, max_message) * self.alpha + nbytes * self.beta
 
+    def copy_out(self, nbytes):
+        """A receiver's copy of ``nbytes`` out of its slot into place: a memcpy, at a software
+        device's copy rate (which its emulated or kernel copies share), else at about the rate of
+        a reduction (gamma: as bound by memory)."""
+        return nbytes * (self.copy or self.gamma)
+
     # ---- the choice among a collective's algorithms -------------------------------------------
 
     def costs(self, collective, nbytes, n, max_message):
@@ -96,9 +102,11 @@ class CostModel:
 
     def cheapest(self, collective, nbytes, n, max_message):
         """The algorithm of ``collective`` with the lowest estimate among those the registry lets
-        run on ``n`` ranks (min_ranks), a tie to the earlier entry; one preferred within a factor
-        (preferred_within: the ring) wins while its estimate stays within that factor."""
-        entries = [a for a in algorithms.entries(collective) if n >= a.min_ranks]
+        run on ``n`` ranks (min_ranks) and this link (rdma_only), a tie to the earlier entry; one
+        preferred within a factor (preferred_within: the ring) wins while its estimate stays within
+        that factor."""
+        entries = [a for a in algorithms.entries(collective)
+                   if n >= a.min_ranks and (self.one_sided or not a.rdma_only)]
         if len(entries) == 1:
             return entries[0].name
         costs = {a.name: a.cost(self, nbytes, n, max_message) for a in entries}
@@ -135,5 +143,5 @@ class CostModel:
 
     def choose_copy(self, kind, block, n, max_message):
         """The algorithm of a gather ("direct" or "binomial") or scatter (those or "read") of
-        ``block`` bytes per rank, or of an all-to-all ("pairwise" or "spread")."""
+        ``block`` bytes per rank, or of an all-to-all ("pairwise", "spread" or "write")."""
         return self.cheapest(kind, block, n, max_message)

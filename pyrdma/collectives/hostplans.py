@@ -17,6 +17,7 @@ from pyrdma._hostcalls import (AVG_DIVIDE, AVG_NONE, AVG_SCALE, LENT_BOTH, LENT_
                                HostCall)
 from pyrdma.buffers import host_array
 from pyrdma.collectives import specs
+from pyrdma.collectives.schedule import EXCHANGE, SPREAD, WAIT_SENDS
 from pyrdma.errors import UsageError
 
 _LENT = {None: LENT_NONE, "in": LENT_IN, "out": LENT_OUT, "both": LENT_BOTH}
@@ -154,6 +155,8 @@ def alltoallv(comm, buf):
     if len(spec.runs) != 1 or dtype.itemsize > comm.transport.max_message:
         return None
     schedule = run.plan(comm.transport.max_message)
+    if not np.isin(schedule.steps[:, 0], (EXCHANGE, SPREAD, WAIT_SENDS)).all():
+        return None             # its chunks are not all pieces (a write all-to-all's headers)
     total, each = specs.alltoall_lend_sizes(comm)
     return AlltoallvPlan(schedule.steps, schedule.chunks[:, 0] // dtype.itemsize, run.tag, run.dtype, run.op,
                          -1 if total is None else total, -1 if each is None else each)

@@ -26,7 +26,9 @@ An entry carries:
   memory is the work area. ``min_ranks``: the cost model considers it from that many ranks on
   (below, the first entry does the same or better). ``preferred_within``: the cost model still
   picks it while its estimate is within that factor of the cheapest (the ring's neighbour-only
-  traffic pipelines more steadily on real fabrics than the estimates say).
+  traffic pipelines more steadily on real fabrics than the estimates say). ``rdma_only``: its
+  schedule writes into peers' memory (RDMA WRITE), which the socket link cannot: the cost model
+  never picks it over TCP, and the engine refuses it there.
 
 The order within a collective is the registry's: names() lists it, and the cost model gives a tie
 to the earlier entry.
@@ -35,10 +37,11 @@ from collections import namedtuple
 
 from pyrdma.collectives.algorithms import exchange, ring, rooted, tree
 
-_FIELDS = "name planner cost wire_id aliases full_area double_area in_place_instead min_ranks preferred_within"
+_FIELDS = "name planner cost wire_id aliases full_area double_area in_place_instead min_ranks preferred_within " \
+    "rdma_only"
 
 
-class Algorithm(namedtuple("Algorithm", _FIELDS, defaults=((), False, False, None, 1, 1.0))):
+class Algorithm(namedtuple("Algorithm", _FIELDS, defaults=((), False, False, None, 1, 1.0, False))):
     __slots__ = ()
 
     @property
@@ -74,7 +77,9 @@ ALGORITHMS = {
                         Algorithm("read", rooted.read_scatter, rooted.read_scatter_cost, 9, min_ranks=3)),
     "alltoall": _by_name(Algorithm("pairwise", exchange.pairwise_alltoall, exchange.pairwise_alltoall_cost, 8),
                          Algorithm("spread", exchange.spread_alltoall, exchange.spread_alltoall_cost, 10,
-                                   min_ranks=3)),
+                                   min_ranks=3),
+                         Algorithm("write", exchange.write_alltoall, exchange.write_alltoall_cost, 11,
+                                   rdma_only=True)),
 }
 
 

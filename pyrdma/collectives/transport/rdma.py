@@ -304,7 +304,7 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
             extra = ()
             if out is not None:
                 out_mr, out_offset = self.registration(out) if out.nbytes else (self._work_mr, self._work_offset)
-                extra = (out_mr.addr + out_offset, out.nbytes, out_mr.lkey)
+                extra = (out_mr.addr + out_offset, out.nbytes, out_mr.lkey, out_mr.rkey)
             failed = self.engine.run(self.engine.program(schedule), self._work_mr.addr + self._work_offset,
                                      self._work.nbytes, self._work_mr.lkey, self._desc, dtype, op, callback,
                                      self.background, self._rdesc, self._work_mr.rkey, park, *extra)
@@ -335,10 +335,20 @@ class RdmaTransport(_OwnBuffer, _Waits, _EngineFailures):
             self._evicted.remove(mr)
             mr.close()
 
+    def engine_failed(self):
+        failure = super().engine_failed()
+        # a peer told where to write in lent memory (a rendezvous's CTS, an all-to-all's ASK) may
+        # still write there once the failed call has returned it to its caller: deregistered first,
+        # such a late write fails at its writer (REM_ACCESS_ERR) instead of landing
+        while self._user_mrs:
+            self._let_go(self._user_mrs.popitem()[1][0])
+        return failure
+
     def _link_error(self, peer, status, _):
         rd = self.rd
         # a remote access error: the peer is there, but the memory it named (the address and key of
-        # its slots, a rendezvous answer or a scatter's offer) does not allow the access
+        # its slots, a rendezvous answer, a scatter's offer or an all-to-all's ask) does not allow
+        # the access (or no longer: its call failed, and it let its caller's memory go)
         why = f"an address or key rank {peer} sent is outside what it registered" if status == rd.WC_REM_ACCESS_ERR \
             else f"rank {peer} died or left"
         return PeerError(f"the link from rank {self.rank} to rank {peer} failed: {rd.wc_status_name(status)} "
