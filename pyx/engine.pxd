@@ -162,6 +162,7 @@ cdef class Program:
     cdef int rank, size, max_message
     cdef readonly int64_t extent
     cdef readonly int64_t reduce_align
+    cdef readonly bint writes         # it has ASK, PUT or LANDED steps: RDMA only
 
     cdef int _peer(self, int64_t peer, Py_ssize_t s) except -1
     cdef int _check(self, int rank, int size, int max_message, const int64_t[:, ::1] steps,
@@ -276,6 +277,7 @@ cdef class Engine:
     cdef uint64_t live
 
     cdef int _check_peer(self, int peer) except -1
+    cdef int _runs_here(self, Program prog) except -1
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
                     const uint8_t *desc, int dtype, int op, object consume, bint background=*,
                     uint32_t work_rkey=*) except -1
@@ -302,10 +304,8 @@ cdef class Engine:
     cdef bint _can_send(self, int peer) noexcept nogil
     cdef int _send(self, int peer, int64_t off, int64_t n) noexcept nogil
     cdef int _send_from(self, int peer, uint64_t addr, uint32_t lkey, int64_t n, const uint8_t *desc) noexcept nogil
-    cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil
+    cdef int _tell_chunks(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _fetch(self, int peer, const int64_t *ch, int n) noexcept nogil
-    cdef int _ask(self, int peer, const int64_t *ch, int n) noexcept nogil
-    cdef int _tell_place(self, int peer, uint64_t addr, uint32_t rkey, uint32_t length) noexcept nogil
     cdef int _take_place(self, int peer, int64_t total, uint64_t *addr, uint32_t *rkey) noexcept nogil
     cdef int _post_rdma(self, int peer, int opcode, uint64_t local, uint32_t lkey, uint64_t addr, uint32_t rkey,
                         int64_t n) noexcept nogil

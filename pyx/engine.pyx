@@ -170,6 +170,8 @@ cdef class Program:
             s0, ns, r0, nr, ck = steps[s, 3], steps[s, 4], steps[s, 5], steps[s, 6], steps[s, 7]
             if s == 0 or kind != SPREAD or steps[s - 1, 0] != SPREAD:
                 spread_at = s
+            if ASK <= kind <= LANDED:
+                self.writes = True
             if kind == WAIT_SENDS:
                 if sp != -1:
                     self._peer(sp, s)
@@ -481,9 +483,7 @@ cdef class Engine:
             return prog
         prog = Program.__new__(Program)
         prog._check(self.rank, self.size, self.max_message, schedule.steps, schedule.chunks)
-        if self.sockets and prog.nsteps and (schedule.steps[:, 0] >= ASK).any():
-            raise UsageError("the schedule writes into a peer's memory (ASK, PUT): the socket link has no "
-                             "remote writes; an RDMA transport runs it")
+        self._runs_here(prog)
         try:
             schedule.program = prog
         except AttributeError:
@@ -584,6 +584,12 @@ cdef class Engine:
             self._end()
         return self.fail_kind if rc < 0 else 0
 
+    cdef int _runs_here(self, Program prog) except -1:
+        if self.sockets and prog.writes:
+            raise UsageError("the schedule writes into a peer's memory (ASK, PUT): the socket link has no "
+                             "remote writes; an RDMA transport runs it")
+        return 0
+
     cdef int _begin(self, Program prog, uint64_t work_addr, int64_t work_len, uint32_t work_lkey,
                     const uint8_t *desc, int dtype, int op, object consume, bint background=False,
                     uint32_t work_rkey=0) except -1:
@@ -593,6 +599,7 @@ cdef class Engine:
             raise UsageError(f"bad reduction codes dtype={dtype} op={op}")
         if prog.rank != self.rank or prog.size != self.size or prog.max_message != self.max_message:
             raise UsageError("the program was checked for another rank, size or max_message")
+        self._runs_here(prog)
         if work_len < prog.extent:
             raise UsageError(f"the schedule reaches byte {prog.extent} of a {work_len}-byte work area")
         if consume is None and prog.reduce_align % <int64_t>pyrdma_itemsize[dtype] != 0:
@@ -753,14 +760,12 @@ cdef class Engine:
                                   CONSUME_COPY) < 0:
                     return -1
                 continue
-            if self.sockets and st[0] >= ASK:       # (never: Engine.program refuses them on sockets)
-                return self._fail(FAIL_MALFORMED, self.rank, 0, 4)
             if st[0] == OFFER:
-                if self._offer(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4]) < 0:
+                if self._tell_chunks(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4]) < 0:
                     return -1
                 continue
             if st[0] == ASK:
-                if self._ask(<int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6]) < 0:
+                if self._tell_chunks(<int>st[2], chunks + st[5] * CHUNK_COLUMNS, <int>st[6]) < 0:
                     return -1
                 continue
             if st[0] == PUT:
@@ -1079,26 +1084,25 @@ cdef class Engine:
         # the FIN, behind the writes (RC keeps order), with the send's own description
         return self._send_from(peer, self.rdv_addr, self.rdv_lkey, 0, self.rdv_desc)
 
-    cdef int _offer(self, int peer, const int64_t *ch, int n) noexcept nogil:
-        """OFFER: a 16-byte message to ``peer`` saying where its chunks lie in our work area
-        (address, remote key, length) for it to READ them (FETCH). On Soft-RoCE the poster's CPU
-        does an RDMA operation's copying at both ends, so the reader, not the root, pays for it:
-        a scatter's n-1 blocks are copied by n-1 CPUs instead of one. A message through the slots,
-        not the mailbox, so that its header is checked against the reader's call like any other."""
+    cdef int _tell_chunks(self, int peer, const int64_t *ch, int n) noexcept nogil:
+        """OFFER or ASK: a 16-byte message to ``peer`` saying where chunks lie in our work area
+        (address, remote key, length): for it to READ them (FETCH), or to WRITE the chunks it sends
+        us there (PUT). On Soft-RoCE the poster's CPU does an RDMA operation's copying at both ends,
+        so with an offer the reader, not the root, pays for it (a scatter's n-1 blocks are copied
+        by n-1 CPUs instead of one); with an ask nothing passes through a slot, so nothing is copied
+        out of one (an all-to-all's blocks). A message through the slots, not the mailbox, so that
+        its header is checked against the peer's call like any other."""
         cdef peer_t *p = &self.peers[peer]
-        cdef uint64_t addr = <uint64_t><uintptr_t>(self.work + ch[0])
         cdef uint32_t length = <uint32_t>_span(ch, n)
-        if self.work_rkey == 0 or self.consume is not None or ch[0] + <int64_t>length > self.work_len \
+        cdef bint second = ch[0] >= self.split
+        cdef uint32_t rkey = self.work2_rkey if second else self.work_rkey
+        cdef uint64_t addr = <uint64_t><uintptr_t>self._at(ch[0])
+        # (a span in the second area lies within it: _begin checked the program's extent)
+        if rkey == 0 or self.consume is not None or (not second and ch[0] + <int64_t>length > self.work_len) \
                 or p.cts_staging == NULL:
             return self._fail(FAIL_MALFORMED, peer, length, 2)     # no remote access here
-        # (the staging room is free: the last answer or offer from it was read before the peer's
-        # message that let this call begin)
-        return self._tell_place(peer, addr, self.work_rkey, length)
-
-    cdef int _tell_place(self, int peer, uint64_t addr, uint32_t rkey, uint32_t length) noexcept nogil:
-        """An OFFER's or ASK's message: 16 bytes (address, remote key, length) from the peer's
-        staging room, through the slots."""
-        cdef peer_t *p = &self.peers[peer]
+        # (the staging room is free: the peer read our last message from it before the message
+        # that let this call begin, or before its FIN)
         memcpy(p.cts_staging, &addr, 8)
         memcpy(p.cts_staging + 8, &rkey, 4)
         memcpy(p.cts_staging + 12, &length, 4)
@@ -1162,23 +1166,6 @@ cdef class Engine:
                            rkey, total) < 0:
             return -1
         return self._wait(WAIT_SENDS_DONE, peer, total)
-
-    cdef int _ask(self, int peer, const int64_t *ch, int n) noexcept nogil:
-        """ASK: a 16-byte message to ``peer`` saying where the chunks it sends us go (address, remote
-        key, length) for it to WRITE them there (PUT): they pass through no slot, so nothing is
-        copied out of one (on Soft-RoCE that copy costs as much as the transfer). Through the slots,
-        as an OFFER, its header checked against the writer's call."""
-        cdef peer_t *p = &self.peers[peer]
-        cdef uint32_t length = <uint32_t>_span(ch, n)
-        cdef bint second = ch[0] >= self.split
-        cdef uint32_t rkey = self.work2_rkey if second else self.work_rkey
-        cdef uint64_t addr = <uint64_t><uintptr_t>self._at(ch[0])
-        # (a span in the second area lies within it: _begin checked the program's extent)
-        if rkey == 0 or self.consume is not None or (not second and ch[0] + <int64_t>length > self.work_len) \
-                or p.cts_staging == NULL:
-            return self._fail(FAIL_MALFORMED, peer, length, 4)     # no remote access here
-        # (the staging room is free: this peer read our last message from it before its FIN)
-        return self._tell_place(peer, addr, rkey, length)
 
     cdef int _put(self, int peer, const int64_t *ch, int n) noexcept nogil:
         """PUT: take ``peer``'s ASK for our chunks, RDMA WRITE them there, and send a header behind
