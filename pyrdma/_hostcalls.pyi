@@ -46,7 +46,7 @@ class Waker:
 class AlltoallvPlan:
     """Blocking all-to-alls with counts of one buffer format: the steps, and the piece of each chunk."""
     def __init__(self, steps: Any, pieces: Any, desc: bytes, dtype: int, op: int, lend_total: int,
-                 lend_each: int) -> None: ...
+                 lend_each: int, written_from: int) -> None: ...
 
 @final
 class ExecState:

@@ -15,8 +15,9 @@ cdef enum:
     FETCH = 3                        # RDMA READ the chunks a peer offers
     SPREAD = 4                       # EXCHANGE, run together with the SPREAD steps next to it
     ASK = 5                          # tell a peer where the chunks it sends here go, for it to write them
-    PUT = 6                          # RDMA WRITE chunks where the peer asked, then a header behind them
-    LANDED = 7                       # that header (a peer's PUT): its chunks are in place
+    PUT = 6                          # RDMA WRITE chunks where the peer asked
+    LANDED = 7                       # take a peer's NOTICE (the one behind its PUT: its chunks are in place)
+    NOTICE = 8                       # a zero-byte placed message: "I write" ahead of a PUT, "done" behind it
     CONSUME_NONE = 0
     CONSUME_COPY = 1
     CONSUME_REDUCE = 2
@@ -46,6 +47,7 @@ cdef enum:
     ADDRESS_FRAME = 24               # an address frame's payload (txframe_t.where)
     DESC_KIND_AT = 38                # the byte of a description that says its kind
     DESC_KIND_SEND = 13              # ... for a point-to-point message (transport.base.KINDS)
+    DESC_PLACED_AT = 41              # the byte of a description that marks an offer, ask or landed header
 
 # what a wait waits for, and the kinds of failure (failure())
 cdef enum:
@@ -197,6 +199,7 @@ cdef class Engine:
     cdef int waiting_on
     # the collective now running
     cdef uint8_t desc[DESC_SIZE]     # what its messages carry
+    cdef uint8_t placed_desc[DESC_SIZE]   # desc, marked: what its offers, asks and landed headers carry
     cdef uint8_t rdesc[DESC_SIZE]    # what the messages it receives must carry (point-to-point: the
                                      # sender's own sequence and count; else the same as desc)
     cdef readonly int64_t received   # bytes of the last point-to-point message (CONSUME_COPY_UPTO)
@@ -311,7 +314,7 @@ cdef class Engine:
                         int64_t n) noexcept nogil
     cdef int _put(self, int peer, const int64_t *ch, int n) noexcept nogil
     cdef int _post_empty(self, int peer, uint32_t imm) noexcept nogil
-    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*, uint8_t *dst=*) noexcept nogil
+    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=*, uint8_t *dst=*, bint placed=*) noexcept nogil
     cdef int _keep(self, peer_t *p, const uint8_t *start, uint32_t got) noexcept nogil
     cdef uint8_t *_slot(self, peer_t *p, uint64_t seq) noexcept nogil
     cdef uint8_t *_take_head(self, peer_t *p, uint32_t *got) noexcept nogil

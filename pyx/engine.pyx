@@ -77,7 +77,7 @@ cdef extern from "pyrdma_reduce.h" nogil:
     const size_t pyrdma_itemsize[8]
 
 LAYOUT = dict(STEP_COLUMNS=STEP_COLUMNS, CHUNK_COLUMNS=CHUNK_COLUMNS, EXCHANGE=EXCHANGE, WAIT_SENDS=WAIT_SENDS,
-              OFFER=OFFER, FETCH=FETCH, SPREAD=SPREAD, ASK=ASK, PUT=PUT, LANDED=LANDED,
+              OFFER=OFFER, FETCH=FETCH, SPREAD=SPREAD, ASK=ASK, PUT=PUT, LANDED=LANDED, NOTICE=NOTICE,
               CONSUME_NONE=CONSUME_NONE, CONSUME_COPY=CONSUME_COPY, CONSUME_REDUCE=CONSUME_REDUCE,
               CONSUME_REDUCE_LOWER=CONSUME_REDUCE_LOWER, CONSUME_REDUCE_UPPER=CONSUME_REDUCE_UPPER,
               CONSUME_COPY_UPTO=CONSUME_COPY_UPTO, HEADER_ROOM=C_HEADER_ROOM)
@@ -141,6 +141,15 @@ cdef inline int64_t _span(const int64_t *ch, int n) noexcept nogil:
     return ch[(n - 1) * CHUNK_COLUMNS] + ch[(n - 1) * CHUNK_COLUMNS + 1] - ch[0]
 
 
+cdef inline bint _desc_is(const uint8_t *got, const uint8_t *want, bint placed) noexcept nogil:
+    """Whether a received description is ``want``'s (``placed``: marked as an offer's, ask's or
+    landed header's, Engine.placed_desc)."""
+    if not placed:
+        return memcmp(got, want, DESC_SIZE) == 0
+    return memcmp(got, want, DESC_PLACED_AT) == 0 and got[DESC_PLACED_AT] == 1 \
+        and memcmp(got + DESC_PLACED_AT + 1, want + DESC_PLACED_AT + 1, DESC_SIZE - DESC_PLACED_AT - 1) == 0
+
+
 @cython.final
 cdef class Program:
     """A schedule checked once for an engine's rank, size and max_message (Engine.program): every
@@ -170,11 +179,16 @@ cdef class Program:
             s0, ns, r0, nr, ck = steps[s, 3], steps[s, 4], steps[s, 5], steps[s, 6], steps[s, 7]
             if s == 0 or kind != SPREAD or steps[s - 1, 0] != SPREAD:
                 spread_at = s
-            if ASK <= kind <= LANDED:
+            if ASK <= kind <= NOTICE:
                 self.writes = True
             if kind == WAIT_SENDS:
                 if sp != -1:
                     self._peer(sp, s)
+                continue
+            if kind == NOTICE:
+                if rp != -1 or ns or nr:
+                    raise UsageError(f"schedule step {s} is malformed")
+                self._peer(sp, s)
                 continue
             if not EXCHANGE <= kind <= LANDED or not 0 <= ck <= CONSUME_COPY_UPTO or ns < 0 or nr < 0 \
                     or s0 < 0 or r0 < 0 or s0 + ns > nchunks or r0 + nr > nchunks \
@@ -606,6 +620,8 @@ cdef class Engine:
             raise UsageError(f"the schedule reduces chunks that are not whole {pyrdma_itemsize[dtype]}-byte elements")
         self.dtype, self.op, self.itemsize = dtype, op, <int>pyrdma_itemsize[dtype]
         memcpy(self.desc, desc, DESC_SIZE)
+        memcpy(self.placed_desc, desc, DESC_SIZE)
+        self.placed_desc[DESC_PLACED_AT] = 1
         self.work, self.work_len, self.work_lkey = <uint8_t *><uintptr_t>work_addr, work_len, work_lkey
         self.work2, self.split, self.work2_lkey, self.work2_rkey = NULL, INT64_MAX, 0, 0
         self.work_rkey = work_rkey
@@ -772,8 +788,12 @@ cdef class Engine:
                 if self._put(<int>st[1], chunks + st[3] * CHUNK_COLUMNS, <int>st[4]) < 0:
                     return -1
                 continue
-            if st[0] == LANDED:                     # the PUT's header: its chunks are in place
-                if self._recv(<int>st[2], 0) == NULL or self._release(<int>st[2]) < 0:
+            if st[0] == NOTICE:
+                if self._send_from(<int>st[1], <uint64_t><uintptr_t>self.work, self.work_lkey, 0, self.placed_desc) < 0:
+                    return -1
+                continue
+            if st[0] == LANDED:                     # a NOTICE: behind a PUT, its chunks are in place
+                if self._recv(<int>st[2], 0, False, NULL, True) == NULL or self._release(<int>st[2]) < 0:
                     return -1
                 continue
             if st[0] == FETCH:
@@ -1106,13 +1126,13 @@ cdef class Engine:
         memcpy(p.cts_staging, &addr, 8)
         memcpy(p.cts_staging + 8, &rkey, 4)
         memcpy(p.cts_staging + 12, &length, 4)
-        return self._send_from(peer, <uint64_t><uintptr_t>p.cts_staging, self.header_lkey, 16, self.desc)
+        return self._send_from(peer, <uint64_t><uintptr_t>p.cts_staging, self.header_lkey, 16, self.placed_desc)
 
     cdef int _take_place(self, int peer, int64_t total, uint64_t *addr, uint32_t *rkey) noexcept nogil:
         """The OFFER or ASK from ``peer`` of the ``total`` bytes we move: its address and key; a
         length that is not ours is a disagreement (FAIL_MISMATCH), found before any READ or WRITE."""
         cdef uint32_t length
-        cdef uint8_t *data = self._recv(peer, 16)
+        cdef uint8_t *data = self._recv(peer, 16, False, NULL, True)
         if data == NULL:
             return -1
         memcpy(addr, data, 8)
@@ -1168,8 +1188,8 @@ cdef class Engine:
         return self._wait(WAIT_SENDS_DONE, peer, total)
 
     cdef int _put(self, int peer, const int64_t *ch, int n) noexcept nogil:
-        """PUT: take ``peer``'s ASK for our chunks, RDMA WRITE them there, and send a header behind
-        them (FIN, the peer's LANDED: RC keeps the order, so the chunks are in place when it
+        """PUT: take ``peer``'s ASK for our chunks and RDMA WRITE them there; a NOTICE behind them
+        tells the peer (its LANDED: RC keeps the order, so the chunks are in place when it
         arrives). The writes complete as sends do (WAIT_SENDS). A forged address or key fails our
         WRITE's completion, which names the peer."""
         cdef peer_t *p = &self.peers[peer]
@@ -1187,7 +1207,7 @@ cdef class Engine:
             if self._post_rdma(peer, IBV_WR_RDMA_WRITE, src + <uint64_t>done, lkey, addr + <uint64_t>done, rkey, k) < 0:
                 return -1
             done += k
-        return self._send_from(peer, src, lkey, 0, self.desc)
+        return 0
 
     cdef int _send_ahead(self, int sp, const int64_t *sch, int ns, int *sent, int k) noexcept nogil:
         """Send the chunks after sent[0], up to k + slots, while sp takes them without a credit wait."""
@@ -1285,12 +1305,16 @@ cdef class Engine:
         p.outstanding += 1
         return 0
 
-    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=False, uint8_t *dst=NULL) noexcept nogil:
+    cdef uint8_t *_recv(self, int peer, int64_t n, bint upto=False, uint8_t *dst=NULL,
+                        bint placed=False) noexcept nogil:
         """The payload of the next message from ``peer`` once it has arrived and its header
         matches this collective; NULL on failure. ``upto``: a point-to-point chunk, at most ``n``
         bytes, whose description's count (the whole message's length) is the sender's to say.
         ``dst``: where the caller copies it (_dst); on the socket link a message that arrives while
-        this receive waits for it is read straight there, and the payload returned is ``dst``."""
+        this receive waits for it is read straight there, and the payload returned is ``dst``.
+        ``placed``: an offer, ask or landed header (placed_desc), which a block's own message is not
+        taken for, nor it for one: ranks whose counts disagree over the size from which a pair's
+        block is written fail at the call, whatever the lengths."""
         cdef peer_t *p = &self.peers[peer]
         cdef uint32_t got, length
         cdef uint8_t *start
@@ -1337,9 +1361,11 @@ cdef class Engine:
                 return NULL
             memcpy(&self.last_count, start + 8, 8)
             self.last_length = length
-        elif memcmp(start, self.rdesc, DESC_SIZE) != 0 or length != n or got != n:
+        elif not _desc_is(start, self.rdesc, placed) or length != n or got != n:
             if self.fail_kind == FAIL_NONE:
                 memcpy(self.fail_desc, start, DESC_SIZE)
+                if placed:              # (the run is over: description() says what was expected)
+                    self.rdesc[DESC_PLACED_AT] = 1
                 self._fail(FAIL_MISMATCH, peer, length if length != n else got, n)
             return NULL
         return data

@@ -163,19 +163,21 @@ cdef class AlltoallvPlan:
     fills in the chunks (HostCollectives.alltoallv): chunk i carries this rank's send piece
     ``pieces[i]`` (< size) or its receive piece ``pieces[i] - size``. ``desc``, ``dtype``, ``op``:
     the HostCall's; a call works in the caller's memory from ``lend_total`` bytes of input and
-    output together or ``lend_each`` in each (-1: never; specs.alltoall_lend_sizes)."""
+    output together or ``lend_each`` in each (-1: never; specs.alltoall_lend_sizes). By the write
+    algorithm a pair's block of ``written_from`` bytes or more (-1: none) is written, not sent: the
+    steps are those of one set of written blocks (HostCollectives.alltoallv keys a plan by it)."""
     cdef object steps
     cdef const int64_t[::1] pieces
     cdef bytes desc
     cdef int dtype, op
-    cdef int64_t lend_total, lend_each
+    cdef int64_t lend_total, lend_each, written_from
     cdef object region                      # the transport's buffer, as a call without lending last took it
 
     def __init__(self, steps not None, pieces not None, bytes desc not None, int dtype, int op,
-                 int64_t lend_total, int64_t lend_each):
+                 int64_t lend_total, int64_t lend_each, int64_t written_from):
         self.steps, self.pieces = steps, pieces
         self.desc, self.dtype, self.op = desc, dtype, op
-        self.lend_total, self.lend_each = lend_total, lend_each
+        self.lend_total, self.lend_each, self.written_from = lend_total, lend_each, written_from
 
     cdef bint lends(self, int64_t in_bytes, int64_t out_bytes):
         return (self.lend_total >= 0 and in_bytes + out_bytes >= self.lend_total) or \
@@ -853,6 +855,15 @@ cdef class HostCollectives:
                 own = bounds[r + 1] - bounds[r]
                 if base != view.len or own != bounds[n + 2 + r] - bounds[n + 1 + r] or base + total == 0:
                     return None
+                plan = self._prepared(("alltoallv", _format(&view)), self.plans.alltoallv, (self.comm, buf))
+                if plan is None:
+                    return None
+                written = _written(bounds, bounds + n + 1, n, (<AlltoallvPlan>plan).written_from)
+                if written is not None:
+                    plan = self._prepared(("alltoallv", _format(&view), written), self.plans.alltoallv,
+                                          (self.comm, buf, written))
+                    if plan is None:
+                        return None
                 if out is None:
                     if type(buf) is not _ndarray or buf.ndim != 1:
                         return None
@@ -863,9 +874,6 @@ cdef class HostCollectives:
                     return None
                 try:
                     if not _same_format(&view, &oview) or oview.len != total:
-                        return None
-                    plan = self._prepared(("alltoallv", _format(&view)), self.plans.alltoallv, (self.comm, buf))
-                    if plan is None:
                         return None
                     call = self._alltoallv_call(<AlltoallvPlan>plan, bounds, bounds + n + 1,
                                                 (<AlltoallvPlan>plan).lends(base, total)
@@ -1345,6 +1353,26 @@ cdef bint _bounds(object counts, int n, Py_ssize_t itemsize, int64_t max_piece, 
             return False
         bounds[i + 1] = bounds[i] + x * itemsize
     return True
+
+
+cdef object _written(const int64_t *sb, const int64_t *rb, int n, int64_t written_from):
+    """None where no piece of the byte offsets ``sb`` and ``rb`` (n + 1 each) has ``written_from``
+    bytes (-1: none is written), else the bytes saying which do: [p] for send piece p, [n + q] for
+    receive piece q (hostplans.alltoallv's ``written``)."""
+    cdef int i
+    cdef bint any_written = False
+    if written_from < 0:
+        return None
+    for i in range(n):
+        if sb[i + 1] - sb[i] >= written_from or rb[i + 1] - rb[i] >= written_from:
+            any_written = True
+    if not any_written:
+        return None
+    out = bytearray(2 * n)
+    for i in range(n):
+        out[i] = sb[i + 1] - sb[i] >= written_from
+        out[n + i] = rb[i + 1] - rb[i] >= written_from
+    return bytes(out)
 
 
 cdef inline void _put_number(uint8_t *desc, uint64_t seq) noexcept:

@@ -10,7 +10,7 @@ import pytest
 from pyrdma.collectives import algorithms, specs
 from pyrdma.collectives.costmodel import CostModel
 from pyrdma.collectives.pieces import segment_bounds
-from pyrdma.collectives.schedule import ASK, EXCHANGE, FETCH, LANDED, OFFER, PUT, SPREAD, WAIT_SENDS
+from pyrdma.collectives.schedule import ASK, EXCHANGE, FETCH, LANDED, NOTICE, OFFER, PUT, SPREAD, WAIT_SENDS
 from pyrdma.collectives.transport import describe, explain
 from pyrdma.errors import UsageError
 
@@ -55,24 +55,32 @@ def _plans(collective, entry, n, count, itemsize, max_message):
     if collective == "alltoall":
         even = tuple(i * nbytes for i in range(n + 1))
         out = [("even", [(plan(n, r, even, even, even[-1], max_message), 2 * even[-1]) for r in range(n)])]
-        return out + [("uneven", [(plan(n, r, sb, rb, sb[-1], max_message), sb[-1] + rb[-1])
-                                  for r, (sb, rb) in enumerate(_uneven(n, count))])]
+        out += [("uneven", [(plan(n, r, sb, rb, sb[-1], max_message), sb[-1] + rb[-1])
+                            for r, (sb, rb) in enumerate(_uneven(n, count))])]
+        if entry.name == "write":        # with counts: the blocks from 3 bytes written, the others sent
+            out += [(f"mixed {slots}", [(plan(n, r, sb, rb, sb[-1], max_message, written_from=3, slots=slots),
+                                         sb[-1] + rb[-1]) for r, (sb, rb) in enumerate(_uneven(n, count))])
+                    for slots in (EXCHANGE, SPREAD)]
+        return out
     raise AssertionError(f"no test calls {collective}'s planners: add how the specs call them to _plans")
 
 
 def _messages(step, chunks):
-    """(send peer, [sizes sent], receive peer, [sizes received], receive first?) of a step that is
-    not WAIT_SENDS: an offer stands for its chunks (as on sockets), an ask is a message of the span
-    it asks for, which the put takes (it must be of its own span) before its header (0 bytes), and a
-    landing takes that header."""
+    """(send peer, [messages sent], receive peer, [messages received], receive first?) of a step
+    that is not WAIT_SENDS, a message its size: an offer stands for its chunks (as on sockets), an
+    ask is ("ask", the span it asks for), which the put takes (it must be of its own span), a
+    notice ("notice", 0) is what a landing takes (the engine's placed descriptions: neither is
+    taken for a block's message of the same size, nor one for them)."""
     kind, sp, rp, s0, ns, r0, nr, _ = (int(v) for v in step)
     sizes = [int(n) for n in chunks[s0:s0 + ns, 1]], [int(n) for n in chunks[r0:r0 + nr, 1]]
     if kind == ASK:
-        return rp, [sum(sizes[1])], -1, [], False
+        return rp, [("ask", sum(sizes[1]))], -1, [], False
     if kind == PUT:
-        return sp, [0], sp, [sum(sizes[0])], True
+        return -1, [], sp, [("ask", sum(sizes[0]))], False
+    if kind == NOTICE:
+        return sp, [("notice", 0)], -1, [], False
     if kind == LANDED:
-        return -1, [], rp, [0], False
+        return -1, [], rp, [("notice", 0)], False
     assert kind in (EXCHANGE, OFFER, FETCH, SPREAD), kind   # (a spread step by step: the strictest order)
     return sp, sizes[0], rp, sizes[1], False
 

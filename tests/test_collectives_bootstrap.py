@@ -554,6 +554,39 @@ def test_cost_model_choices_are_the_ones_before_the_registry():
             assert got == [{"p": "pairwise", "s": "spread", "w": "write"}[c] for c in word], (model, max_message, n)
 
 
+def test_an_alltoall_with_counts_writes_its_large_blocks_where_the_link_writes():
+    """Counts differ per rank, so the choice is made without them (every rank's alike): the write
+    algorithm where the link writes, whose blocks from written_from on are written and the others
+    sent as the cheapest for a small block sends them (spread from 3 ranks with a NIC); over TCP
+    the cheapest for a small block. The sizes: where a block's three more messages cost less than its
+    copy out of a slot (a NIC's defaults ~80 KB); on Soft-RoCE where the A/B found it (192 KiB)."""
+    from pyrdma.collectives.algorithms import exchange
+    from pyrdma.collectives.schedule import ASK, EXCHANGE, LANDED, NOTICE, PUT, SPREAD, WAIT_SENDS
+    written = {model: CostModel(**_CHOICE_MODELS[model]).written_from(65536) for model in _CHOICE_MODELS}
+    assert written == {"rdma": 80001, "tcp": None, "soft": 196608, "custom": 60001}, written
+    for model in _CHOICE_MODELS:
+        m = CostModel(**_CHOICE_MODELS[model])
+        assert {m.choose_copy("alltoall", None, n, 65536) for n in (2, 3, 8)} == \
+            {"pairwise" if model == "tcp" else "write"}, model
+        if written[model] and not m.copy:      # the first size where its estimate is the lower
+            w = written[model]
+            for b, cheaper in ((w, True), (w - 1, False)):     # (a written block's notice ahead: alpha)
+                assert (exchange.write_alltoall_cost(m, b, 2, 65536) + m.alpha <
+                        exchange.pairwise_alltoall_cost(m, b, 2, 65536)) == cheaper, (model, b)
+    # as the specs plan it, on rank 0 of 3: 8 bytes to rank 1 and 1 MiB to rank 2, 1 MiB from rank 1
+    # and 8 bytes from rank 2. Step 1: 8 bytes to rank 1 out, rank 2's 8 in; step 2: rank 1 asked
+    # for its block, rank 2 told that it is written, then asked for it and written; rank 1's notice
+    # that it writes; then the notices behind the writes
+    for model, slots in (("rdma", SPREAD), ("soft", EXCHANGE)):
+        comm = types.SimpleNamespace(size=3, rank=0, cost_model=CostModel(**_CHOICE_MODELS[model]),
+                                     transport=types.SimpleNamespace(max_message=65536))
+        plan = specs.alltoall_planner(comm, specs.alltoall_entry(comm, None), True)
+        steps = plan(3, 0, (0, 0, 8, 8 + (1 << 20)), (0, 0, 1 << 20, (1 << 20) + 8), 8 + (1 << 20), 65536).steps
+        assert [tuple(int(v) for v in s[:3]) for s in steps] == \
+            [(slots, 1, 2), (ASK, -1, 1), (NOTICE, 2, -1), (PUT, 2, -1), (LANDED, -1, 1), (NOTICE, 2, -1),
+             (LANDED, -1, 1), (WAIT_SENDS, -1, -1)], model
+
+
 def test_registry_entries_and_wire_ids():
     # the ids every message's description carries: any change here changes the wire
     assert algorithms.WIRE_NAMES == ("", "ring", "halving_doubling", "recursive_doubling", "chain", "binomial",

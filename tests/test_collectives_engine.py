@@ -14,6 +14,7 @@ import pytest
 from mp import run_ranks
 from pyrdma.testing import count_python_calls, free_port
 from pyrdma.collectives import schedule
+from pyrdma.collectives.transport import PLACED_AT
 from pyrdma.collectives.costmodel import CostModel
 from pyrdma.collectives.algorithms import ring, tree
 
@@ -26,7 +27,7 @@ def test_schedule_layout_matches_the_engine():
     ours = dict(STEP_COLUMNS=schedule.STEP_COLUMNS, CHUNK_COLUMNS=schedule.CHUNK_COLUMNS,
                 EXCHANGE=schedule.EXCHANGE, WAIT_SENDS=schedule.WAIT_SENDS, OFFER=schedule.OFFER,
                 FETCH=schedule.FETCH, SPREAD=schedule.SPREAD, ASK=schedule.ASK, PUT=schedule.PUT,
-                LANDED=schedule.LANDED, CONSUME_NONE=schedule.NONE,
+                LANDED=schedule.LANDED, NOTICE=schedule.NOTICE, CONSUME_NONE=schedule.NONE,
                 CONSUME_COPY=schedule.COPY, CONSUME_REDUCE=schedule.REDUCE,
                 CONSUME_REDUCE_LOWER=schedule.REDUCE_LOWER, CONSUME_REDUCE_UPPER=schedule.REDUCE_UPPER,
                 CONSUME_COPY_UPTO=schedule.COPY_UPTO)
@@ -275,7 +276,7 @@ def _malformed(rank, size, port, transport):
                               [(0, 64, 0), (1 << 40, 64, 0)]),                        # outside the work area
             schedule.Schedule([(schedule.EXCHANGE, rank, -1, 0, 1, 0, 0, schedule.NONE)], [(0, 8, 0)]),  # to itself
             schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 5, 0, 0, schedule.NONE)], [(0, 8, 0)]),  # past chunks
-            schedule.Schedule([(8, peer, -1, 0, 0, 0, 0, 0)], []),                          # unknown step
+            schedule.Schedule([(9, peer, -1, 0, 0, 0, 0, 0)], []),                          # unknown step
             schedule.Schedule([(schedule.EXCHANGE, peer, -1, 0, 1, 0, 0, 0)], [(0, t.max_message + 1, 0)]),
             # an offer that also receives; a fetch of chunks with a gap (one READ moves one span)
             schedule.Schedule([(schedule.OFFER, peer, peer, 0, 1, 1, 1, schedule.COPY)], [(0, 8, 0), (8, 8, 0)]),
@@ -285,6 +286,9 @@ def _malformed(rank, size, port, transport):
             schedule.Schedule([(schedule.ASK, peer, peer, 0, 1, 1, 1, schedule.COPY)], [(0, 8, 0), (8, 8, 0)]),
             schedule.Schedule([(schedule.PUT, peer, -1, 0, 2, 0, 0, schedule.NONE)], [(0, 8, 0), (16, 8, 0)]),
             schedule.Schedule([(schedule.LANDED, -1, peer, 0, 0, 0, 1, schedule.REDUCE)], [(0, 8, 0)]),
+            # a notice that also receives; one to itself
+            schedule.Schedule([(schedule.NOTICE, peer, peer, 0, 0, 0, 0, schedule.NONE)], []),
+            schedule.Schedule([(schedule.NOTICE, rank, -1, 0, 0, 0, 0, schedule.NONE)], []),
             # a spread of more exchanges than there are peers; one whose receive is a message's
             schedule.Schedule([(schedule.SPREAD, peer, peer, 0, 1, 1, 1, schedule.COPY)] * 2, [(0, 8, 0), (8, 8, 0)]),
             schedule.Schedule([(schedule.SPREAD, peer, peer, 0, 1, 1, 1, schedule.COPY_UPTO)], [(0, 8, 0), (8, 8, 0)]),
@@ -480,7 +484,7 @@ def _forged_offer(rank, size, port, case, what):
     if rank == 0:
         with comm:
             # the honest call's spec (its description, its copies), run with a hand-built schedule:
-            # a plain 16-byte message where the OFFER or ASK would be, its bytes written by the fill
+            # a 16-byte message where the OFFER or ASK would be, its bytes written by the fill
             spec = specs.scatter(comm, data, None, 0, "read") if what == "scatter" else \
                 specs.alltoall(comm, data, None, None, None)
             run = spec.runs[0]
@@ -492,6 +496,8 @@ def _forged_offer(rank, size, port, case, what):
                 addr, rkey, length = _FORGED[case](t._work_mr)
                 work[at:at + 16] = np.frombuffer(struct.pack("<QII", addr, rkey, length), np.uint8)
             run.fill, run.layout.work_bytes = forge, at + 16
+            # marked as an offer's or ask's (transport.PLACED_AT), as a hostile peer's would be
+            run.tag = run.tag[:PLACED_AT] + b"\1" + run.tag[PLACED_AT + 1:]
             run.plan = lambda max_message: schedule.Schedule(
                 [(schedule.EXCHANGE, 1, -1, 0, 1, 0, 0, schedule.NONE), (schedule.WAIT_SENDS, -1, -1, 0, 0, 0, 0, 0)],
                 [(at, 16, 0)])

@@ -180,6 +180,25 @@ def test_description_is_exact():
     assert describe(3, "reduce", **base) != ref
 
 
+def test_an_ask_or_landed_header_is_not_taken_for_a_blocks_message():
+    """The engine marks an offer's, ask's and landed header's description (PLACED_AT): a rank that
+    expects one and gets a block's message of the same call (or the reverse: their counts for the
+    pair disagree across the size the write all-to-all writes from) names that, not a collective."""
+    from pyrdma.collectives.transport import PLACED_AT, check_header, describe, explain
+    plain = describe(7, "alltoall", count=0, dtype="float64", algorithm="write")
+    placed = plain[:PLACED_AT] + b"\1" + plain[PLACED_AT + 1:]
+    assert "an offer, ask or landed header" in explain(placed) and "offer" not in explain(plain)
+    for got, want, says in ((plain, placed, "rank 2 sent a block's own message where rank 0 expected an offer"),
+                            (placed, plain, "rank 2 sent an offer, ask or landed header where rank 0 expected a "
+                                            "block's own message")):
+        with pytest.raises(UsageError) as err:
+            check_header(2, 0, got, 16, want, 16)
+        text = str(err.value)
+        assert text.startswith(says) and "call #7 alltoall" in text and "counts for the block between them " \
+            "disagree" in text and err.value.peer == 2, text
+    check_header(2, 0, placed, 16, placed, 16)          # the one expected: no error
+
+
 # ---- 2. out overlapping buf ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

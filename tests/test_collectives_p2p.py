@@ -105,6 +105,9 @@ class _Forced(costmodel.CostModel):
     def choose_copy(self, kind, block, n, max_message):
         return self.algorithm if kind == "alltoall" else super().choose_copy(kind, block, n, max_message)
 
+    def written_from(self, max_message):
+        return 0 if self.algorithm == "write" else super().written_from(max_message)   # every block, counts too
+
 
 def _alltoall(comm, dtypes):
     """The cases below by the cost model's choice, then by every other all-to-all algorithm of the
@@ -167,6 +170,21 @@ def _alltoall_cases(comm, dtypes):
     assert comm.alltoall(buf, out=out) is out and np.array_equal(out, want)
     out[:] = 0
     assert np.array_equal(comm.ialltoall(buf, out=out).wait(timeout=60), want) and np.array_equal(out, want)
+    # counts of which some pairs' blocks are written (over RDMA, from the cost model's written_from)
+    # and others go through the slots, zeros among them: by the cost model's choice the write
+    # algorithm's mixed schedule, by the others' theirs; then the one-call path's slotted counts
+    # beside it (a rank's call of small counts only meets peers' calls with large ones)
+    least = comm.cost_model.written_from(comm.transport.max_message) or 4096
+
+    def mixed(src, dst):
+        return (0, 5, least // 8 + 3 * src + dst)[(src + 2 * dst) % 3]
+    for counts in (mixed, lambda src, dst: mixed(src, dst) if 0 not in (src, dst) else (src + dst) % 4):
+        send, recv = [counts(r, p) for p in range(n)], [counts(p, r) for p in range(n)]
+        buf = np.concatenate([piece(r, p, send[p], "float64") for p in range(n)])
+        want = np.concatenate([piece(p, r, recv[p], "float64") for p in range(n)])
+        assert np.array_equal(comm.alltoall(buf, send_counts=send, recv_counts=recv), want)
+        out = np.empty(sum(recv))
+        assert np.array_equal(comm.ialltoall(buf, out=out, send_counts=send, recv_counts=recv).wait(timeout=60), want)
     # counts in place (each pair's count the same both ways): through the transport's buffer too
     sym = [1 + (r + p) % 3 for p in range(n)]
     same = np.concatenate([piece(r, p, sym[p], "float64") for p in range(n)])
@@ -458,6 +476,16 @@ def _mismatch(comm, ports, kinds):
                     if r == 1:
                         recv[0] = 2
                     c.alltoall(np.zeros(n), send_counts=send, recv_counts=recv)
+                elif kind in ("alltoall-counts-written", "alltoall-counts-sent"):
+                    # rank 0's block for rank 1 is over the size that the write algorithm writes
+                    # (over RDMA) by one's counts and 16 bytes (an ask's length) by the other's
+                    large = (c.cost_model.written_from(c.transport.max_message) or 4096) // 8 + 1
+                    send, recv = [1] * n, [1] * n
+                    if r == 0:
+                        send[1] = 2 if kind == "alltoall-counts-written" else large
+                    if r == 1:
+                        recv[0] = large if kind == "alltoall-counts-written" else 2
+                    c.alltoall(np.zeros(sum(send)), send_counts=send, recv_counts=recv)
                 elif kind == "sendrecv-tag":            # an exchange (one C call), each rank its own tag
                     if r < 2:
                         c.sendrecv(np.zeros(5), 1 - r, np.zeros(5), 1 - r, tag=1 + r)
@@ -484,11 +512,12 @@ def _mismatch(comm, ports, kinds):
 @pytest.mark.parametrize("transport, size", _params([3], [3]))
 def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
     kinds = ["gather-count", "scatter-count", "scatter-list-count", "scatter-count-read", "scatter-algorithm", "alltoall-counts",
-             "send-tag", "sendrecv-tag", "too-long", "too-long-lent"]
+             "alltoall-counts-written", "alltoall-counts-sent", "send-tag", "sendrecv-tag", "too-long", "too-long-lent"]
     results = worlds(transport, size).run(_mismatch, [free_port() for _ in kinds], kinds, timeout=300)
     receivers = {"gather-count": {0}, "scatter-count": {1}, "scatter-list-count": {1}, "scatter-count-read": {1},
-                 "scatter-algorithm": {1, 2}, "alltoall-counts": {1}, "send-tag": {1}, "sendrecv-tag": {0, 1},
-                 "too-long": {1}, "too-long-lent": {1}}
+                 "scatter-algorithm": {1, 2}, "alltoall-counts": {1}, "alltoall-counts-written": {1},
+                 "alltoall-counts-sent": {1}, "send-tag": {1}, "sendrecv-tag": {0, 1}, "too-long": {1},
+                 "too-long-lent": {1}}
     for rank, outcomes in enumerate(results):
         for kind, (result, elapsed) in zip(kinds, outcomes):
             # every rank raises UsageError; a rank that receives the mismatched message, at that call
@@ -504,6 +533,10 @@ def test_mismatched_calls_fail_on_every_rank(worlds, transport, size):
     # both receive a message of the other tag: one names the tags, or each does (the other may be told first)
     tags = [results[rank][kinds.index("sendrecv-tag")][0] for rank in (0, 1)]
     assert any("tag=1" in t and "tag=2" in t for t in tags), tags
+    if transport == "rdma":     # one moved it through the slots, the other by RDMA WRITE: the one that found it says so
+        for kind in ("alltoall-counts-written", "alltoall-counts-sent"):
+            said = [results[rank][kinds.index(kind)][0] for rank in (0, 1)]
+            assert any("counts for the block between them disagree" in t for t in said), (kind, said)
 
 
 def _dead(comm, victim, kind):

@@ -30,6 +30,7 @@ import math
 import os
 
 from pyrdma.collectives import algorithms
+from pyrdma.collectives.algorithms import exchange
 
 # Per-transport defaults: (alpha, beta, gamma). Soft-RoCE and TCP on one host are latency-heavy
 # (tens of microseconds per message including the Python step); a hardware NIC is ~5 us.
@@ -42,6 +43,11 @@ OVERHEAD_SHARE = 1 / 8         # overhead's default, a share of alpha
 # to the receivers' reads at ~16 KiB per rank for 4 ranks, ~32 KiB for 3, where the A/B on rxe
 # found it (4 ranks: read 2.2 ms against direct 3.7-4.2 ms at 32 KiB, a tie at 4 KiB).
 SOFTWARE_COPY = 0.75e-9
+# On a software RDMA device an all-to-all with counts writes a pair's block from this size on, not
+# from the estimate's ~40 KB: the A/B on rxe (write/pairwise, counts within 10% of the size per
+# peer, median of 2 alternating rounds of 15 calls) found 2 ranks 1.05 at 48 KiB, 1.04 at 96 KiB,
+# 0.98 at 128 KiB, 0.93 at 192 KiB, 0.87 at 256 KiB; 4 ranks 1.06, 1.07, 1.02, 1.01, 0.98.
+SOFTWARE_WRITTEN_FROM = 192 << 10
 # lend_bytes's default on a software RDMA device and over TCP: an all-to-all, gather or scatter works
 # in a caller's buffer of this many bytes or more, not only from zero_copy_bytes (1 MiB), since each
 # copy through the transport's buffer is CPU work beside the transport's own. Measured on rxe, 2
@@ -71,6 +77,7 @@ class CostModel:
         self.one_sided = transport != "tcp"
         self.lend_bytes = LEND_BYTES if lend_bytes is None and (software or not self.one_sided) else lend_bytes
         self._chosen = {}      # the allreduce choices made so far: the same sizes come back every step
+        self._written_from = (None, None)
         # read once: looking the environment up costs more than the choice itself
         self.forced_allreduce = os.environ.get("PYRDMA_ALLREDUCE_ALGORITHM") or None
 
@@ -143,5 +150,24 @@ class CostModel:
 
     def choose_copy(self, kind, block, n, max_message):
         """The algorithm of a gather ("direct" or "binomial") or scatter (those or "read") of
-        ``block`` bytes per rank, or of an all-to-all ("pairwise", "spread" or "write")."""
+        ``block`` bytes per rank, or of an all-to-all ("pairwise", "spread" or "write"). ``block``
+        None: an all-to-all with counts, whose blocks differ per pair: "write" where the link
+        writes (it writes the pairs' blocks from written_from() on and sends the others through the
+        slots, as the cheapest for a small block would), else the cheapest for a small block."""
+        if block is None:
+            if kind == "alltoall" and self.written_from(max_message) is not None:
+                return "write"
+            block = 0
         return self.cheapest(kind, block, n, max_message)
+
+    def written_from(self, max_message):
+        """The smallest block an all-to-all with counts writes straight into its receiver's memory
+        (exchange.written_from, on a software device from SOFTWARE_WRITTEN_FROM; None: none, as
+        over TCP)."""
+        key = (max_message, self.alpha, self.beta, self.gamma, self.copy, self.one_sided)
+        if self._written_from[0] != key:
+            least = exchange.written_from(self, max_message)
+            if least is not None and self.copy:
+                least = max(least, SOFTWARE_WRITTEN_FROM)
+            self._written_from = (key, least)
+        return self._written_from[1]

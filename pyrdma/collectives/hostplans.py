@@ -17,7 +17,6 @@ from pyrdma._hostcalls import (AVG_DIVIDE, AVG_NONE, AVG_SCALE, LENT_BOTH, LENT_
                                HostCall)
 from pyrdma.buffers import host_array
 from pyrdma.collectives import specs
-from pyrdma.collectives.schedule import EXCHANGE, SPREAD, WAIT_SENDS
 from pyrdma.errors import UsageError
 
 _LENT = {None: LENT_NONE, "in": LENT_IN, "out": LENT_OUT, "both": LENT_BOTH}
@@ -139,27 +138,45 @@ def alltoall(comm, buf, out, op):
     return _host_call(comm, specs.alltoall, buf, None, None, None) if _elements(buf) else None
 
 
-def alltoallv(comm, buf):
+def alltoallv(comm, buf, written=None):
     """The AlltoallvPlan of blocking all-to-alls with counts (send and receive counts given) of
     ``buf``'s format: the general path's spec of one such call, planned with one element per
     piece, whose steps serve any counts whose every piece fits one message (max_message); its
-    chunks tell which piece each one carries (their offsets are the piece's element: p for rank
-    p's send piece, size + q for rank q's receive piece)."""
-    n = comm.size
+    chunks tell which piece each one carries (p for rank p's send piece, size + q for rank q's
+    receive piece). By the write algorithm, whose steps for a pair depend on whether its block is
+    written (from the cost model's written_from on), the plan serves the calls whose written
+    pieces are ``written`` (bytes: [p] send piece p, [n + q] receive piece q; None: none), planned
+    with pieces of that many bytes."""
+    n, mm = comm.size, comm.transport.max_message
     try:
         dtype = host_array(buf, "buf").dtype
-        spec = specs.alltoall(comm, np.zeros(n, dtype), np.zeros(n, dtype), [1] * n, [1] * n)
+        entry = specs.alltoall_entry(comm, None)
+        least = comm.cost_model.written_from(mm) if entry.name == "write" else None
+        counts = [1] * (2 * n)
+        if written is not None:
+            big = -(-least // dtype.itemsize)
+            if len(written) != 2 * n or big * dtype.itemsize > mm:
+                return None
+            counts = [big if w else 1 for w in written]
+        if least is not None and least <= dtype.itemsize:
+            return None             # (a piece of one element would be written)
+        send, recv = counts[:n], counts[n:]
+        spec = specs.alltoall(comm, np.zeros(sum(send), dtype), np.zeros(sum(recv), dtype), send, recv)
     except UsageError:
         return None
     run = spec.runs[0]
-    if len(spec.runs) != 1 or dtype.itemsize > comm.transport.max_message:
+    if len(spec.runs) != 1 or dtype.itemsize > mm:
         return None
-    schedule = run.plan(comm.transport.max_message)
-    if not np.isin(schedule.steps[:, 0], (EXCHANGE, SPREAD, WAIT_SENDS)).all():
-        return None             # its chunks are not all pieces (a write all-to-all's headers)
+    schedule = run.plan(mm)
+    # the piece of each chunk, from its offset (every piece is one chunk: at most max_message)
+    sb = np.cumsum([0] + send) * dtype.itemsize
+    rb = np.cumsum([0] + recv) * dtype.itemsize
+    at = schedule.chunks[:, 0]
+    pieces = np.where(at < sb[-1], np.searchsorted(sb, at, "right") - 1,
+                      n + np.searchsorted(rb, at - sb[-1], "right") - 1).astype(np.int64)
     total, each = specs.alltoall_lend_sizes(comm)
-    return AlltoallvPlan(schedule.steps, schedule.chunks[:, 0] // dtype.itemsize, run.tag, run.dtype, run.op,
-                         -1 if total is None else total, -1 if each is None else each)
+    return AlltoallvPlan(schedule.steps, pieces, run.tag, run.dtype, run.op, -1 if total is None else total,
+                         -1 if each is None else each, -1 if least is None else least)
 
 
 def rooted_copy(comm, kind, piece, full, root, algorithm):

@@ -19,10 +19,11 @@ send_peer (-1: to every peer) has left local memory. OFFER and FETCH move one sp
 the receiver's RDMA READ: OFFER tells send_peer where they lie (a small message), FETCH takes
 recv_peer's offer and reads them (COPY); the offering rank may reuse them once it has a later
 message from the reader. Over a transport that cannot read (TCP) they are a plain send and a
-COPY receive of the chunks. ASK, PUT and LANDED move one span by the sender's RDMA WRITE into
-the receiver's chunks: ASK tells recv_peer where the chunks it sends here go (a small message),
-PUT takes send_peer's ask, writes its chunks there and sends a header behind them, LANDED takes
-recv_peer's header (its chunks are in place then); RDMA only (the socket link refuses them).
+COPY receive of the chunks. ASK, PUT, NOTICE and LANDED move one span by the sender's RDMA WRITE
+into the receiver's chunks: ASK tells recv_peer where the chunks it sends here go (a small
+message), PUT takes send_peer's ask and writes its chunks there, NOTICE sends send_peer a
+zero-byte message (behind a PUT: its chunks are in place; ahead of one: they will be written, not
+sent), LANDED takes recv_peer's notice; RDMA only (the socket link refuses them).
 SPREAD steps next to one another are EXCHANGEs the C engine runs
 together (each one's chunks sent as its peer's credits allow and taken as they arrive, whichever
 peer first); the flow tests' Python model (tests/flowmodel.py) runs them one after another,
@@ -35,7 +36,7 @@ import numpy as np
 
 from pyrdma.collectives.work import HOST
 
-EXCHANGE, WAIT_SENDS, OFFER, FETCH, SPREAD, ASK, PUT, LANDED = 0, 1, 2, 3, 4, 5, 6, 7
+EXCHANGE, WAIT_SENDS, OFFER, FETCH, SPREAD, ASK, PUT, LANDED, NOTICE = 0, 1, 2, 3, 4, 5, 6, 7, 8
 NONE, COPY, REDUCE, REDUCE_LOWER, REDUCE_UPPER, COPY_UPTO = 0, 1, 2, 3, 4, 5
 STEP_COLUMNS, CHUNK_COLUMNS = 8, 3
 
@@ -98,11 +99,15 @@ class Builder:
         self.steps.append((ASK, -1, peer, 0, 0, self._add_chunks(chunks), len(chunks), COPY))
 
     def put(self, peer, chunks):
-        """Write ``chunks`` (one span) where ``peer`` asked, then tell it they landed."""
+        """Write ``chunks`` (one span) where ``peer`` asked (a notice behind them tells it they landed)."""
         self.steps.append((PUT, peer, -1, self._add_chunks(chunks), len(chunks), 0, 0, NONE))
 
+    def notice(self, peer):
+        """A zero-byte message to ``peer`` that its landed takes."""
+        self.steps.append((NOTICE, peer, -1, 0, 0, 0, 0, NONE))
+
     def landed(self, peer, chunks):
-        """Wait until ``peer``'s put of ``chunks`` (as asked) has landed here."""
+        """Take ``peer``'s notice about ``chunks`` (behind its put of them: they are in place here)."""
         self.steps.append((LANDED, -1, peer, 0, 0, self._add_chunks(chunks), len(chunks), COPY))
 
     def recv(self, peer, chunks, consume):

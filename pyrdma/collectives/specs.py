@@ -17,6 +17,7 @@ from pyrdma import _reduce
 from pyrdma.collectives import algorithms
 from pyrdma.collectives.algorithms import exchange, rooted
 from pyrdma.collectives.pieces import segment_bounds
+from pyrdma.collectives.schedule import EXCHANGE, SPREAD
 from pyrdma.collectives.transport import NO_ROOT, describe, describe_message
 from pyrdma.collectives.work import HOST, Avg, Operand, byte_bounds, in_and_out, plain_bytes
 from pyrdma.errors import UsageError
@@ -236,12 +237,24 @@ def alltoall_lend_sizes(comm):
 
 def alltoall_entry(comm, block):
     """The registry entry of an all-to-all of ``block`` bytes per rank, the cost model's choice;
-    ``block`` 0 where the counts differ per rank (alltoallv): the choice must be every rank's."""
+    ``block`` None where the counts differ per rank (alltoallv): the choice must be every rank's."""
     algo = comm.cost_model.choose_copy("alltoall", block, comm.size, comm.transport.max_message)
     try:
         return algorithms.ALGORITHMS["alltoall"][algo]
     except KeyError:
         raise UsageError(f"the cost model chose an unknown all-to-all algorithm {algo!r}") from None
+
+
+def alltoall_planner(comm, entry, counts):
+    """``entry``'s planner; the write one, for an all-to-all with ``counts``, writes only the blocks
+    from the cost model's written_from and sends the others through the slots as the cheapest for
+    a small block does (its steps: every rank's own choice, made on sizes its peers share)."""
+    if entry.name != "write" or not counts:
+        return entry.planner
+    model, mm = comm.cost_model, comm.transport.max_message
+    written = model.written_from(mm)
+    slots = SPREAD if model.cheapest("alltoall", 0, comm.size, mm) == "spread" else EXCHANGE
+    return functools.partial(entry.planner, written_from=0 if written is None else written, slots=slots)
 
 
 def allreduce_work(comm, entry, nbytes):
@@ -554,9 +567,9 @@ def alltoall(comm, buf, out, send_counts, recv_counts):
                          f"{out_arr.dtype}")
     base = sb[-1]
     count = arr.size if send_counts is None else 0     # uneven counts: each message's length is checked
-    entry = alltoall_entry(comm, sb[1] if send_counts is None else 0)
+    entry = alltoall_entry(comm, sb[1] if send_counts is None else None)
     tag = describe_call(comm, "alltoall", entry, dtype=arr.dtype, count=count)
-    plan = functools.partial(entry.planner, n, r, sb, rb, base)
+    plan = functools.partial(alltoall_planner(comm, entry, send_counts is not None), n, r, sb, rb, base)
     own = sb[r + 1] - sb[r]
     if alltoall_lends(comm, base, rb[-1]) and not np.shares_memory(src, dst):
         # sent from buf and received into out where they are: no copy in or out

@@ -11,10 +11,12 @@
 - write all-to-all (the rendezvous of UCX and MPI's large messages, started by the receiver,
   which knows its counts): every rank asks each peer to write its block straight into its own
   receive block (ASK: the address and key), writes each peer's block where that peer asked (PUT:
-  an RDMA WRITE and a header behind it) and takes the headers (LANDED). No block passes through a
+  an RDMA WRITE, and a NOTICE behind it) and takes the notices (LANDED). No block passes through a
   slot, so none is copied out of one: on a software device that copy costs as much as the
   transfer (a 2-rank RDMA READ of the blocks instead was no faster on rxe: the responder's work
-  outweighed the copy it saved up to 256 KiB per peer).
+  outweighed the copy it saved up to 256 KiB per peer). With counts (alltoallv) it writes only
+  the blocks from ``written_from`` bytes on (per pair: both of its ranks know the pair's size),
+  each with a notice ahead, and exchanges the others through the slots.
 - a point-to-point exchange: one message to ``dst`` while one is received from ``src`` (either may
   be None), the receive a COPY_UPTO of at most ``capacity`` bytes.
 """
@@ -68,19 +70,77 @@ def spread_alltoall_cost(model, block, n, max_message):
 
 
 @_cached
-def write_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message):
+def write_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message, written_from=None, slots=EXCHANGE):
+    """Every block written where its receiver asked (``written_from`` None: an all-to-all of equal
+    counts, whose choice every rank made on the one size they share); with counts (alltoallv) only
+    the blocks from ``written_from`` bytes on, the others sent through the slots as ``slots``
+    (EXCHANGE or SPREAD) steps would. A pair's size is known to both of its ranks, so both choose
+    alike; where their counts disagree, the messages of step k tell them apart (a block's own
+    message, or an ask and a notice: the engine marks those) before either waits for a message the
+    other does not send: at step k a rank asks rank r-k for its block, tells rank r+k that it
+    writes its block (NOTICE) and then takes its ask and writes, and notices behind the writes
+    follow every step (a rank takes a peer's messages in the order they were sent)."""
     def recv(p):
         return message_chunks(recv_base + recv_bounds[p], recv_bounds[p + 1] - recv_bounds[p], max_message)
+
+    def send(p):
+        return message_chunks(send_bounds[p], send_bounds[p + 1] - send_bounds[p], max_message)
     b = Builder()
-    for k in range(1, n):                       # every ask first: a put waits for its peer's
-        b.ask((r - k) % n, recv((r - k) % n))
+    if written_from is None:
+        for k in range(1, n):                   # every ask first: a put waits for its peer's
+            b.ask((r - k) % n, recv((r - k) % n))
+        for k in range(1, n):
+            b.put((r + k) % n, send((r + k) % n))
+            b.notice((r + k) % n)
+        for k in range(1, n):
+            b.landed((r - k) % n, recv((r - k) % n))
+        b.wait_sends()
+        return b.build()
+    writes = [send_bounds[(r + k) % n + 1] - send_bounds[(r + k) % n] >= written_from for k in range(n)]
+    written = [recv_bounds[(r - k) % n + 1] - recv_bounds[(r - k) % n] >= written_from for k in range(n)]
     for k in range(1, n):
-        dst = (r + k) % n
-        b.put(dst, message_chunks(send_bounds[dst], send_bounds[dst + 1] - send_bounds[dst], max_message))
+        dst, src = (r + k) % n, (r - k) % n
+        if written[k]:
+            b.ask(src, recv(src))
+        if writes[k]:
+            b.notice(dst)
+            b.put(dst, send(dst))
+        if not (writes[k] and written[k]):
+            b.exchange(None if writes[k] else dst, send(dst), None if written[k] else src, recv(src), COPY, slots)
+        if written[k]:
+            b.landed(src, recv(src))            # its notice: it writes the block
     for k in range(1, n):
-        b.landed((r - k) % n, recv((r - k) % n))
+        if writes[k]:
+            b.notice((r + k) % n)               # behind the writes: in place
+    for k in range(1, n):
+        if written[k]:
+            b.landed((r - k) % n, recv((r - k) % n))
     b.wait_sends()
     return b.build()
+
+
+def written_from(model, max_message):
+    """The smallest block that an all-to-all with counts writes (by write_alltoall) rather than
+    sends through the slots: where its estimate, write_alltoall_cost's and a notice's more, falls
+    below pairwise_alltoall_cost's for one peer (with a NIC's defaults ~80 KB, where a block is
+    two messages; None: never, as over TCP). (CostModel.written_from holds a software device's
+    to the size where the A/B on rxe found it.)"""
+    if not model.one_sided:
+        return None
+
+    def writes(b):
+        return write_alltoall_cost(model, b, 2, max_message) + model.alpha < \
+            pairwise_alltoall_cost(model, b, 2, max_message)
+    lo, hi = 1, 0xFFFFFFFF
+    if not writes(hi):
+        return None
+    while lo < hi:                              # the saving grows with the block (the copy out)
+        mid = (lo + hi) // 2
+        if writes(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def write_alltoall_cost(model, block, n, max_message):

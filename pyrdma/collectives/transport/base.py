@@ -69,7 +69,9 @@ def closed_error():
 # itself: any difference in kind, count, dtype, op, root, algorithm, piece or call number is a
 # mismatch, whatever the sizes. A fixed 48-byte header: negligible next to a message.
 
-DESC = struct.Struct("<QQQQIHBBB3x")    # seq, count, lo, hi, root, dtype, kind, op, algorithm
+DESC = struct.Struct("<QQQQIHBBBB2x")   # seq, count, lo, hi, root, dtype, kind, op, algorithm, placed
+# placed (set by the engine, never by describe): an offer's, ask's or landed header's (RDMA READ or
+# WRITE straight between the ranks' memory), so that no block's own message is taken for one
 HEADER = struct.Struct("<44sI")          # description, payload length
 assert DESC.size == 44 and HEADER.size == 48
 KINDS = ("", "allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", "barrier",
@@ -77,6 +79,7 @@ KINDS = ("", "allreduce", "reduce", "broadcast", "allgather", "reduce_scatter", 
 DESC_OPS = ("", "sum", "prod", "min", "max", "avg")
 DESC_ALGORITHMS = WIRE_NAMES          # by wire id, from the registry (pyrdma.collectives.algorithms)
 NO_ROOT = 0xFFFFFFFF
+PLACED_AT = 41                          # the placed byte (engine.pxd DESC_PLACED_AT)
 BYTE_DTYPE = 0x8000                     # dtype field of byte-copying collectives: numpy's type number
 
 
@@ -87,7 +90,7 @@ def describe(seq, kind, count=0, dtype=0, op="", root=None, algorithm="", lo=0, 
         dt = np.dtype(dtype)
         dtype = BYTE_DTYPE | ((dt.num & 0x7F) << 8) | min(dt.itemsize, 0xFF)
     return DESC.pack(seq & 0xFFFFFFFFFFFFFFFF, count, lo, hi, NO_ROOT if root is None else root, dtype,
-                     KINDS.index(kind), DESC_OPS.index(op), DESC_ALGORITHMS.index(algorithm))
+                     KINDS.index(kind), DESC_OPS.index(op), DESC_ALGORITHMS.index(algorithm), 0)
 
 
 def describe_message(seq, nbytes, dtype, tag):
@@ -107,7 +110,7 @@ def too_long_error(peer, rank, nbytes, capacity):
 def explain(desc):
     """A description as text, for error messages."""
     try:
-        seq, count, lo, hi, root, dtype, kind, op, algo = DESC.unpack(desc)
+        seq, count, lo, hi, root, dtype, kind, op, algo, placed = DESC.unpack(desc)
     except struct.error:
         return f"an unreadable description {bytes(desc)[:16].hex()}"
 
@@ -133,6 +136,8 @@ def explain(desc):
         parts.append(f"algorithm={name(DESC_ALGORITHMS, algo)}")
     if hi and (lo, hi) != (0, count):
         parts.append(f"piece [{lo}, {hi})")
+    if placed:
+        parts.append("an offer, ask or landed header (of a block moved by RDMA READ or WRITE)")
     return ", ".join(parts)
 
 
@@ -141,6 +146,14 @@ def check_header(peer, rank, got_desc, got_len, want_desc, want_len):
     if got_desc[:8] + got_desc[16:] == want_desc[:8] + want_desc[16:] and KINDS[want_desc[38]] == "send" \
             and got_len > want_len:        # a point-to-point message longer than the receive
         raise too_long_error(peer, rank, DESC.unpack(got_desc)[1], want_len)
+    if got_desc[:PLACED_AT] + got_desc[PLACED_AT + 1:] == want_desc[:PLACED_AT] + want_desc[PLACED_AT + 1:] \
+            and got_desc[PLACED_AT] != want_desc[PLACED_AT]:
+        moved, expected = ("a block's own message", "an offer, ask or landed header") if want_desc[PLACED_AT] \
+            else ("an offer, ask or landed header", "a block's own message")
+        plain = want_desc[:PLACED_AT] + b"\0" + want_desc[PLACED_AT + 1:]
+        raise mismatch_error(peer, f"{moved} where rank {rank} expected {expected} ({explain(plain)})",
+                             "the two ranks' counts for the block between them disagree: one moves it by RDMA READ "
+                             "or WRITE (from the size where that pays), the other through the slots")
     if got_desc != want_desc:
         if KINDS[want_desc[38]] == "send" and got_desc[38] == want_desc[38] and got_desc[:8] == want_desc[:8]:
             err = _message_mismatch(peer, rank, got_desc, want_desc)
