@@ -154,6 +154,8 @@ def alltoallv(comm, buf, written=None):
         least = comm.cost_model.written_from(mm) if entry.name == "write" else None
         counts = [1] * (2 * n)
         if written is not None:
+            if least is None:
+                return None         # (the model was changed since the calls were keyed)
             big = -(-least // dtype.itemsize)
             if len(written) != 2 * n or big * dtype.itemsize > mm:
                 return None
