@@ -132,6 +132,33 @@ def test_every_collective_test_over_tcp_with_two_ranks():
     assert {r["redop"] for r in tables["all_reduce_perf"][0]} == set(collectives.OPS)
 
 
+def _bench_calls(rank, size, port):
+    """collectives_bench's calls (per_peer_call) of every collective it times: right, and a spoiled
+    result found by the same check."""
+    from pyrdma.collectives import Communicator
+    from pyrdma.perf.collectives_bench import COLLECTIVES
+    out = {}
+    with Communicator(rank, size, f"127.0.0.1:{port}", transport="tcp", timeout=60) as comm:
+        for name in COLLECTIVES:
+            call, check = collectives.per_peer_call(comm, name, 300)
+            call()
+            right = check()
+            # spoil the result: the output is the closure's (the all-to-alls' y, gather's root's y, scatter's y)
+            cell = [c.cell_contents for c in call.__closure__ if isinstance(c.cell_contents, np.ndarray)]
+            target = cell[-1] if name != "gather" or rank == 0 else None
+            if target is not None:
+                target[:1] ^= 0xFF
+            out[name] = (right, target is None or not check())
+            comm.barrier()
+    return out
+
+
+def test_the_bench_calls_and_their_checks():
+    for got in run_ranks(_bench_calls, 3, free_port(), timeout=120):
+        assert set(got) == {"alltoall", "alltoallv", "gather", "scatter"} and all(
+            right and spoiled for right, spoiled in got.values()), got
+
+
 def _table(stdout):
     """The data rows of an nccl-tests-style table, split into columns."""
     return [ln.split() for ln in stdout.splitlines() if ln.strip() and not ln.startswith("#")]

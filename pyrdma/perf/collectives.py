@@ -525,13 +525,18 @@ def count_python_calls(fn):
 
 
 def per_peer_call(comm, name, piece):
-    """(call, check) of collective ``name`` ("alltoall", "gather", "scatter") with ``piece`` bytes
-    per peer, root 0, on uint8 buffers; check() says whether the last call's result is right."""
+    """(call, check) of collective ``name`` ("alltoall", "alltoallv": the same blocks given as
+    counts, "gather", "scatter") with ``piece`` bytes per peer, root 0, on uint8 buffers; check()
+    says whether the last call's result is right."""
     n, r = comm.size, comm.rank
-    if name == "alltoall":
+    if name in ("alltoall", "alltoallv"):
         x = np.concatenate([np.full(piece, (r * 16 + j) & 0xFF, np.uint8) for j in range(n)])
         y = np.empty_like(x)
         want = np.concatenate([np.full(piece, (i * 16 + r) & 0xFF, np.uint8) for i in range(n)])
+        counts = [piece] * n
+        if name == "alltoallv":
+            return (lambda: comm.alltoall(x, out=y, send_counts=counts, recv_counts=counts)), \
+                (lambda: np.array_equal(y, want))
         return (lambda: comm.alltoall(x, out=y)), (lambda: np.array_equal(y, want))
     if name == "gather":
         x = np.full(piece, r + 1, np.uint8)

@@ -4,9 +4,9 @@ VM boot), in the way of allreduce_bench.py (bench/collectives_bench.py runs this
     python3 -m pyrdma.testing.vm --rwdir build/bench -- env PYTHONPATH=$PWD \\
         "$(python3 -c 'import sys;print(sys.executable)')" bench/collectives_bench.py --rounds 3 --out build/bench
 
-Per collective (alltoall, gather and scatter, root 0), ranks (2 and 4) and size (bytes per peer,
-8 B .. 1 MiB): pyrdma's time (pyrdma.perf.collectives.bench_rank: ranks spawned locally over
-rdma) and MPI's (mpi_collectives.py under mpirun, OpenMPI's UCX pml on the same device, as
+Per collective (alltoall; alltoallv, the same blocks given as counts; gather and scatter, root 0),
+ranks (2 and 4) and size (bytes per peer, 8 B .. 1 MiB): pyrdma's time
+(pyrdma.perf.collectives.bench_rank: ranks spawned locally over rdma) and MPI's (mpi_collectives.py under mpirun, OpenMPI's UCX pml on the same device, as
 allreduce_bench runs it), each the median over iterations of the slowest rank's time, every
 iteration after a barrier, both bound to a core per rank where the ranks fit (else neither).
 Send/recv, 2 ranks: a ping-pong of 8 B (half the round trip, median) against ib_write_lat's
@@ -33,7 +33,7 @@ from pyrdma.perf.parse import parse_output
 from pyrdma.testing import again_if_perftest_clock_failed, counting_rc_resends, free_port, tcp_listening
 
 MPI_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_collectives.py")
-COLLECTIVES = ("alltoall", "gather", "scatter")
+COLLECTIVES = ("alltoall", "alltoallv", "gather", "scatter")
 PIECES = (8, 64, 512, 4096, 32768, 262144, 1048576)
 A2A_BW_BYTES = 262144          # the all-to-all whose bandwidth is held against ib_write_bw
 

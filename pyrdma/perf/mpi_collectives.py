@@ -1,5 +1,5 @@
 """The MPI side of collectives_bench.py (mpirun runs this file with the system's python3):
-MPI_Alltoall, MPI_Gather, MPI_Scatter, a ping-pong and a stream of MPI_Send/MPI_Recv, timed like
+MPI_Alltoall, MPI_Alltoallv, MPI_Gather, MPI_Scatter, a ping-pong and a stream of MPI_Send/MPI_Recv, timed like
 pyrdma's side (pyrdma.perf.collectives.bench_rank).
 
 Runs under mpirun with Debian's python3 and python3-mpi4py (no numpy: bytearrays are the buffers):
@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 def buffers(name, piece, rank, n):
     """(send, receive, expected receive) bytearrays of ``name`` as pyrdma's side fills them."""
-    if name == "alltoall":
+    if name in ("alltoall", "alltoallv"):
         send = bytearray(b"".join(bytes([(rank * 16 + j) & 0xFF]) * piece for j in range(n)))
         want = bytearray(b"".join(bytes([(i * 16 + rank) & 0xFF]) * piece for i in range(n)))
         return send, bytearray(n * piece), want
@@ -35,6 +35,11 @@ def buffers(name, piece, rank, n):
 def call_of(comm, name, send, recv):
     if name == "alltoall":
         return lambda: comm.Alltoall([send, MPI.BYTE], [recv, MPI.BYTE])
+    if name == "alltoallv":                   # the same blocks, given as counts and displacements
+        n = comm.Get_size()
+        piece = len(send) // n
+        layout = ([piece] * n, [i * piece for i in range(n)])
+        return lambda: comm.Alltoallv([send, layout, MPI.BYTE], [recv, layout, MPI.BYTE])
     if name == "gather":
         return lambda: comm.Gather([send, MPI.BYTE], [recv, MPI.BYTE] if recv is not None else None, root=0)
     return lambda: comm.Scatter([send, MPI.BYTE] if send is not None else None, [recv, MPI.BYTE], root=0)
@@ -42,7 +47,7 @@ def call_of(comm, name, send, recv):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--collectives", default="alltoall,gather,scatter")
+    p.add_argument("--collectives", default="alltoall,alltoallv,gather,scatter")
     p.add_argument("--pieces", required=True, help="comma-separated bytes per peer")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--pingpong", default=None, help="BYTES,ITERS")
