@@ -559,7 +559,7 @@ def test_an_alltoall_with_counts_writes_its_large_blocks_where_the_link_writes()
     algorithm where the link writes, whose blocks from written_from on are written and the others
     sent as the cheapest for a small block sends them (spread from 3 ranks with a NIC); over TCP
     the cheapest for a small block. The sizes: where a block's three more messages cost less than its
-    copy out of a slot (a NIC's defaults ~80 KB); on Soft-RoCE where the A/B found it (192 KiB)."""
+    copy out of a slot (a NIC's defaults, max_message 64 KiB: ~80 KB); on Soft-RoCE where the A/B found it (192 KiB)."""
     from pyrdma.collectives.algorithms import exchange
     from pyrdma.collectives.schedule import ASK, EXCHANGE, LANDED, NOTICE, PUT, SPREAD, WAIT_SENDS
     written = {model: CostModel(**_CHOICE_MODELS[model]).written_from(65536) for model in _CHOICE_MODELS}

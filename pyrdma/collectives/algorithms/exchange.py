@@ -122,8 +122,8 @@ def write_alltoall(n, r, send_bounds, recv_bounds, recv_base, max_message, writt
 def written_from(model, max_message):
     """The smallest block that an all-to-all with counts writes (by write_alltoall) rather than
     sends through the slots: where its estimate, write_alltoall_cost's and a notice's more, falls
-    below pairwise_alltoall_cost's for one peer (with a NIC's defaults ~80 KB, where a block is
-    two messages; None: never, as over TCP). (CostModel.written_from holds a software device's
+    below pairwise_alltoall_cost's for one peer (with a NIC's defaults ~120 KB; ~80 KB where
+    max_message is 64 KiB and such a block is two messages; None: never, as over TCP). (CostModel.written_from holds a software device's
     to the size where the A/B on rxe found it.)"""
     if not model.one_sided:
         return None
@@ -144,7 +144,7 @@ def written_from(model, max_message):
 
 
 def write_alltoall_cost(model, block, n, max_message):
-    """Each peer's block costs three messages (the ask, the write, the header behind it) against an
+    """Each peer's block costs three messages (the ask, the write, the notice behind it) against an
     exchange's one, and no copy out of a slot (A/B on rxe, write / pairwise, median of 2 alternating
     rounds: 2 ranks 1.44 at 4 KiB, 1.28 at 16 KiB, 0.88 at 64 KiB, 0.92 at 256 KiB, 0.99 at 1 MiB
     per peer; 4 ranks 1.02, 1.10, 0.93, 0.95). A block beyond the ask's 32-bit length goes through
