@@ -229,9 +229,31 @@ def _warm_lent(comm):
     return True
 
 
+def _warm_counts(comm):
+    """Warm all-to-alls with counts: the one-call path keeps the last call of each plan for its
+    counts and lending, so a call right after one of the same counts, of other counts with the same
+    totals, and of the same counts in place (through the transport's buffer, where the call before
+    lent both buffers) must each get every block right."""
+    n, r = comm.size, comm.rank
+    for k in range(6):
+        j = k // 2                            # two calls of each set of counts, then the next set
+        for size_of in (lambda s, d: 1 + (s + d + j) % 3, lambda s, d: MAX_MESSAGE // 8 - (s + d + j) % 3):
+            send = [size_of(r, p) for p in range(n)]             # the same both ways: in place works
+            x = np.concatenate([piece(r, p + k, send[p], "float64") for p in range(n)])
+            want = np.concatenate([piece(p, r + k, send[p], "float64") for p in range(n)])
+            y = np.full(len(want), -1.0)
+            assert comm.alltoall(x, out=y, send_counts=send, recv_counts=send) is y
+            assert np.array_equal(y, want), (k, send)
+            assert comm.alltoall(x, out=x, send_counts=send, recv_counts=send) is x
+            assert np.array_equal(x, want), (k, send)
+    return True
+
+
 @pytest.mark.parametrize("transport, size", _params([2, 3], [2, 3]))
 def test_warm_collectives_of_lent_buffers_are_right_at_every_call(worlds, transport, size):
-    assert all(worlds(transport, size).run(_warm_lent, timeout=300))
+    w = worlds(transport, size)
+    assert all(w.run(_warm_lent, timeout=300))
+    assert all(w.run(_warm_counts, timeout=300))
 
 # ---- send / recv -------------------------------------------------------------------------------------
 
@@ -543,22 +565,32 @@ def _dead(comm, victim, kind):
     import os
     import pyrdma
     n, r = comm.size, comm.rank
-    if kind == "alltoall write":
+    # (with counts: uneven, each rank's block for each peer written, in the pairwise steps)
+    counts = [100 + r + p for p in range(n)] if kind == "alltoallv write" else None
+    if kind in ("alltoall write", "alltoallv write"):
         comm.cost_model = _Forced(comm.cost_model, "write")
     if r == victim:
-        if kind == "alltoall write":         # dies once it has asked every peer for its block
+        if kind in ("alltoall write", "alltoallv write"):
+            # dies once it has asked every peer for its block; with counts (whose steps are
+            # pairwise: ask, a notice ahead of the block, its write) before its first write
             from pyrdma.collectives import schedule, specs
-            spec = specs.alltoall(comm, np.zeros(n * 100), None, None, None)
+            spec = specs.alltoall(comm, np.zeros(sum(counts) if counts else n * 100), None, counts, counts)
             run, plan = spec.runs[0], spec.runs[0].plan
+
+            def asks(steps):
+                kinds = [s[0] for s in steps]
+                return list(steps[:kinds.index(schedule.PUT)]) if counts else \
+                    [s for s in steps if s[0] == schedule.ASK]
             run.plan = lambda max_message: schedule.Schedule(
-                [s for s in plan(max_message).steps if s[0] == schedule.ASK] + [(schedule.WAIT_SENDS,) + (0,) * 7],
-                plan(max_message).chunks)
+                asks(plan(max_message).steps) + [(schedule.WAIT_SENDS,) + (0,) * 7], plan(max_message).chunks)
             comm._exec.submit(True, comm._run_spec, spec).wait()
         os._exit(3)
     start = time.monotonic()
     try:
         if kind in ("alltoall", "alltoall write"):    # the writers wait for the dead rank's landing
             comm.alltoall(np.zeros(n * 100))
+        elif kind == "alltoallv write":
+            comm.alltoall(np.zeros(sum(counts)), send_counts=counts, recv_counts=counts)
         elif kind == "gather":
             comm.gather(np.zeros(100), root=0)
         elif kind == "scatter":
@@ -580,11 +612,11 @@ def _dead(comm, victim, kind):
     return ("no error", None, None)
 
 
-@pytest.mark.parametrize("kind", ["alltoall", "alltoall write", "gather", "scatter", "scatter read", "recv", "sendrecv",
-                                  "alltoallv", "iallreduce"])
+@pytest.mark.parametrize("kind", ["alltoall", "alltoall write", "alltoallv write", "gather", "scatter", "scatter read",
+                                  "recv", "sendrecv", "alltoallv", "iallreduce"])
 @pytest.mark.parametrize("transport", [pytest.param("tcp"), pytest.param("rdma", marks=pytest.mark.device)])
 def test_dead_rank_is_named(transport, kind):
-    if kind == "alltoall write" and transport == "tcp":
+    if kind.endswith("write") and transport == "tcp":
         pytest.skip("RDMA only (RDMA WRITE into the peers' memory)")
     _check_dead_rank_is_named(transport, kind)
 
