@@ -436,8 +436,9 @@ def test_socket_link_frame_fuzz():
 
 
 def test_socket_link_valid_frames_and_a_silent_peer():
-    """Well-formed frames are taken (the data copied, credits, query answered), and a peer that
-    stops mid-frame fails the wait at its timeout, naming it."""
+    """Well-formed frames are taken (the data copied, credits, query answered), a peer that
+    stops mid-frame fails the wait at its timeout, naming it, and a frame marked placed where a
+    block's message is due is a mismatch."""
     from pyrdma._engine import FAILURES
     from pyrdma.collectives import transport as tr
     desc = tr.describe(7, "allreduce", count=10, dtype=5, op="sum", algorithm="ring", lo=0, hi=10)
@@ -453,6 +454,16 @@ def test_socket_link_valid_frames_and_a_silent_peer():
         failed = engine.run(_receive_program(engine, 16, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
         assert FAILURES[failed] == "timeout" and engine.failure()[1] == 1
         assert 0.3 < time.monotonic() - start < 3.0
+    # the same frame marked as an offer's, ask's or notice's (PLACED_AT, which the fuzz above
+    # reaches only by chance) is not a block's message: a mismatch, its data not taken
+    placed = desc[:tr.PLACED_AT] + b"\1" + desc[tr.PLACED_AT + 1:]
+    a, b = socket.socketpair()
+    with a, b:
+        engine, _ = _socket_engine(a)
+        work[:] = 0
+        b.sendall(_frame(_CREDIT, 0) + _frame(_DATA, 0, placed, bytes(range(16))))
+        failed = engine.run(_receive_program(engine, 16, 1), work.ctypes.data, work.nbytes, 0, desc, 5, 0)
+        assert FAILURES.get(failed, "taken") == "mismatch" and engine.failure()[1] == 1 and not work.any()
 
 
 def _address_frame(desc, source, nbytes, live, value=None):
