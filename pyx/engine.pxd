@@ -168,7 +168,7 @@ cdef class Program:
 
     cdef int _peer(self, int64_t peer, Py_ssize_t s) except -1
     cdef int _check(self, int rank, int size, int max_message, const int64_t[:, ::1] steps,
-                    const int64_t[:, ::1] chunks) except -1
+                    const int64_t[:, ::1] chunks, object keep=*) except -1
 
 
 @cython.final

@@ -166,7 +166,7 @@ cdef class Program:
         return 0
 
     cdef int _check(self, int rank, int size, int max_message, const int64_t[:, ::1] steps,
-                    const int64_t[:, ::1] chunks) except -1:
+                    const int64_t[:, ::1] chunks, object keep=None) except -1:
         cdef Py_ssize_t s, c, nchunks = chunks.shape[0]
         cdef int64_t kind, sp, rp, s0, ns, r0, nr, ck, off, n, aux
         cdef int64_t extent = 0, align = 0
@@ -223,7 +223,9 @@ cdef class Program:
         self.nsteps = steps.shape[0]
         self.steps = &steps[0, 0] if steps.shape[0] else NULL
         self.chunks = &chunks[0, 0] if nchunks else NULL
-        self.arrays = (steps, chunks)
+        # ``keep``: what holds both arrays' memory, where the caller has it (a new view object
+        # per array costs more than the check, which an all-to-all with new counts makes per call)
+        self.arrays = (steps, chunks) if keep is None else keep
         return 0
 
     def __repr__(self):
